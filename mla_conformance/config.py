@@ -1,0 +1,275 @@
+"""MLA attention configuration with Hugging Face field names, published presets and YaRN math."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from mla_conformance.errors import CheckpointError, MLAInputError
+
+_YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """One MLA attention layer, in the field names of a Hugging Face ``config.json``.
+
+    Attributes:
+        hidden_size: model width; input and output of the attention block.
+        num_attention_heads: query heads (MLA has one shared latent "KV head").
+        q_lora_rank: rank of the low-rank query path (q_a_proj -> norm -> q_b_proj); None = plain q_proj.
+        kv_lora_rank: width of the cached latent c_KV (512 in every published DeepSeek model).
+        qk_nope_head_dim: per-head query/key width without RoPE.
+        qk_rope_head_dim: width of the decoupled RoPE key, shared by all heads and cached.
+        v_head_dim: per-head value width.
+        rms_norm_eps: epsilon of the q_a / kv_a RMSNorms.
+        rope_theta: RoPE base.
+        rope_scaling: None, or the YaRN dict of config.json (rope_type "yarn", factor, ...).
+        max_position_embeddings: the extended context length.
+        num_hidden_layers: layers of the whole model (for whole-model byte figures only).
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    num_hidden_layers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "num_hidden_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise MLAInputError(f"MLAConfig.{name} must be a positive integer, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise MLAInputError(f"MLAConfig.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.rope_scaling is not None:
+            rs = dict(self.rope_scaling)
+            kind = rs.get("rope_type", rs.get("type"))
+            if kind not in ("yarn", "default", None):
+                raise MLAInputError(f"MLAConfig.rope_scaling: only 'yarn' is supported, got rope_type={kind!r}")
+            if kind == "yarn":
+                for key in ("factor", "original_max_position_embeddings"):
+                    if key not in rs:
+                        raise MLAInputError(f"MLAConfig.rope_scaling (yarn) needs '{key}'")
+            object.__setattr__(self, "rope_scaling", rs if kind == "yarn" else None)
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements a latent cache stores per token per layer: c_KV + k_pe (576 at DeepSeek dims)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def expanded_dim(self) -> int:
+        """Elements an expanded (naive) cache stores per token per layer: H x (qk_head + v)."""
+        return self.num_attention_heads * (self.qk_head_dim + self.v_head_dim)
+
+    @property
+    def yarn(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times YaRN mscale(factor, mscale_all_dim)^2 when YaRN is on."""
+        scale = self.qk_head_dim ** -0.5
+        y = self.yarn
+        if y and y.get("mscale_all_dim"):
+            m = yarn_get_mscale(float(y["factor"]), float(y["mscale_all_dim"]))
+            scale = scale * m * m
+        return scale
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """The factor YaRN multiplies cos/sin by: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+        y = self.yarn
+        if not y:
+            return 1.0
+        if y.get("attention_factor") is not None:
+            return float(y["attention_factor"])
+        factor = float(y["factor"])
+        mscale, mscale_all = y.get("mscale"), y.get("mscale_all_dim")
+        if mscale and mscale_all:
+            return yarn_get_mscale(factor, float(mscale)) / yarn_get_mscale(factor, float(mscale_all))
+        return yarn_get_mscale(factor, 1.0)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def preset(cls, name: str) -> "MLAConfig":
+        try:
+            fields = PRESETS[name]
+        except KeyError:
+            raise MLAInputError(
+                f"unknown MLA preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+            ) from None
+        return cls(**copy.deepcopy(fields))
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any] | str | Path) -> "MLAConfig":
+        """Read a Hugging Face DeepSeek config: a dict, a config.json path, or a checkpoint directory.
+
+        Accepts the old ``rope_scaling`` + ``rope_theta`` form and the new ``rope_parameters`` form.
+        """
+        source = "config dict"
+        if isinstance(config, (str, Path)):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            source = str(path)
+            try:
+                config = json.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                raise CheckpointError(f"{path}: no such file (expected a Hugging Face config.json)") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        else:
+            config = dict(config)
+        if hasattr(config, "to_dict") and not isinstance(config, dict):
+            config = config.to_dict()
+        # DeepSeek-V3 reference names (inference/model.py ModelArgs) map onto the HF ones.
+        aliases = {"dim": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
+                   "original_seq_len": None}
+        for old, new in aliases.items():
+            if old in config and new and new not in config:
+                config[new] = config[old]
+        rope_theta = config.get("rope_theta")
+        rope_scaling = config.get("rope_scaling")
+        params = config.get("rope_parameters")
+        if isinstance(params, Mapping):
+            params = dict(params)
+            rope_theta = params.pop("rope_theta", rope_theta)
+            kind = params.get("rope_type", params.get("type", "default"))
+            rope_scaling = params if kind == "yarn" else None
+        if isinstance(rope_scaling, Mapping):
+            rope_scaling = dict(rope_scaling)
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind == "yarn":
+                rope_scaling = {"rope_type": "yarn", **{k: rope_scaling[k] for k in _YARN_KEYS if k in rope_scaling}}
+            else:
+                rope_scaling = None
+        try:
+            return cls(
+                hidden_size=int(config["hidden_size"]),
+                num_attention_heads=int(config["num_attention_heads"]),
+                q_lora_rank=None if config.get("q_lora_rank") in (None, 0) else int(config["q_lora_rank"]),
+                kv_lora_rank=int(config["kv_lora_rank"]),
+                qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+                v_head_dim=int(config["v_head_dim"]),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+                num_hidden_layers=int(config.get("num_hidden_layers", 1)),
+            )
+        except KeyError as exc:
+            raise CheckpointError(f"{source}: missing MLA field {exc.args[0]!r}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The attention fields in the config.json (old ``rope_scaling``) form."""
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+    def describe(self) -> str:
+        q = f"q_lora={self.q_lora_rank}" if self.q_lora_rank else "q_proj"
+        y = self.yarn
+        rope = f"yarn x{y['factor']:g} from {y['original_max_position_embeddings']}" if y else "plain rope"
+        return (f"hidden={self.hidden_size} heads={self.num_attention_heads} {q} kv_lora={self.kv_lora_rank} "
+                f"nope={self.qk_nope_head_dim} rope={self.qk_rope_head_dim} v={self.v_head_dim} {rope}")
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(config: MLAConfig, dtype=None):
+    """Inverse RoPE frequencies [qk_rope_head_dim / 2], with YaRN's ramp when configured.
+
+    Written from the YaRN paper / DeepSeek-V3 ``precompute_freqs_cis``: dimensions whose wavelength is
+    shorter than the original context rotate as trained (extrapolation), long ones are divided by
+    ``factor`` (interpolation), with a linear ramp between the beta_fast and beta_slow corrections.
+    """
+    import torch
+
+    dtype = dtype or torch.float64
+    dim = config.qk_rope_head_dim
+    base = config.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    y = config.yarn
+    if y:
+        factor = float(y["factor"])
+        original = float(y["original_max_position_embeddings"])
+        beta_fast = float(y.get("beta_fast") or 32)
+        beta_slow = float(y.get("beta_slow") or 1)
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp  # 1 = keep the trained frequency, 0 = interpolate
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs.to(dtype)
+
+
+_V2_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+_V3_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+#: Published config.json values (attention fields) of each model, plus ``tiny``: the attention of
+#: the trained fixture model in fixtures/models/tiny-mla (q_lora on, YaRN with mscale != mscale_all_dim
+#: so both the softmax mscale^2 and the cos/sin attention factor are exercised).
+PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v2-lite": dict(hidden_size=2048, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+                             rope_theta=10000.0, rope_scaling=_V2_YARN, max_position_embeddings=163840,
+                             num_hidden_layers=27),
+    "deepseek-v2": dict(hidden_size=5120, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, rope_scaling=_V2_YARN, max_position_embeddings=163840,
+                        num_hidden_layers=60),
+    "deepseek-v3": dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, rope_scaling=_V3_YARN, max_position_embeddings=163840,
+                        num_hidden_layers=61),
+    "deepseek-v3.2": dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                          qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+                          rope_theta=10000.0, rope_scaling=_V3_YARN, max_position_embeddings=163840,
+                          num_hidden_layers=61),
+    "tiny": dict(hidden_size=128, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rms_norm_eps=1e-6,
+                 rope_theta=10000.0,
+                 rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+                 max_position_embeddings=256, num_hidden_layers=2),
+}
