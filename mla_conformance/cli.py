@@ -22,7 +22,10 @@ SUBCOMMAND_MODULES = (
 )
 
 
-class UserError(Exception):
+from mla_conformance.errors import MLAInputError
+
+
+class UserError(MLAInputError):
     """An input error reported to the user as one line, without a traceback."""
 
 
@@ -60,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print("mla-conformance: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # input errors carry their own message; others too, but with a hint
-        from mla_conformance.errors import MLAInputError
-
-        if isinstance(exc, (UserError, MLAInputError)):
+        if isinstance(exc, MLAInputError):
             print(f"mla-conformance {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise

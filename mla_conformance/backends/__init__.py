@@ -1,0 +1,138 @@
+"""The backend contract: what an MLA implementation provides to be checked by this suite.
+
+A backend is any object with::
+
+    name: str
+    unsupported_reason(config, *, dtype, device, kv_codec) -> str | None
+    new_cache(config, *, batch_size, capacity, dtype, device, kv_codec="none") -> cache
+    attend(weights, hidden_states, positions, cache, lengths=None) -> Tensor
+
+``attend``: ``hidden_states`` [B, S, hidden_size] is the attention input (after the layer's input
+RMSNorm); ``positions`` [B, S] int64 with ``positions[b, i] == cache.seq_lens[b] + i``; optional
+``lengths`` [B] = valid new tokens per row (right padding; outputs at padded slots are ignored). It
+appends the valid tokens to the cache, attends causally over everything cached for that row, and
+returns the output after ``o_proj``, [B, S, hidden_size], in hidden_states' dtype. ``weights`` is an
+:class:`mla_conformance.MLAWeights` (a Mapping of HF tensor names, with ``.config``).
+
+A cache has ``batch_size``, ``capacity``, ``seq_lens`` (int64 tensor [B]), ``active_nbytes()`` (bytes
+holding the stored tokens, payload plus metadata such as scales), ``allocated_nbytes()`` (every
+buffer it allocated) and ``tensors() -> dict[str, Tensor]`` (every buffer, by name).
+
+Optional parts, detected and never assumed:
+
+* ``cache_format`` on the backend or the cache: ``"latent"`` (default) or ``"expanded"``; byte checks
+  hold the cache to the per-token formula of the format it declares.
+* ``kv_codec`` values other than ``"none"`` (quantized caches): a backend that cannot do one says so
+  in ``unsupported_reason`` and the suite skips with that sentence.
+* ``supports_paging = True`` with ``new_cache(..., page_block_size=N)`` (paged latent cache).
+
+A backend is named on the command line by a *spec*: a registered name (``reference-absorbed``), a
+``package.module:attr`` or a ``path/to/file.py:attr``, where attr is a class (instantiated without
+arguments) or an instance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+from mla_conformance.errors import BackendSpecError
+
+#: Built-in backends: name -> "module:attr".
+BUILTINS: dict[str, str] = {
+    "reference-naive": "mla_conformance.backends.reference:ReferenceNaive",
+    "reference-absorbed": "mla_conformance.backends.reference:ReferenceAbsorbed",
+    "hf-transformers": "mla_conformance.backends.hf:HFTransformers",
+}
+
+#: Backends a default run checks.
+DEFAULT_BACKENDS = ("reference-naive", "reference-absorbed", "hf-transformers")
+
+REQUIRED_METHODS = ("unsupported_reason", "new_cache", "attend")
+
+
+def _import_attr(spec: str, target: str, attr: str) -> Any:
+    if target.endswith(".py") or "/" in target or target.startswith("."):
+        path = Path(target)
+        if not path.is_file():
+            raise BackendSpecError(f"backend spec {spec!r}: file {target!r} does not exist")
+        mod_name = f"_mla_backend_{abs(hash(str(path.resolve())))}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[mod_name] = module
+            try:
+                loader_spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[mod_name]
+                raise BackendSpecError(f"backend spec {spec!r}: importing {target!r} failed: "
+                                       f"{type(exc).__name__}: {exc}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
+                raise BackendSpecError(f"backend spec {spec!r}: no module named {exc.name!r}") from None
+            raise BackendSpecError(f"backend spec {spec!r}: importing {target!r} failed: {exc}") from None
+        except Exception as exc:
+            raise BackendSpecError(f"backend spec {spec!r}: importing {target!r} failed: "
+                                   f"{type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise BackendSpecError(f"backend spec {spec!r}: {target!r} has no attribute {attr!r}") from None
+
+
+def get_backend(spec: str):
+    """Resolve a backend spec to a backend instance, or raise BackendSpecError naming the spec."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise BackendSpecError(f"backend spec {spec!r}: empty; give a built-in name "
+                               f"({', '.join(BUILTINS)}), package.module:attr or path/to/file.py:attr")
+    spec = spec.strip()
+    if spec in BUILTINS:
+        target, attr = BUILTINS[spec].split(":")
+    elif ":" in spec:
+        target, _, attr = spec.rpartition(":")
+        if not target or not attr:
+            raise BackendSpecError(f"backend spec {spec!r}: expected module:attr or file.py:attr")
+    else:
+        close = [b for b in BUILTINS if b.split("-")[-1] in spec or spec in b]
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise BackendSpecError(f"backend spec {spec!r}: not a built-in backend{hint}; built-ins are "
+                               f"{', '.join(BUILTINS)}; or give package.module:attr or path/to/file.py:attr")
+    obj = _import_attr(spec, target, attr)
+    if inspect.isclass(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise BackendSpecError(f"backend spec {spec!r}: instantiating {attr} without arguments failed: "
+                                   f"{type(exc).__name__}: {exc}") from None
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(obj, m, None))]
+    if missing:
+        raise BackendSpecError(f"backend spec {spec!r}: {type(obj).__name__} is not a backend: missing "
+                               f"{', '.join(missing)} (the contract needs name, {', '.join(REQUIRED_METHODS)})")
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name:
+        raise BackendSpecError(f"backend spec {spec!r}: {type(obj).__name__} has no 'name' string attribute")
+    return obj
+
+
+def cache_format_of(backend, cache=None) -> str:
+    """The cache format a backend declares: on the cache, else on the backend, else "latent"."""
+    for owner in (cache, backend):
+        fmt = getattr(owner, "cache_format", None) if owner is not None else None
+        if fmt is not None:
+            if fmt not in ("latent", "expanded"):
+                raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: cache_format {fmt!r} "
+                                       "is neither 'latent' nor 'expanded'")
+            return fmt
+    return "latent"
+
+
+def supports_paging(backend) -> bool:
+    return bool(getattr(backend, "supports_paging", False))

@@ -1,0 +1,167 @@
+"""``hf-transformers``: transformers' own DeepseekV2Attention, driven with its own Cache object.
+
+Nothing here re-implements attention: the module, its rotary embedding and its ``DynamicCache`` are
+transformers' classes. This backend only builds them from an :class:`MLAConfig`, loads the layer's
+weights, and supplies what the model would (position embeddings and a 4-D additive mask that encodes
+causality and the rows' padding).
+
+What transformers caches changed across releases (4.x stores the expanded per-head K/V, recent 5.x
+the latent): the cache object here reports the bytes of the tensors transformers actually holds and
+derives its ``cache_format`` from their shapes, never from the version number.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from mla_conformance.config import MLAConfig
+
+
+def _hf_config(config: MLAConfig):
+    from transformers import DeepseekV2Config
+
+    kwargs = dict(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        max_position_embeddings=config.max_position_embeddings, num_hidden_layers=1, vocab_size=16,
+        intermediate_size=32, attention_bias=False, attention_dropout=0.0,
+    )
+    if config.rope_scaling:
+        rs = dict(config.rope_scaling)
+        rs.setdefault("type", "yarn")
+        kwargs["rope_scaling"] = rs
+    cfg = DeepseekV2Config(**kwargs)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+class HFCache:
+    """Wraps transformers' DynamicCache plus the bookkeeping transformers leaves to the model.
+
+    transformers appends every slot of a call (padding included) for all rows alike, so this wrapper
+    records, per slot, whether it holds a real token and at which position; the mask is built from that.
+    """
+
+    def __init__(self, hf_config, config: MLAConfig, *, batch_size, capacity, dtype, device):
+        from transformers import DynamicCache
+
+        try:
+            self.hf = DynamicCache(config=hf_config)
+        except TypeError:  # older releases take no config
+            self.hf = DynamicCache()
+        self.config = config
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.dtype = dtype
+        self.device = device
+        self.seq_lens = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.slot_pos = torch.empty(batch_size, 0, dtype=torch.int64, device=device)  # -1 = padding
+
+    def _kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        layers = getattr(self.hf, "layers", None)
+        if layers is not None:  # transformers >= 4.56
+            if not layers or getattr(layers[0], "keys", None) is None:
+                return None
+            return layers[0].keys, layers[0].values
+        if getattr(self.hf, "key_cache", None):  # older releases
+            return self.hf.key_cache[0], self.hf.value_cache[0]
+        return None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        kv = self._kv()
+        return {} if kv is None else {"layers.0.keys": kv[0], "layers.0.values": kv[1]}
+
+    def allocated_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def active_nbytes(self) -> int:
+        """Bytes of the slots holding real tokens (transformers grows its cache: slots == allocation
+        unless rows were padded)."""
+        kv = self._kv()
+        if kv is None:
+            return 0
+        per_slot = sum(t[:, :, :1].numel() * t.element_size() for t in kv) // self.batch_size
+        return int((self.slot_pos >= 0).sum()) * per_slot
+
+    @property
+    def cache_format(self) -> str:
+        """"latent" when transformers stores one [.., kv_lora] head, "expanded" when per-head K/V."""
+        kv = self._kv()
+        if kv is None:
+            return "latent"
+        keys = kv[0]
+        if keys.shape[1] == 1 and keys.shape[-1] == self.config.kv_lora_rank:
+            return "latent"
+        return "expanded"
+
+
+class HFTransformers:
+    """transformers.models.deepseek_v2.DeepseekV2Attention with transformers' DynamicCache."""
+
+    name = "hf-transformers"
+
+    def __init__(self):
+        self._modules: dict = {}
+
+    def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if kv_codec != "none":
+            return (f"hf-transformers caches what transformers' DynamicCache stores; it has no quantized "
+                    f"latent codec, so kv_codec {kv_codec!r} is not supported")
+        try:
+            from transformers.models.deepseek_v2 import modeling_deepseek_v2  # noqa: F401
+        except ImportError as exc:
+            return f"this transformers has no DeepseekV2 model ({exc}); transformers >= 4.57 is needed"
+        return None
+
+    def _module(self, weights):
+        key = (id(weights), weights.dtype, str(weights.device))
+        hit = self._modules.get(key)
+        if hit is not None and hit[0] is weights:
+            return hit[1], hit[2], hit[3]
+        from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+
+        hf_config = _hf_config(weights.config)
+        with torch.device("meta"):  # no random init of parameters that load_state_dict replaces
+            attn = m.DeepseekV2Attention(hf_config, layer_idx=0)
+        missing, unexpected = attn.load_state_dict(dict(weights), strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"transformers' DeepseekV2Attention parameters do not match the weights: "
+                             f"missing {missing}, unexpected {unexpected}")
+        attn = attn.eval()
+        rotary = m.DeepseekV2RotaryEmbedding(hf_config).to(weights.device)
+        self._modules = {key: (weights, attn, rotary, hf_config)}
+        return attn, rotary, hf_config
+
+    def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
+        return HFCache(_hf_config(config), config, batch_size=batch_size, capacity=capacity,
+                       dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def attend(self, weights, hidden_states, positions, cache: HFCache, lengths=None):
+        attn, rotary, _ = self._module(weights)
+        B, S, _ = hidden_states.shape
+        dev = hidden_states.device
+        lengths = (torch.full((B,), S, dtype=torch.int64, device=dev) if lengths is None
+                   else lengths.to(device=dev, dtype=torch.int64))
+        if int((cache.seq_lens + lengths).max()) > cache.capacity:
+            raise ValueError(f"cache overflow: capacity {cache.capacity}")
+        valid = torch.arange(S, device=dev)[None, :] < lengths[:, None]
+        new_pos = torch.where(valid, positions, torch.full_like(positions, -1))
+        slot_pos = torch.cat([cache.slot_pos, new_pos], dim=1)
+        # query i of row b sees real slots at positions <= its own; padded queries see the row's tokens
+        qpos = torch.where(valid, positions, torch.full_like(positions, torch.iinfo(torch.int64).max))
+        allowed = (slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= qpos[:, :, None])
+        mask = torch.zeros(B, 1, S, slot_pos.shape[1], dtype=hidden_states.dtype, device=dev)
+        mask.masked_fill_(~allowed[:, None], torch.finfo(hidden_states.dtype).min)
+        pos_emb = rotary(hidden_states, positions)
+        kw = {"cache": cache.hf} if "cache" in inspect.signature(attn.forward).parameters else {
+            "past_key_values": cache.hf}
+        out = attn(hidden_states, attention_mask=mask, position_embeddings=pos_emb, **kw)[0]
+        cache.slot_pos = slot_pos
+        cache.seq_lens = cache.seq_lens + lengths
+        return out.to(hidden_states.dtype)

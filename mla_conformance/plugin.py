@@ -1,0 +1,213 @@
+"""pytest plugin (entry point ``pytest11``): options, backend parametrisation, gating and the header.
+
+Options::
+
+    --mla-backend SPEC     backend under test (repeatable; default: every built-in)
+    --mla-device DEV       cpu / cuda / cuda:N (default: cuda when available, else cpu)
+    --mla-checkpoint DIR   a real DeepSeek checkpoint for the needs_checkpoint tests
+    --mla-results FILE     write every test's outcome and measured figures as JSON (used by `run`)
+
+Any test that takes the ``backend`` fixture runs once per backend, and the backend's name is the
+test id's parameter, e.g. ``test_cache_bytes.py::test_seed_table[reference-absorbed]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import pytest
+
+_BACKENDS_KEY = pytest.StashKey[list]()
+_RESULTS_KEY = pytest.StashKey[dict]()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("mla-conformance", "MLA conformance suite")
+    group.addoption("--mla-backend", action="append", default=None, metavar="SPEC",
+                    help="backend under test: a built-in name, package.module:attr or path/file.py:attr "
+                         "(repeatable; default: every built-in backend)")
+    group.addoption("--mla-device", default=None, metavar="DEV",
+                    help="device for the checks: cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    group.addoption("--mla-checkpoint", default=None, metavar="DIR",
+                    help="a real DeepSeek-V2/V3 checkpoint directory (safetensors) for needs_checkpoint tests")
+    group.addoption("--mla-results", default=None, metavar="FILE",
+                    help="write each test's outcome and measured figures to FILE as JSON")
+
+
+def _device(config) -> str:
+    import torch
+
+    dev = config.getoption("--mla-device")
+    if dev is None:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(f"--mla-device {dev}: torch sees no CUDA device on this host "
+                                    f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+        worker = os.environ.get("PYTEST_XDIST_WORKER")  # spread xdist workers over the visible GPUs
+        if dev == "cuda" and worker and worker.startswith("gw"):
+            dev = f"cuda:{int(worker[2:]) % torch.cuda.device_count()}"
+    elif dev != "cpu":
+        raise pytest.UsageError(f"--mla-device {dev!r}: expected cpu, cuda or cuda:N")
+    return dev
+
+
+def pytest_configure(config):
+    from mla_conformance.backends import DEFAULT_BACKENDS, get_backend
+    from mla_conformance.errors import MLAInputError
+
+    specs = config.getoption("--mla-backend") or list(DEFAULT_BACKENDS)
+    backends = []
+    try:
+        for spec in specs:
+            backends.append(get_backend(spec))
+    except MLAInputError as exc:
+        raise pytest.UsageError(f"--mla-backend: {exc}") from None
+    names = [b.name for b in backends]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise pytest.UsageError(f"--mla-backend: two backends share the name(s) {sorted(dupes)}; test ids need "
+                                "unique names")
+    config.stash[_BACKENDS_KEY] = backends
+    config.stash[_RESULTS_KEY] = {}
+    config.mla_device = _device(config)
+    ckpt = config.getoption("--mla-checkpoint")
+    if ckpt and not Path(ckpt).is_dir():
+        raise pytest.UsageError(f"--mla-checkpoint {ckpt}: no such directory")
+
+
+def pytest_report_header(config):
+    import torch
+
+    from mla_conformance import __version__
+
+    lines = [f"mla-conformance {__version__}: backends {', '.join(b.name for b in config.stash[_BACKENDS_KEY])}"]
+    dev = config.mla_device
+    if dev.startswith("cuda"):
+        idx = torch.device(dev).index or 0
+        cap = torch.cuda.get_device_capability(idx)
+        lines.append(f"device {dev}: {torch.cuda.get_device_name(idx)}, SM{cap[0]}{cap[1]} "
+                     f"(capability {cap[0]}.{cap[1]}), CUDA {torch.version.cuda}")
+    else:
+        lines.append(f"device cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    try:
+        import transformers
+
+        tv = transformers.__version__
+    except ImportError:
+        tv = "not installed"
+    lines.append(f"torch {torch.__version__}, transformers {tv}, python {platform.python_version()}")
+    ckpt = config.getoption("--mla-checkpoint")
+    if ckpt:
+        lines.append(f"checkpoint {ckpt}")
+    return lines
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        backends = metafunc.config.stash[_BACKENDS_KEY]
+        metafunc.parametrize("backend", backends, ids=[b.name for b in backends])
+
+
+def _benchmark_selected(config) -> bool:
+    expr = config.getoption("markexpr", "") or ""
+    return "benchmark" in expr and "not benchmark" not in expr or bool(config.getoption("benchmark_only", False))
+
+
+def pytest_collection_modifyitems(config, items):
+    if _benchmark_selected(config):
+        return
+    skip = pytest.mark.skip(reason="decode benchmark: run with `pytest -m benchmark --benchmark-only -p no:xdist`")
+    for item in items:
+        if "benchmark" in item.keywords and item.get_closest_marker("benchmark"):
+            item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("requires_kernel")
+    if marker is not None:
+        from mla_conformance.arch import kernel_skip_reason
+
+        kernel = marker.args[0] if marker.args else marker.kwargs["kernel_id"]
+        reason = kernel_skip_reason(kernel, item.config.mla_device)
+        if reason:
+            pytest.skip(reason)
+    if item.get_closest_marker("needs_checkpoint") and not item.config.getoption("--mla-checkpoint"):
+        pytest.skip("needs a real checkpoint: pass --mla-checkpoint DIR (e.g. a local DeepSeek-V2-Lite)")
+
+
+@pytest.fixture
+def mla_device(request) -> str:
+    """The device the checks run on (--mla-device)."""
+    return request.config.mla_device
+
+
+@pytest.fixture
+def mla_checkpoint(request) -> Path | None:
+    ckpt = request.config.getoption("--mla-checkpoint")
+    return Path(ckpt) if ckpt else None
+
+
+@pytest.fixture
+def figures(request):
+    """A dict the test fills with measured figures; they go into the --mla-results JSON and reports."""
+    data: dict = {}
+    yield data
+    if data:
+        request.node.user_properties.append(("mla_figures", data))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    results = item.config.stash.get(_RESULTS_KEY, None)
+    if results is None:
+        return
+    entry = results.setdefault(item.nodeid, {"nodeid": item.nodeid, "outcome": "passed"})
+    params = getattr(item, "callspec", None)
+    if params is not None:
+        entry["params"] = {k: (getattr(v, "name", None) or str(v)) for k, v in params.params.items()}
+    if rep.skipped:
+        entry["outcome"] = "xfailed" if hasattr(rep, "wasxfail") else "skipped"
+        if isinstance(rep.longrepr, tuple):
+            entry["reason"] = rep.longrepr[2].removeprefix("Skipped: ")
+        elif hasattr(rep, "wasxfail"):
+            entry["reason"] = rep.wasxfail
+    elif rep.failed:
+        entry["outcome"] = "failed" if rep.when == "call" else "error"
+        msg = getattr(rep.longrepr, "reprcrash", None)
+        entry["reason"] = (msg.message if msg else str(rep.longrepr)).splitlines()[0][:500]
+    for key, value in item.user_properties:
+        if key == "mla_figures":
+            entry["figures"] = value
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # xdist: collect workers' results
+    results = node.config.stash.get(_RESULTS_KEY, None)
+    extra = getattr(node, "workeroutput", {}).get("mla_results")
+    if results is not None and extra:
+        results.update(json.loads(extra))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    results = config.stash.get(_RESULTS_KEY, None)
+    if results is None:
+        return
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker hands its results to the controller
+        workeroutput["mla_results"] = json.dumps(results)
+        return
+    path = config.getoption("--mla-results")
+    if path:
+        payload = {"exitstatus": int(exitstatus), "device": config.mla_device,
+                   "backends": [b.name for b in config.stash[_BACKENDS_KEY]],
+                   "tests": [results[k] for k in sorted(results)]}
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str))
+        os.replace(tmp, path)

@@ -1,0 +1,156 @@
+"""Reference MLA: the naive (expanded K/V) and absorbed (latent) paths side by side.
+
+Reads as the equations of DeepSeek-V2 section 2.1 and DeepSeek-V3 ``inference/model.py``::
+
+    c_t      = RMSNorm(W_DKV x_t)                          the latent, kv_lora_rank wide, cached
+    k^R_t    = RoPE(W_KR x_t)                              one rotated key shared by all heads, cached
+    q_t      = W_UQ RMSNorm(W_DQ x_t)   (or W_Q x_t)       split per head into q^C (nope) and q^R (rope)
+    naive:     k^C_{t,h} = W_UK,h c_t,  v_{t,h} = W_UV,h c_t    expanded and cached per head
+    absorbed:  q^C_h W_UK,h . c_t  ==  q^C_h . W_UK,h c_t       the query absorbs W_UK,
+               sum_t p_t W_UV,h c_t == W_UV,h sum_t p_t c_t     the output absorbs W_UV
+    o_t      = W_O concat_h( sum_t softmax(scale * (q^C.k^C + q^R.k^R))_t v_{t,h} )
+
+``kv_b_proj.weight`` viewed as ``[heads, qk_nope + v, kv_lora]`` holds W_UK in its first
+``qk_nope_head_dim`` rows and W_UV in its last ``v_head_dim`` rows. Softmax runs in fp32 (in float64
+for float64 inputs). Einsum subscripts name the axes: b batch, s query, t key, h head, d per-head
+dim, c latent, r rope.
+
+``reference_attention_f64`` is the one-shot float64 oracle the conformance checks compare with: it
+recomputes every row from its full token sequence in expanded form, with no cache at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_conformance.config import MLAConfig, rope_inv_freq
+from mla_conformance.weights import MLAWeights
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * x / sqrt(mean(x^2) + eps); statistics in fp32 (float64 stays float64), as transformers."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(work)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(config: MLAConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, rope/2] in float64 for integer positions, times YaRN's attention factor."""
+    inv_freq = rope_inv_freq(config, torch.float64).to(positions.device)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    m = config.rope_attention_factor
+    return torch.cos(angles) * m, torch.sin(angles) * m
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) -- DeepSeek's complex layout. x: [B, S, (H,) r]."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if x.dim() == 4:  # per-head query: broadcast over heads
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    pairs = x.to(work).unflatten(-1, (-1, 2))
+    re, im = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos.to(work), sin.to(work)
+    out = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def project(weights: MLAWeights, x: torch.Tensor, positions: torch.Tensor):
+    """The per-token projections both paths share.
+
+    Returns q_nope [B,S,H,nope], q_pe [B,S,H,rope] (rotated), c [B,S,kv_lora] (normed latent) and
+    k_pe [B,S,rope] (rotated) -- the last two are what a latent cache stores.
+    """
+    cfg = weights.config
+    if cfg.q_lora_rank is None:
+        q = x @ weights["q_proj.weight"].T
+    else:
+        q_a = rms_norm(x @ weights["q_a_proj.weight"].T, weights["q_a_layernorm.weight"], cfg.rms_norm_eps)
+        q = q_a @ weights["q_b_proj.weight"].T
+    q = q.unflatten(-1, (cfg.num_attention_heads, cfg.qk_head_dim))
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    kv = x @ weights["kv_a_proj_with_mqa.weight"].T
+    c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    c = rms_norm(c, weights["kv_a_layernorm.weight"], cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(cfg, positions)
+    return q_nope, apply_rope(q_pe, cos, sin), c, apply_rope(k_pe, cos, sin)
+
+
+def split_kv_b(weights: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_UK [H, nope, c] and W_UV [H, v, c] from kv_b_proj.weight viewed as [H, nope + v, c]."""
+    cfg = weights.config
+    wkv_b = weights["kv_b_proj.weight"].view(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
+    return wkv_b[:, : cfg.qk_nope_head_dim], wkv_b[:, cfg.qk_nope_head_dim:]
+
+
+def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over t of scores [B,S,H,T] where allowed [B,S,T]; a row with no key gives zeros."""
+    scores = scores.to(softmax_dtype(out_dtype)).masked_fill(~allowed[:, :, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return torch.nan_to_num(p, nan=0.0).to(out_dtype)
+
+
+# --------------------------------------------------------------------------- the two paths
+
+
+def naive_scores_and_mix(weights: MLAWeights, q_nope, q_pe, k, v, allowed):
+    """Expanded attention: k [B,T,H,nope+rope], v [B,T,H,v] as a naive cache stores them."""
+    cfg = weights.config
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    scores = torch.einsum("bshd,bthd->bsht", q, k) * cfg.softmax_scale
+    p = masked_softmax(scores, allowed, q.dtype)
+    o = torch.einsum("bsht,bthd->bshd", p, v)
+    return o.flatten(-2) @ weights["o_proj.weight"].T
+
+
+def absorbed_scores_and_mix(weights: MLAWeights, q_nope, q_pe, c, k_pe, allowed):
+    """Absorbed attention over the latent cache: c [B,T,kv_lora], k_pe [B,T,rope]."""
+    cfg = weights.config
+    w_uk, w_uv = split_kv_b(weights)
+    q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)               # query absorbs W_UK
+    scores = (torch.einsum("bshc,btc->bsht", q_lat, c)
+              + torch.einsum("bshr,btr->bsht", q_pe, k_pe)) * cfg.softmax_scale
+    p = masked_softmax(scores, allowed, q_nope.dtype)
+    o_lat = torch.einsum("bsht,btc->bshc", p, c)
+    o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)                      # output absorbs W_UV
+    return o.flatten(-2) @ weights["o_proj.weight"].T
+
+
+def expand_kv(weights: MLAWeights, c: torch.Tensor, k_pe: torch.Tensor):
+    """What a naive cache stores for latent c [B,T,c] and rotated k_pe [B,T,r]: per-head K and V."""
+    cfg = weights.config
+    w_uk, w_uv = split_kv_b(weights)
+    k_nope = torch.einsum("btc,hdc->bthd", c, w_uk)
+    v = torch.einsum("btc,hdc->bthd", c, w_uv)
+    k_pe = k_pe[:, :, None, :].expand(-1, -1, cfg.num_attention_heads, -1)
+    return torch.cat([k_nope, k_pe], dim=-1), v
+
+
+# --------------------------------------------------------------------------- float64 oracle
+
+
+def reference_attention_f64(weights: MLAWeights, hidden_states: torch.Tensor,
+                            lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """One-shot float64 expanded attention of each row's whole sequence (positions 0..L-1).
+
+    hidden_states [B, T, hidden]; lengths [B] valid tokens per row (right padding). Returns float64
+    [B, T, hidden]; rows beyond their length are zero.
+    """
+    w = weights.to(torch.float64, device="cpu")
+    x = hidden_states.to(device="cpu", dtype=torch.float64)
+    B, T, _ = x.shape
+    lengths = torch.full((B,), T) if lengths is None else lengths.to("cpu")
+    positions = torch.arange(T).expand(B, T)
+    q_nope, q_pe, c, k_pe = project(w, x, positions)
+    k, v = expand_kv(w, c, k_pe)
+    t = torch.arange(T)
+    allowed = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] < lengths[:, None, None])
+    out = naive_scores_and_mix(w, q_nope, q_pe, k, v, allowed)
+    valid = (t[None, :] < lengths[:, None])[..., None]
+    return out * valid

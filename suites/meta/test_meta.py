@@ -1,0 +1,86 @@
+"""The suite testing itself: every broken backend is caught by the check named for it, and a correct
+backend written independently of the reference (suites/meta/independent_backend.py) passes."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_conformance import checks
+
+from .broken_backends import CAUGHT_BY
+from .independent_backend import IndependentMLA
+
+pytestmark = pytest.mark.meta
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+F32, BF16 = torch.float32, torch.bfloat16
+CHECKS = {
+    "numerics-fp32-tiny-prefill": lambda b: checks.numerics(b, "tiny", "prefill", F32),
+    "numerics-fp32-tiny-prefill_decode": lambda b: checks.numerics(b, "tiny", "prefill_decode", F32),
+    "numerics-fp32-tiny-varlen_batch": lambda b: checks.numerics(b, "tiny", "varlen_batch", F32),
+    "numerics-fp32-tiny-long_context": lambda b: checks.numerics(b, "tiny", "long_context", F32),
+    "numerics-fp32-lite-prefill_decode": lambda b: checks.numerics(b, "deepseek-v2-lite", "prefill_decode", F32),
+    "numerics-bf16-lite-varlen_batch": lambda b: checks.numerics(b, "deepseek-v2-lite", "varlen_batch", BF16),
+    "incremental-fp32-tiny": lambda b: checks.incremental_equals_prefill(b, "tiny", F32),
+    "bytes-bf16-lite": lambda b: checks.seed_byte_table(b),
+}
+
+
+@pytest.mark.parametrize("broken", list(CAUGHT_BY), ids=lambda cls: cls.name)
+def test_broken_backend_is_caught(broken):
+    backend = broken()
+    for check in CAUGHT_BY[broken]:
+        with pytest.raises(AssertionError) as info:
+            CHECKS[check](backend)
+        assert backend.name in str(info.value), f"{check}'s failure message does not name the backend"
+
+
+def test_every_check_catches_something():
+    used = {c for names in CAUGHT_BY.values() for c in names}
+    assert used <= set(CHECKS)
+    unused = set(CHECKS) - used - {"numerics-bf16-lite-varlen_batch"}
+    assert not unused, f"checks no broken backend fails: {sorted(unused)}"
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_independent_backend_passes(check):
+    CHECKS[check](IndependentMLA())
+
+
+def test_nan_message_says_nan():
+    from .broken_backends import NaNOutput
+
+    with pytest.raises(AssertionError, match=r"NaN at row 0, position 20, channel 3"):
+        CHECKS["numerics-fp32-tiny-prefill_decode"](NaNOutput())
+
+
+def _pytest(*args, timeout=600):
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+                           "-o", "addopts=", *args], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_independent_backend_through_pytest():
+    """The foundation's acceptance: >= 20 conformance tests executed on a contract-only backend, exit 0."""
+    r = _pytest("suites/test_cache_bytes.py", "suites/test_numerics.py", "-k", "not v3_dims",
+                "--mla-backend", "suites/meta/independent_backend.py:IndependentMLA")
+    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", tail).group(1))
+    assert passed >= 20, tail
+
+
+def test_broken_backend_through_pytest_fails_not_errors():
+    """A broken backend makes pytest exit 1 (test failures), never a collection or usage error."""
+    r = _pytest("suites/test_numerics.py", "-k", "test_against_float64 and tiny and float32 and prefill",
+                "--mla-backend", "suites/meta/broken_backends.py:MissingMscale")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "broken-missing-mscale" in r.stdout

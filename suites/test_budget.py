@@ -1,0 +1,116 @@
+"""The KV budget reproduces seed 004's printed figures for DeepSeek-V3.2 (bf16, tile 64x64, 256 threads, 2 stages).
+
+Every expected number below is a literal copied from the seed's output, never recomputed here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mla_conformance import budget as B
+from mla_conformance.config import MLAConfig
+
+V32 = MLAConfig.preset("deepseek-v3.2")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return B.budget(V32, 8192, preset="deepseek-v3.2")
+
+
+def test_kv_bytes_per_token_per_layer(report):
+    assert report["kv_bytes_per_token_per_layer"] == {
+        "mha_128x128": 65_536, "gqa_8": 4_096, "gqa_1": 512, "mla_latent": 1_152, "mla_expanded_naive": 81_920,
+    }
+
+
+def test_whole_model_and_one_sequence(report):
+    assert report["layers"] == 61
+    assert report["kv_bytes_per_token_model"]["mla_latent"] == 70_272
+    assert report["kv_bytes_per_token_model"]["mha_128x128"] == 3_997_696
+    assert report["sequence_bytes"]["mla_latent"] == 575_668_224
+    assert report["sequence_bytes"]["mla_latent"] / 2**20 == 549.0
+    assert B.fmt_bytes(report["sequence_bytes"]["mla_latent"]) == "549.00 MiB"
+    assert report["fraction_of_mha"]["mla_latent"] == pytest.approx(0.0176, abs=5e-5)
+
+
+def test_arithmetic_intensity(report):
+    ai = report["arithmetic_intensity"]
+    assert round(ai["mla_latent"], 1) == 241.8
+    assert ai["mla_latent"] == pytest.approx(B.mla_decode_ai(128, 512, 64, 2))
+    assert ai["mha_128x128"] == ai["mla_expanded_naive"] == 1.0
+    assert ai["gqa_8"] == B.mha_decode_ai(128, 8, 2) == 16.0
+    assert ai["gqa_1"] == 128.0
+
+
+def test_heads_to_balance(report):
+    seed = report["balance"]["h100_sxm_seed004"]
+    assert round(seed["balance_flop_per_byte"]) == 333
+    assert round(seed["mla_heads_needed"]) == 176
+    assert seed["mla_decode_bound"] == "memory"  # 128 heads sit just below the ridge
+    for key in ("h100_sxm", "h200_sxm"):
+        assert report["balance"][key]["source"]
+    assert report["balance"]["h200_sxm"]["balance_flop_per_byte"] < report["balance"]["h100_sxm"]["balance_flop_per_byte"]
+
+
+def test_tile_account(report):
+    t = report["tile"]
+    assert (t["acc_o_fp32_elems"], t["acc_o_regs_per_thread"]) == (32_768, 128)
+    assert (t["acc_s_fp32_elems"], t["acc_s_regs_per_thread"]) == (4_096, 16)
+    assert t["acc_regs_per_thread"] == 144 and t["acc_fits_register_limit"]
+    assert t["smem_bytes"] == {"q": 65_536, "q_pe": 8_192, "s": 8_192, "kv": 131_072, "k_pe": 16_384, "o": 65_536}
+    assert t["smem_total_bytes"] == 294_912 and t["smem_total_kib"] == 288.0
+
+
+def test_extra_codec_rows():
+    rows = B.kv_rows(V32, "bfloat16", extra_codecs=[("fp8_latent", 656)])
+    extra = rows[-1]
+    assert (extra.key, extra.bytes_per_token_per_layer) == ("fp8_latent", 656)
+    assert extra.flops_per_token_per_layer == rows[3].flops_per_token_per_layer  # the latent's FLOPs
+    with pytest.raises(Exception, match="duplicates"):
+        B.kv_rows(V32, "bfloat16", extra_codecs=[("mla_latent", 1)])
+
+
+def test_small_preset_drops_meaningless_gqa_rows():
+    keys = [r.key for r in B.kv_rows(MLAConfig.preset("tiny"), "float32")]
+    assert keys == ["mha_4x32", "gqa_1", "mla_latent", "mla_expanded_naive"]
+
+
+def test_cli_json(capsys):
+    from mla_conformance.cli import main
+
+    assert main(["budget", "--preset", "deepseek-v3.2", "--seq", "8192", "--json"]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(text)
+    assert text == B.to_json(data) + "\n"  # sorted keys, stable layout
+    assert data["kv_bytes_per_token_per_layer"]["mla_latent"] == 1_152
+    assert data["kv_bytes_per_token_per_layer"]["mla_expanded_naive"] == 81_920
+    assert data["sequence_bytes"]["mla_latent"] == 575_668_224
+    assert round(data["arithmetic_intensity"]["mla_latent"], 1) == 241.8
+    assert round(data["balance"]["h100_sxm_seed004"]["mla_heads_needed"]) == 176
+    assert data["tile"]["acc_regs_per_thread"] == 144
+    assert data["tile"]["smem_total_bytes"] == 294_912
+
+
+def test_cli_table(capsys):
+    from mla_conformance.cli import main
+
+    assert main(["budget", "--preset", "deepseek-v3.2", "--seq", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "549.00 MiB" in out and "241.8" in out and "294,912" in out
+
+
+def test_cli_unknown_preset(capsys):
+    from mla_conformance.cli import main
+
+    assert main(["budget", "--preset", "deepseek-v9", "--seq", "8192"]) == 2
+    assert "deepseek-v9" in capsys.readouterr().err
+
+
+def test_cli_bad_sequence_length(capsys):
+    from mla_conformance.cli import main
+
+    assert main(["budget", "--seq", "0"]) == 2
+    assert "--seq" in capsys.readouterr().err

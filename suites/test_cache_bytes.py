@@ -1,0 +1,66 @@
+"""Cache bytes, measured from the real cache tensors of every backend under test.
+
+Seed 000 measured, at DeepSeek-V2-Lite dims in BF16 after a 25-token prefill and a 1-token decode
+(batch 1, 32 preallocated slots): absorbed 29,952 B active (latent 26,624 + rope 3,328) and 36,864
+allocated; naive 266,240 active (K 159,744 + V 106,496) and 327,680 allocated; ratio 8.888...
+"""
+
+import pytest
+import torch
+
+from mla_conformance import MLAConfig, checks
+from mla_conformance.backends import get_backend
+
+
+def test_seed_table(backend, mla_device, figures):
+    """The seed's experiment through the contract: bytes follow the declared format's formula."""
+    got = checks.seed_byte_table(backend, device=mla_device)
+    figures.update(got)
+    per_token = 576 * 2 if got["cache_format"] == "latent" else 5120 * 2
+    assert got["active_nbytes"] == 26 * per_token
+
+
+def test_seed_figures_reproduced(mla_device, figures):
+    """The seed's exact figures, from the two reference backends' cache objects."""
+    absorbed = checks.seed_byte_table(get_backend("reference-absorbed"), device=mla_device)
+    naive = checks.seed_byte_table(get_backend("reference-naive"), device=mla_device)
+    t_abs, t_naive = absorbed["tensors"], naive["tensors"]
+    figures.update(absorbed_active=absorbed["active_nbytes"], naive_active=naive["active_nbytes"],
+                   absorbed_allocated=absorbed["allocated_nbytes"], naive_allocated=naive["allocated_nbytes"])
+    assert absorbed["active_nbytes"] == 29_952
+    assert 26 * 512 * 2 == 26_624 and 26 * 64 * 2 == 3_328  # latent + rope slices of the active 26 tokens
+    assert t_abs == {"kv_latent": 32_768, "k_pe": 4_096} and absorbed["allocated_nbytes"] == 36_864
+    assert naive["active_nbytes"] == 266_240
+    assert t_naive == {"k": 196_608, "v": 131_072} and naive["allocated_nbytes"] == 327_680
+    assert 26 * 16 * 192 * 2 == 159_744 and 26 * 16 * 128 * 2 == 106_496
+    ratio = naive["active_nbytes"] / absorbed["active_nbytes"]
+    assert ratio == pytest.approx(8.888888888888889, abs=1e-12)
+    assert 1 - absorbed["active_nbytes"] / naive["active_nbytes"] == pytest.approx(0.8875, abs=1e-12)
+    figures.update(ratio=ratio, reduction=1 - absorbed["active_nbytes"] / naive["active_nbytes"])
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v2-lite"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("prefill,decode,batch", [(1, 0, 1), (9, 3, 1), (6, 2, 3)])
+def test_bytes_formula(backend, preset, dtype, prefill, decode, batch, mla_device, figures):
+    """Active bytes == tokens x per-token formula; allocated == tensors() bytes and >= active."""
+    got = checks.cache_bytes(backend, preset, checks.DTYPES[dtype], prefill=prefill, decode=decode, batch=batch,
+                             capacity=16, device=mla_device)
+    figures.update({k: v for k, v in got.items() if k != "tensors"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["deepseek-v3"])
+def test_bytes_formula_v3_dims(backend, preset, mla_device, figures):
+    """At DeepSeek-V3 dims (128 heads, q_lora 1536): 1,152 B/token latent, 81,920 expanded."""
+    got = checks.cache_bytes(backend, preset, torch.bfloat16, prefill=4, decode=1, batch=1, capacity=8,
+                             device=mla_device)
+    figures.update({k: v for k, v in got.items() if k != "tensors"})
+    assert got["per_token_bytes"] == (1_152 if got["cache_format"] == "latent" else 81_920)
+
+
+def test_per_token_formulas():
+    """The formulas themselves, at V2-Lite and V3 dims (576 latent vs 5,120 / 40,960 expanded elements)."""
+    lite, v3 = MLAConfig.preset("deepseek-v2-lite"), MLAConfig.preset("deepseek-v3")
+    assert (lite.latent_dim, lite.expanded_dim) == (576, 5_120)
+    assert (v3.latent_dim, v3.expanded_dim * 2) == (576, 81_920)

@@ -1,0 +1,29 @@
+"""Every backend against a float64 expanded reference of the same weights and inputs.
+
+Presets: ``tiny`` (q_lora, YaRN from 64 positions, so long_context crosses original_max_position_embeddings)
+and ``deepseek-v2-lite`` (plain q_proj, YaRN). Tolerances: mla_conformance.checks.TOLERANCES (markers.md).
+"""
+
+import pytest
+
+from mla_conformance import checks
+
+PRESETS = ["tiny", "deepseek-v2-lite"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("scenario", list(checks.SCENARIOS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_against_float64(backend, preset, scenario, dtype, mla_device, figures):
+    figures.update(checks.numerics(backend, preset, scenario, checks.DTYPES[dtype], device=mla_device))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_float16(backend, preset, mla_device, figures):
+    figures.update(checks.numerics(backend, preset, "varlen_batch", checks.DTYPES["float16"], device=mla_device))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_incremental_equals_prefill(backend, preset, dtype, mla_device, figures):
+    figures.update(checks.incremental_equals_prefill(backend, preset, checks.DTYPES[dtype], device=mla_device))
