@@ -101,7 +101,9 @@ def get_backend(spec: str):
         if not target or not attr:
             raise BackendSpecError(f"backend spec {spec!r}: expected module:attr or file.py:attr")
     else:
-        close = [b for b in BUILTINS if b.split("-")[-1] in spec or spec in b]
+        import difflib
+
+        close = difflib.get_close_matches(spec, list(BUILTINS), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise BackendSpecError(f"backend spec {spec!r}: not a built-in backend{hint}; built-ins are "
                                f"{', '.join(BUILTINS)}; or give package.module:attr or path/to/file.py:attr")

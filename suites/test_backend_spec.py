@@ -1,0 +1,46 @@
+"""Backend specs: built-in names, module:attr, file.py:attr; bad specs name themselves."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mla_conformance.backends import BUILTINS, get_backend
+from mla_conformance.errors import BackendSpecError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("spec", list(BUILTINS))
+def test_builtins_resolve(spec):
+    assert get_backend(spec).name == spec
+
+
+def test_module_and_file_specs():
+    assert get_backend("mla_conformance.backends.reference:ReferenceAbsorbed").name == "reference-absorbed"
+    path = ROOT / "suites" / "meta" / "independent_backend.py"
+    assert get_backend(f"{path}:IndependentMLA").name == "independent-absorbed"
+    assert get_backend(f"{path}:BACKEND").name == "independent-absorbed"  # an instance
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no_such_module:X", "no module named 'no_such_module'"),
+    ("suites/meta/missing_file.py:X", "file 'suites/meta/missing_file.py' does not exist"),
+    ("reference-absorbd", "not a built-in backend (did you mean 'reference-absorbed'?)"),
+    ("mla_conformance.backends.reference:Nope", "has no attribute 'Nope'"),
+    ("mla_conformance.config:MLAConfig", "instantiating MLAConfig without arguments failed"),
+    ("mla_conformance.config:PRESETS", "is not a backend: missing"),
+])
+def test_bad_specs_name_the_spec(spec, message):
+    with pytest.raises(BackendSpecError) as info:
+        get_backend(spec)
+    assert repr(spec) in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["no_such_module:X", "suites/meta/missing_file.py:X", "reference-absorbd"])
+def test_pytest_reports_bad_spec_without_traceback(spec):
+    r = subprocess.run([sys.executable, "-m", "pytest", "suites/test_cache_bytes.py", "-p", "no:cacheprovider",
+                        "-p", "no:xdist", "--mla-backend", spec], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert spec in r.stderr and "Traceback" not in r.stderr + r.stdout

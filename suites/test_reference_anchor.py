@@ -1,0 +1,85 @@
+"""The reference is anchored to code nobody here wrote and to a float64 computation.
+
+* reference-naive / reference-absorbed in float64 agree with the one-shot float64 expanded oracle to
+  1e-8 relative (Frobenius), hf-transformers to 1e-5 (its RoPE tables are float32);
+* the oracle itself agrees with transformers' DeepseekV2Attention run directly on the whole sequence;
+* YaRN's softmax scale, cos/sin factor and frequencies agree with transformers' own computation.
+"""
+
+import pytest
+import torch
+
+from mla_conformance import MLAConfig, MLAWeights, checks
+from mla_conformance.backends import get_backend
+from mla_conformance.backends.hf import _hf_config
+from mla_conformance.config import rope_inv_freq
+from mla_conformance.reference import reference_attention_f64
+
+PRESETS = ["tiny", "deepseek-v2-lite"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("name", list(checks.ANCHOR_TOLERANCES))
+def test_builtins_float64_against_oracle(name, preset, figures):
+    """Batch 2, varlen prefill then decode steps, YaRN presets with and without q_lora."""
+    backend = get_backend(name)
+    scenario = checks.Scenario("anchor", (19, 11), decode_steps=5)
+    w = checks.weights_for(preset, torch.float64)
+    x = checks.inputs_for(w.config, scenario)
+    out, _ = checks.run_scenario(backend, w, x, scenario)
+    lengths = checks.scenario_lengths(scenario)
+    ref = reference_attention_f64(w, x, lengths)
+    for b in range(2):
+        m = checks.error_metrics(out[b, : lengths[b]], ref[b, : lengths[b]])
+        figures[f"row{b}_rel_fro"] = m["rel_fro"]
+        assert m["rel_fro"] <= checks.ANCHOR_TOLERANCES[name], f"{name} {preset} row {b}: {checks.format_metrics(m)}"
+
+
+def _transformers_attention(weights: MLAWeights, x: torch.Tensor) -> torch.Tensor:
+    """transformers' DeepseekV2Attention on the whole sequence, no cache, causal mask."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+
+    cfg = _hf_config(weights.config)
+    attn = m.DeepseekV2Attention(cfg, layer_idx=0).to(torch.float64)
+    attn.load_state_dict(dict(weights))
+    rotary = m.DeepseekV2RotaryEmbedding(cfg)
+    T = x.shape[1]
+    mask = torch.full((T, T), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        return attn(x, attention_mask=mask, position_embeddings=rotary(x, torch.arange(T)[None]))[0]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_oracle_against_transformers(preset, figures):
+    w = checks.weights_for(preset, torch.float64)
+    T = 150 if preset == "tiny" else 40  # tiny: positions well past original_max_position_embeddings (64)
+    x = torch.randn(1, T, w.config.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ours = reference_attention_f64(w, x)
+    theirs = _transformers_attention(w, x)
+    m = checks.error_metrics(ours, theirs)
+    figures.update(m)
+    assert m["rel_fro"] <= 1e-5, checks.format_metrics(m)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v2-lite", "deepseek-v3"])
+def test_yarn_constants_match_transformers(preset):
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+
+    config = MLAConfig.preset(preset)
+    hf = _hf_config(config)
+    rotary = m.DeepseekV2RotaryEmbedding(hf)
+    assert config.rope_attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    with torch.device("meta"):
+        attn = m.DeepseekV2Attention(hf, layer_idx=0)
+    assert config.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
+    torch.testing.assert_close(rope_inv_freq(config, torch.float32), rotary.inv_freq, rtol=1e-6, atol=0)
+
+
+def test_yarn_matters_in_the_presets():
+    """mscale^2 and the ramp change the numbers (else the YaRN checks would test nothing)."""
+    tiny = MLAConfig.preset("tiny")
+    assert tiny.softmax_scale / tiny.qk_head_dim ** -0.5 == pytest.approx((0.1 * 0.8 * torch.tensor(4.0).log().item() + 1) ** 2)
+    plain = MLAConfig(**{**tiny.to_hf_dict(), "rope_scaling": None})
+    assert (rope_inv_freq(tiny) - rope_inv_freq(plain)).abs().max() > 1e-3
+    lite = MLAConfig.preset("deepseek-v2-lite")
+    assert lite.softmax_scale / lite.qk_head_dim ** -0.5 == pytest.approx((0.1 * 0.707 * torch.tensor(40.0).log().item() + 1) ** 2)
