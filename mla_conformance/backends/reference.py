@@ -121,28 +121,77 @@ class ReferenceNaive(_ReferenceBackend):
         return out.to(hidden_states.dtype)
 
 
+class LatentSlotCache(SlotCache):
+    """The absorbed path's cache: ``kv_latent`` [B, capacity, kv_lora] and ``k_pe`` [B, capacity, rope].
+
+    Quantized (mla_conformance.codecs) and paged (mla_conformance.paged) caches implement the same two
+    methods, so the attention code does not change with the storage.
+    """
+
+    def write_latent(self, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.write("kv_latent", c, lengths)
+        self.write("k_pe", k_pe, lengths)
+
+    def read_latent(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first T slots of every row, in the cache dtype: (c [B, T, kv_lora], k_pe [B, T, rope])."""
+        return self._buffers["kv_latent"][:, :T], self._buffers["k_pe"][:, :T]
+
+
 class ReferenceAbsorbed(_ReferenceBackend):
-    """Caches the normed latent c (kv_lora) and the rotated k_pe (rope): 576 elements per token."""
+    """Caches the normed latent c (kv_lora) and the rotated k_pe (rope): 576 elements per token.
+
+    Optional parts it opts into: every codec of mla_conformance.codecs (quantize on write, dequantize on
+    read), and a paged cache (``new_cache(..., page_block_size=N)``).
+    """
 
     name = "reference-absorbed"
 
-    def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
+    @property
+    def supports_paging(self) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("mla_conformance.paged") is not None
+
+    def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if not torch.empty(0, dtype=dtype).is_floating_point():
+            return f"{self.name} needs a floating-point dtype, got {dtype}"
+        if kv_codec == "none":
+            return None
+        try:
+            from mla_conformance.codecs import get_codec
+        except ImportError:
+            return f"{self.name}: no quantized codecs in this installation (kv_codec {kv_codec!r})"
+        try:
+            codec = get_codec(kv_codec)
+        except Exception as exc:  # unknown codec name: say which ones exist
+            return f"{self.name}: {exc}"
+        return codec.unsupported_reason(config, dtype) if hasattr(codec, "unsupported_reason") else None
+
+    def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none", page_block_size=None):
+        if page_block_size is not None:
+            from mla_conformance.paged import PagedLatentCache
+
+            return PagedLatentCache(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device,
+                                    kv_codec=kv_codec, page_block_size=page_block_size)
+        if kv_codec != "none":
+            from mla_conformance.codecs import QuantizedLatentCache
+
+            return QuantizedLatentCache(config, batch_size=batch_size, capacity=capacity, dtype=dtype,
+                                        device=device, kv_codec=kv_codec)
         bufs = {
             "kv_latent": torch.zeros(batch_size, capacity, config.kv_lora_rank, dtype=dtype, device=device),
             "k_pe": torch.zeros(batch_size, capacity, config.qk_rope_head_dim, dtype=dtype, device=device),
         }
-        return SlotCache(bufs, batch_size=batch_size, capacity=capacity, device=device, config=config)
+        return LatentSlotCache(bufs, batch_size=batch_size, capacity=capacity, device=device, config=config)
 
     def attend(self, weights, hidden_states, positions, cache, lengths=None):
         self._check(weights, hidden_states)
         lengths, new_lens = cache.write_plan(positions, lengths)
         q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
-        cache.write("kv_latent", c, lengths)
-        cache.write("k_pe", k_pe, lengths)
+        cache.write_latent(c, k_pe, lengths)
         T = int(new_lens.max())
         allowed = cache.allowed(lengths, new_lens, hidden_states.shape[1], T)
-        kv = cache.tensors()
-        out = ref.absorbed_scores_and_mix(weights, q_nope, q_pe, kv["kv_latent"][:, :T], kv["k_pe"][:, :T],
-                                          allowed)
+        c_all, kpe_all = cache.read_latent(T)
+        out = ref.absorbed_scores_and_mix(weights, q_nope, q_pe, c_all, kpe_all, allowed)
         cache.seq_lens = new_lens
         return out.to(hidden_states.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from mla_conformance import reference as ref
-from mla_conformance.backends.reference import ReferenceAbsorbed, ReferenceNaive, SlotCache
+from mla_conformance.backends.reference import LatentSlotCache, ReferenceAbsorbed, ReferenceNaive
 
 
 class _Absorbed(ReferenceAbsorbed):
@@ -191,7 +191,7 @@ class WideBuffers(ReferenceAbsorbed):
         return super().attend(w32, hidden_states.float(), positions, cache, lengths).to(hidden_states.dtype)
 
 
-class _LyingCache(SlotCache):
+class _LyingCache(LatentSlotCache):
     def active_nbytes(self):
         """Counts the latent but forgets the k_pe bytes."""
         kv = self.tensors()["kv_latent"]
