@@ -1,0 +1,116 @@
+"""Seed 000's experiment on a checkpoint: the real layer-1 attention input and weights, 25-token prefill
+plus 1-token decode through each backend, byte and error tables (BF16 and the FP32 audit).
+
+CI proves the path on the embedded tiny model (same tensor names as DeepSeek-V2-Lite); a real
+checkpoint runs with ``--mla-checkpoint DIR``.
+"""
+
+import functools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_conformance import checks
+from mla_conformance.generate import DEFAULT_MODEL, episodes, load_prompts
+from mla_conformance.probe import layer1_input, layer1_weights, tokenize
+from mla_conformance.reference import reference_attention_f64
+
+SEED_PROMPT_SET = "seed-000"
+
+
+@functools.lru_cache(maxsize=2)
+def probe_inputs(directory: str, source: str):
+    if source == "fixture":
+        ids = episodes(load_prompts(), ["tiny-long"])[0]["token_ids"][:26]
+    else:
+        seed = load_prompts()["sets"][SEED_PROMPT_SET][0]
+        ids = tokenize(Path(directory), seed["text"])
+    return ids, layer1_input(directory, ids), layer1_weights(directory)
+
+
+@pytest.fixture(params=["fixture", pytest.param("checkpoint", marks=pytest.mark.needs_checkpoint)])
+def probe(request):
+    if request.param == "fixture":
+        return "fixture", str(DEFAULT_MODEL)
+    return "checkpoint", str(request.config.getoption("--mla-checkpoint"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_prefill_decode_on_checkpoint(backend, probe, dtype, mla_device, figures):
+    source, directory = probe
+    ids, x, w = probe_inputs(directory, source)
+    dt = checks.DTYPES[dtype]
+    checks.require_support(backend, w.config, dtype=dt, device=mla_device)
+    T = len(ids)
+    scenario = checks.Scenario("seed000", (T - 1,), decode_steps=1)
+    out, cache = checks.run_scenario(backend, w.to(dt, device=mla_device), x.to(torch.float64), scenario,
+                                     device=mla_device, capacity=32)
+    ref = reference_attention_f64(w, x.to(dt).to(torch.float64))
+    m_all = checks.error_metrics(out[0], ref[0])
+    m_decode = checks.error_metrics(out[0, -1], ref[0, -1])
+    figures.update(source=source, tokens=T, dtype=dtype, active_nbytes=int(cache.active_nbytes()),
+                   allocated_nbytes=int(cache.allocated_nbytes()), decode=m_decode, all_tokens=m_all)
+    tol = checks.TOLERANCES[dtype]
+    assert m_all["rel_fro"] <= tol.rel_fro and m_all["max_rel"] <= tol.max_rel, (
+        f"{backend.name} on {source} layer 1, {dtype}: {checks.format_metrics(m_all)}")
+
+
+def test_naive_vs_absorbed_on_checkpoint(probe, mla_device, figures):
+    """Seed 000 section 5.2 / 5.3: the two reference paths on the same input, BF16 and the FP32 audit."""
+    from mla_conformance.backends import get_backend
+
+    source, directory = probe
+    ids, x, w = probe_inputs(directory, source)
+    scenario = checks.Scenario("seed000", (len(ids) - 1,), decode_steps=1)
+    for dtype in ("bfloat16", "float32"):
+        outs = [checks.run_scenario(get_backend(n), w.to(checks.DTYPES[dtype], device=mla_device),
+                                    x.to(torch.float64), scenario, device=mla_device, capacity=32)[0][0, -1]
+                for n in ("reference-naive", "reference-absorbed")]
+        m = checks.error_metrics(outs[1], outs[0])
+        figures[dtype] = m
+        assert m["rel_fro"] <= checks.TOLERANCES[dtype].rel_fro, f"{dtype}: {checks.format_metrics(m)}"
+
+
+def test_bad_checkpoint_gives_one_clear_error(tmp_path):
+    """A truncated model.safetensors: `generate` exits non-zero naming the file, no traceback."""
+    bad = tmp_path / "tiny-mla"
+    shutil.copytree(DEFAULT_MODEL, bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    r = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "generate", "--model", str(bad), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0
+    assert str(f) in r.stderr and "truncated" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("breakage", ["missing-tensor", "wrong-shape", "corrupt-header", "no-config"])
+def test_probe_errors_name_file_and_tensor(tmp_path, breakage):
+    from safetensors.torch import load_file, save_file
+
+    from mla_conformance.errors import CheckpointError
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(DEFAULT_MODEL, bad)
+    f = bad / "model.safetensors"
+    tensors = load_file(str(f))
+    if breakage == "missing-tensor":
+        del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+        save_file(tensors, str(f))
+        match = "kv_b_proj.weight"
+    elif breakage == "wrong-shape":
+        tensors["model.layers.1.self_attn.kv_b_proj.weight"] = tensors["model.layers.1.self_attn.kv_b_proj.weight"][:, :8].contiguous()
+        save_file(tensors, str(f))
+        match = "model.safetensors: tensor 'model.layers.1.self_attn.kv_b_proj.weight' has shape"
+    elif breakage == "corrupt-header":
+        f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + f.read_bytes()[24:])
+        match = "model.safetensors: corrupt safetensors header"
+    else:
+        (bad / "config.json").unlink()
+        match = "config.json"
+    with pytest.raises(CheckpointError, match=match):
+        layer1_weights(bad)

@@ -1,0 +1,72 @@
+"""Greedy generations of the embedded tiny model, with every layer's attention through each backend.
+
+The tiny model (fixtures/models/tiny-mla) learned to copy spans and recall values from its context, so
+every generated token depends on the KV cache being right. Goldens are syrupy snapshots under
+golden/generation/<numerics class>/, shared by all backends: every backend must produce the same tokens.
+"""
+
+import pytest
+import torch
+
+from mla_conformance import checks
+from mla_conformance.errors import MLAInputError
+from mla_conformance.generate import DEFAULT_MODEL, load_model, numerics_class, run_generation
+from mla_conformance.golden import golden_extension, golden_path, golden_payload, read_golden
+
+PROMPT_SETS = ["tiny-short", "tiny-long"]
+
+
+def model_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+@pytest.fixture(scope="module")
+def tiny_model(request):
+    device = request.config.mla_device
+    return load_model(DEFAULT_MODEL, model_dtype(device), device)
+
+
+def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device, dtype):
+    cls = numerics_class(device, dtype)
+    path = golden_path(cls, prompt_set, kv_codec)
+    payload = golden_payload(result, cls, prompt_set)
+    if not request.config.option.update_snapshots:
+        try:
+            stored = read_golden(path)
+        except MLAInputError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        if stored is None:
+            pytest.skip(f"no golden for numerics class {cls} ({path.relative_to(path.parents[3])}); create it with "
+                        f"`pytest {request.node.fspath.basename} --snapshot-update` and review the diff")
+    assert payload == snapshot(extension_class=golden_extension(cls, prompt_set, kv_codec))
+
+
+@pytest.mark.parametrize("prompt_set", PROMPT_SETS)
+def test_golden_generation(backend, prompt_set, tiny_model, snapshot, request, mla_device, figures):
+    dtype = model_dtype(mla_device)
+    checks.require_support(backend, checks.MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
+                           device=mla_device)
+    result = run_generation(DEFAULT_MODEL, backend, prompt_sets=[prompt_set], dtype=dtype, device=mla_device,
+                            model=tiny_model)
+    figures.update(accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
+    assert result["accuracy"] >= 0.99, f"{backend.name}: accuracy {result['accuracy']:.4f} on {prompt_set}"
+    check_against_golden(request, snapshot, result, prompt_set, "none", mla_device, dtype)
+
+
+@pytest.mark.parametrize("prompt_set", PROMPT_SETS)
+def test_transformers_generate_matches_golden(prompt_set, tiny_model, request, mla_device):
+    """Unmodified transformers (model.generate with its own cache) produces the golden tokens too."""
+    dtype = model_dtype(mla_device)
+    path = golden_path(numerics_class(mla_device, dtype), prompt_set, "none")
+    stored = read_golden(path)
+    if stored is None:
+        pytest.skip(f"no golden at {path}")
+    from mla_conformance.generate import episodes, load_prompts
+
+    eps = {ep["id"]: ep for ep in episodes(load_prompts(), [prompt_set])}
+    for out in stored["outputs"]:
+        ids = torch.tensor([eps[out["id"]]["token_ids"]], device=mla_device)
+        with torch.no_grad():
+            gen = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out["tokens"]),
+                                      do_sample=False, pad_token_id=0)
+        assert gen[0, ids.shape[1]:].tolist() == out["tokens"], out["id"]
