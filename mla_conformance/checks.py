@@ -295,12 +295,17 @@ def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decod
     if widest:
         raise AssertionError(f"{where}: buffers {widest} are wider than the {dtype_name(dtype)} cache asked for "
                              f"({[str(tensors[k].dtype) for k in widest]})")
-    payload = tokens * per_token
-    slots_bytes = batch * capacity * per_token
-    if fmt and allocated > max(slots_bytes, payload) * 1.0 + 0:
+    slots = capacity
+    page = getattr(cache, "page_block_size", None)
+    if page:  # a paged cache rounds each row up to whole pages and may keep spare pages and a block table
+        spare = int(getattr(cache, "spare_pages", 0) or 0)
+        slots = (-(-capacity // page)) * page + -(-spare * page // batch)
+    overhead = sum(tensor_bytes.get(k, 0) for k in ("block_table",))
+    slots_bytes = batch * slots * per_token + overhead
+    if allocated > slots_bytes:
         raise AssertionError(f"{where}: allocated_nbytes() = {allocated:,} B exceeds capacity x per-token bytes "
-                             f"= {batch} x {capacity} x {per_token:,} = {slots_bytes:,} B: the cache stores "
-                             "more than the format needs")
+                             f"= {batch} x {slots} x {per_token:,}{' + block table' if overhead else ''} = "
+                             f"{slots_bytes:,} B: the cache stores more than the format needs")
     return {"backend": backend.name, "preset": preset, "dtype": dtype_name(dtype), "cache_format": fmt,
             "tokens": tokens, "batch": batch, "capacity": capacity, "per_token_bytes": per_token,
             "active_nbytes": active, "allocated_nbytes": allocated, "tensors": tensor_bytes}

@@ -9,6 +9,7 @@ and the diff is reviewed like code.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,13 @@ def read_golden(path: Path) -> dict[str, Any] | None:
     return data
 
 
+def dump_golden(data: dict[str, Any]) -> str:
+    """Indented JSON with each token list on one line, so a golden diff reads prompt by prompt."""
+    text = json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False)
+    return re.sub(r"\[\s+(-?\d+(?:,\s+-?\d+)*)\s+\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
+
+
 def golden_extension(numerics_class: str, prompt_set: str, kv_codec: str):
     """A syrupy extension class whose one snapshot is ``golden_path(...)``."""
     target = golden_path(numerics_class, prompt_set, kv_codec)
@@ -60,7 +68,7 @@ def golden_extension(numerics_class: str, prompt_set: str, kv_codec: str):
             return True  # goldens are shared by every backend's test of that class: never "unused"
 
         def serialize(self, data, **kwargs) -> str:
-            return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+            return dump_golden(data)
 
     return GoldenJSON
 

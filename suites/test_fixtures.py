@@ -156,22 +156,34 @@ def test_prompts_retokenize(tokenizer):
             e["expected"]["token_ids"], e["id"]
 
 
-def test_greedy_decoding_accuracy(hf_model):
+def _generate_batch(model, episodes: list[dict]) -> list[list[int]]:
+    """One left-padded ``model.generate`` call (greedy, KV cache) for a whole prompt set."""
     import torch
 
+    pad = model.config.pad_token_id
+    width = max(len(e["token_ids"]) for e in episodes)
+    x = torch.full((len(episodes), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for r, e in enumerate(episodes):
+        x[r, width - len(e["token_ids"]):] = torch.tensor(e["token_ids"])
+        mask[r, width - len(e["token_ids"]):] = 1
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=mask, max_new_tokens=max(e["max_new_tokens"] for e in episodes),
+                             do_sample=False, use_cache=True, pad_token_id=pad)
+    return [out[r, width:width + e["max_new_tokens"]].tolist() for r, e in enumerate(episodes)]
+
+
+@pytest.mark.parametrize("set_name", TINY_SETS)
+def test_greedy_decoding_accuracy(hf_model, set_name):
     model, _ = hf_model
+    episodes = _prompts()["sets"][set_name]
     hit = total = 0
     misses = []
-    with torch.no_grad():
-        for e in _episodes():
-            x = torch.tensor([e["token_ids"]])
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=e["max_new_tokens"],
-                                 do_sample=False, use_cache=True, pad_token_id=model.config.pad_token_id)
-            got = out[0, x.shape[1]:].tolist()
-            expected = e["expected"]["token_ids"]
-            ok = sum(1 for i, t in enumerate(expected) if i < len(got) and got[i] == t)
-            hit, total = hit + ok, total + len(expected)
-            if ok != len(expected):
-                misses.append(f"{e['id']}: expected {expected}, got {got}")
+    for e, got in zip(episodes, _generate_batch(model, episodes)):
+        expected = e["expected"]["token_ids"]
+        ok = sum(1 for i, t in enumerate(expected) if i < len(got) and got[i] == t)
+        hit, total = hit + ok, total + len(expected)
+        if ok != len(expected):
+            misses.append(f"{e['id']}: expected {expected}, got {got}")
     accuracy = hit / total
-    assert accuracy >= 0.99, f"greedy accuracy {accuracy:.4f} < 0.99 on pinned episodes:\n" + "\n".join(misses)
+    assert accuracy >= 0.99, f"{set_name}: greedy accuracy {accuracy:.4f} < 0.99:\n" + "\n".join(misses)

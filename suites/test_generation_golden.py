@@ -37,7 +37,7 @@ def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device
             pytest.fail(str(exc), pytrace=False)
         if stored is None:
             pytest.skip(f"no golden for numerics class {cls} ({path.relative_to(path.parents[3])}); create it with "
-                        f"`pytest {request.node.fspath.basename} --snapshot-update` and review the diff")
+                        f"`pytest {request.node.nodeid.split('::')[0]} --snapshot-update` and review the diff")
     assert payload == snapshot(extension_class=golden_extension(cls, prompt_set, kv_codec))
 
 

@@ -47,6 +47,7 @@ BUILTINS: dict[str, str] = {
     "reference-naive": "mla_conformance.backends.reference:ReferenceNaive",
     "reference-absorbed": "mla_conformance.backends.reference:ReferenceAbsorbed",
     "hf-transformers": "mla_conformance.backends.hf:HFTransformers",
+    "flashmla": "mla_conformance.backends.flashmla:FlashMLA",
 }
 
 #: Backends a default run checks.

@@ -1,0 +1,701 @@
+"""Quantized layouts ("KV codecs") of the absorbed latent cache, their byte formulas and error bounds.
+
+A latent cache stores, per token and layer, the normed latent c (``kv_lora_rank`` values, 512 at DeepSeek
+dims) and the rotated RoPE key k_pe (``qk_rope_head_dim``, 64). A codec says how those two are stored:
+which buffers per token (``storage``), how values become bytes (``encode``) and back (``decode``), and how
+many bytes that takes (``bytes_per_token``: payload = the stored values, quantized or not; metadata =
+scales and zero points). :class:`QuantizedLatentCache` is the reference-absorbed cache built on them.
+
+Names follow ``<bits>-<kind>-<granularity>[-kpe-<k_pe bits>]``:
+
+* granularity ``tensor`` (one scale for the whole cache), ``token`` (one scale per token over all of c),
+  ``gN`` (one scale per group of N consecutive channels of one token: kv_lora / N groups per token);
+* kind ``sym`` (q = round(x / s), s = amax / qmax) or ``asym`` (q = round((x - min) / s),
+  s = (max - min) / (2^bits - 1); the group's min is stored as the zero point); int8 codecs are symmetric;
+* without ``-kpe-...`` the RoPE key is kept in the cache dtype (it carries position; DeepSeek's own FP8
+  layout keeps it in BF16 too); ``-kpe-int8`` / ``-kpe-int4`` quantize it symmetrically in 8-channel
+  groups (seed 001's "k_pe INT8 (8 blocks)" / "k_pe symmetric INT4 (8 blocks)").
+
+Every scale and zero point is float32 (4 bytes), as FlashMLA stores its FP8 scales; float16 metadata
+would halve the metadata column. int4 and int2 values are packed little-end first: element 2j of a
+group in the low nibble of byte j (int2: element 4j in bits 0-1). Symmetric int4 stores q + 8.
+
+Seed 001 (DeepSeek-V2-Lite, L40S) counted 576 B/token/layer for its "per-channel INT8" production
+scheme and 288 B for its "asymmetric INT4" one: all 576 values of c and k_pe at 8 or 4 bits, and no
+scale or zero-point bytes. Its "32 blocks" over the 512 latent channels reads literally as 32 groups
+of 16 channels (``-g16``); the common "group size 32" reading is ``-g32``; both are registered and
+measured (:data:`SEED_001_SCHEMES`). A third reading, per-channel scales over blocks of 32 *tokens*
+(KIVI's key quantization), cannot be written one token at a time and is not implemented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from typing import Any
+
+import torch
+
+from mla_conformance.backends.reference import SlotCache
+from mla_conformance.config import MLAConfig
+
+Storage = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+FP8_E4M3_MAX = 448.0
+#: FlashMLA's floor on amax / 448 before rounding the scale up to a power of two (its FP8_AMAX_MARGIN).
+FLASHMLA_SCALE_FLOOR = 1e-4
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _nbytes(storage: Storage) -> int:
+    return sum(math.prod(shape) * _elem(dt) for shape, dt in storage.values())
+
+
+# --------------------------------------------------------------------------- integer quantization
+
+
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [..., n] (each < 2^bits) -> bytes [..., n * bits / 8]; element i*per + k at bits k*bits."""
+    if bits == 8:
+        return q.to(torch.uint8)
+    per = 8 // bits
+    q = q.to(torch.int32).unflatten(-1, (-1, per))
+    shifts = torch.arange(per, device=q.device, dtype=torch.int32) * bits
+    return (q << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack(b: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return b.to(torch.int32)
+    per = 8 // bits
+    shifts = torch.arange(per, device=b.device, dtype=torch.int32) * bits
+    return ((b.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _sym_encode(x: torch.Tensor, group: int, bits: int, scale: torch.Tensor | None = None):
+    """x [..., n] -> (stored codes, scale [..., n / group] float32). int8 codes are int8, narrower packed uint8."""
+    qmax = (1 << (bits - 1)) - 1
+    xg = x.to(torch.float32).unflatten(-1, (-1, group))
+    if scale is None:
+        scale = xg.abs().amax(-1) / qmax
+    q = torch.round(xg / _safe(scale)[..., None]).clamp(-qmax, qmax).flatten(-2)
+    if bits == 8:
+        return q.to(torch.int8), scale
+    return _pack((q + (1 << (bits - 1))).to(torch.int32), bits), scale
+
+
+def _sym_decode(stored: torch.Tensor, scale: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+    q = stored.to(torch.float32) if bits == 8 else (_unpack(stored, bits) - (1 << (bits - 1))).to(torch.float32)
+    return (q.unflatten(-1, (-1, group)) * scale[..., None]).flatten(-2)
+
+
+def _asym_encode(x: torch.Tensor, group: int, bits: int):
+    """x [..., n] -> (packed codes, scale, min) with x ~ q * scale + min, q in [0, 2^bits - 1]."""
+    levels = (1 << bits) - 1
+    xg = x.to(torch.float32).unflatten(-1, (-1, group))
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    scale = (hi - lo) / levels
+    q = torch.round((xg - lo[..., None]) / _safe(scale)[..., None]).clamp(0, levels).flatten(-2)
+    return _pack(q.to(torch.int32), bits), scale, lo
+
+
+def _asym_decode(stored, scale, lo, group: int, bits: int) -> torch.Tensor:
+    q = _unpack(stored, bits).to(torch.float32).unflatten(-1, (-1, group))
+    return (q * scale[..., None] + lo[..., None]).flatten(-2)
+
+
+# --------------------------------------------------------------------------- codecs
+
+
+class Codec:
+    """One cache layout. Subclasses set ``name``, ``description``, ``kpe`` and implement the layout."""
+
+    name: str = ""
+    description: str = ""
+    kpe: str = "kept in cache dtype"
+    #: seed 001 scheme(s) this codec implements, for the markers table and the CLI.
+    seed_001: str = ""
+
+    # ---- layout
+    def storage(self, config: MLAConfig, cache_dtype: torch.dtype) -> Storage:
+        """Buffers stored per token: name -> (shape of one token's entry, dtype)."""
+        raise NotImplementedError
+
+    def global_storage(self, config: MLAConfig) -> Storage:
+        """Buffers stored once per cache (not per token), e.g. a per-tensor scale."""
+        return {}
+
+    def bytes_per_token(self, config: MLAConfig, cache_dtype: torch.dtype) -> dict[str, int]:
+        """The layout's formula, per token and layer: payload (values) + metadata (scales, zero points)."""
+        raise NotImplementedError
+
+    def global_nbytes(self, config: MLAConfig) -> int:
+        return _nbytes(self.global_storage(config))
+
+    def unsupported_reason(self, config: MLAConfig, cache_dtype: torch.dtype) -> str | None:
+        if not torch.empty(0, dtype=cache_dtype).is_floating_point():
+            return f"kv_codec {self.name} needs a floating-point cache dtype, got {cache_dtype}"
+        return None
+
+    # ---- values
+    def calibrate(self, c: torch.Tensor, k_pe: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Values of the global buffers from a first write (c [N, kv_lora], k_pe [N, rope])."""
+        return {}
+
+    def encode(self, c: torch.Tensor, k_pe: torch.Tensor, cache_dtype: torch.dtype,
+               globals: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """c [..., kv_lora], k_pe [..., rope] -> {buffer: [..., *shape per token]} in the buffers' dtypes."""
+        raise NotImplementedError
+
+    def decode(self, parts: dict[str, torch.Tensor], cache_dtype: torch.dtype,
+               globals: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored buffers [..., *shape] -> (c [..., kv_lora], k_pe [..., rope]) in cache_dtype."""
+        raise NotImplementedError
+
+    def roundtrip(self, c: torch.Tensor, k_pe: torch.Tensor, cache_dtype: torch.dtype):
+        """decode(encode(x)) with global buffers calibrated on this input (as a cache's first write)."""
+        c, k_pe = c.to(cache_dtype), k_pe.to(cache_dtype)
+        g = self.calibrate(c.reshape(-1, c.shape[-1]), k_pe.reshape(-1, k_pe.shape[-1]))
+        return self.decode(self.encode(c, k_pe, cache_dtype, g), cache_dtype, g)
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name}: {self.description}>"
+
+
+class Unquantized(Codec):
+    name = "none"
+    description = "c and k_pe in the cache dtype (the plain absorbed cache)"
+    seed_001 = "absorbed MLA (30.4 KB/token)"
+
+    def storage(self, config, cache_dtype):
+        return {"kv_latent": ((config.kv_lora_rank,), cache_dtype), "k_pe": ((config.qk_rope_head_dim,), cache_dtype)}
+
+    def bytes_per_token(self, config, cache_dtype):
+        payload = config.latent_dim * _elem(cache_dtype)
+        return {"payload": payload, "metadata": 0, "total": payload}
+
+    def encode(self, c, k_pe, cache_dtype, globals=None):
+        return {"kv_latent": c.to(cache_dtype), "k_pe": k_pe.to(cache_dtype)}
+
+    def decode(self, parts, cache_dtype, globals=None):
+        return parts["kv_latent"].to(cache_dtype), parts["k_pe"].to(cache_dtype)
+
+
+class IntCodec(Codec):
+    """Integer quantization of c per token-group (``group`` channels; None = the whole token), with
+    k_pe kept in the cache dtype or quantized symmetrically in groups of ``kpe_group`` channels."""
+
+    def __init__(self, name: str, *, bits: int, symmetric: bool, group: int | None,
+                 kpe_bits: int | None = None, kpe_group: int = 8, seed_001: str = ""):
+        self.name, self.bits, self.symmetric, self.group = name, bits, symmetric, group
+        self.kpe_bits, self.kpe_group, self.seed_001 = kpe_bits, kpe_group, seed_001
+        gran = "per token (one scale over all kv_lora channels)" if group is None else \
+            f"per {group}-channel group of each token"
+        zp = "symmetric, float32 scale" if symmetric else "asymmetric, float32 scale + float32 min (zero point)"
+        self.description = f"c INT{bits} {gran}, {zp}" + ("" if bits == 8 else f", {8 // bits} values per byte")
+        self.kpe = ("kept in cache dtype" if kpe_bits is None else
+                    f"quantized: symmetric INT{kpe_bits} per {kpe_group}-channel group, float32 scale")
+
+    def _g(self, config) -> int:
+        return config.kv_lora_rank if self.group is None else self.group
+
+    def unsupported_reason(self, config, cache_dtype):
+        base = super().unsupported_reason(config, cache_dtype)
+        if base:
+            return base
+        g = self._g(config)
+        if config.kv_lora_rank % g or (g * self.bits) % 8:
+            return (f"kv_codec {self.name}: kv_lora_rank {config.kv_lora_rank} is not a whole number of "
+                    f"{g}-channel groups of whole bytes")
+        if self.kpe_bits is not None and (config.qk_rope_head_dim % self.kpe_group
+                                          or (self.kpe_group * self.kpe_bits) % 8):
+            return (f"kv_codec {self.name}: qk_rope_head_dim {config.qk_rope_head_dim} is not a whole number "
+                    f"of {self.kpe_group}-channel groups")
+        return None
+
+    def storage(self, config, cache_dtype):
+        n, r = config.kv_lora_rank, config.qk_rope_head_dim
+        groups = n // self._g(config)
+        out: Storage = {"c_q": ((n * self.bits // 8,), torch.int8 if self.bits == 8 else torch.uint8),
+                        "c_scale": ((groups,), torch.float32)}
+        if not self.symmetric:
+            out["c_min"] = ((groups,), torch.float32)
+        if self.kpe_bits is None:
+            out["k_pe"] = ((r,), cache_dtype)
+        else:
+            out["kpe_q"] = ((r * self.kpe_bits // 8,), torch.int8 if self.kpe_bits == 8 else torch.uint8)
+            out["kpe_scale"] = ((r // self.kpe_group,), torch.float32)
+        return out
+
+    def bytes_per_token(self, config, cache_dtype):
+        n, r = config.kv_lora_rank, config.qk_rope_head_dim
+        groups = n // self._g(config)
+        payload = n * self.bits // 8
+        metadata = groups * 4 * (1 if self.symmetric else 2)
+        if self.kpe_bits is None:
+            payload += r * _elem(cache_dtype)
+        else:
+            payload += r * self.kpe_bits // 8
+            metadata += (r // self.kpe_group) * 4
+        return {"payload": payload, "metadata": metadata, "total": payload + metadata}
+
+    def encode(self, c, k_pe, cache_dtype, globals=None):
+        g = c.shape[-1] if self.group is None else self.group
+        if self.symmetric:
+            c_q, scale = _sym_encode(c, g, self.bits)
+            out = {"c_q": c_q, "c_scale": scale}
+        else:
+            c_q, scale, lo = _asym_encode(c, g, self.bits)
+            out = {"c_q": c_q, "c_scale": scale, "c_min": lo}
+        out.update(self._encode_kpe(k_pe, cache_dtype))
+        return out
+
+    def decode(self, parts, cache_dtype, globals=None):
+        n = parts["c_q"].shape[-1] * 8 // self.bits
+        g = n if self.group is None else self.group
+        if self.symmetric:
+            c = _sym_decode(parts["c_q"], parts["c_scale"], g, self.bits)
+        else:
+            c = _asym_decode(parts["c_q"], parts["c_scale"], parts["c_min"], g, self.bits)
+        return c.to(cache_dtype), self._decode_kpe(parts, cache_dtype)
+
+    # ---- k_pe, shared with the per-tensor codec
+    def _encode_kpe(self, k_pe, cache_dtype):
+        if self.kpe_bits is None:
+            return {"k_pe": k_pe.to(cache_dtype)}
+        q, s = _sym_encode(k_pe, self.kpe_group, self.kpe_bits)
+        return {"kpe_q": q, "kpe_scale": s}
+
+    def _decode_kpe(self, parts, cache_dtype):
+        if self.kpe_bits is None:
+            return parts["k_pe"].to(cache_dtype)
+        return _sym_decode(parts["kpe_q"], parts["kpe_scale"], self.kpe_group, self.kpe_bits).to(cache_dtype)
+
+
+class PerTensorInt8(IntCodec):
+    """One float32 scale for the whole cache (per layer): amax of the first write / 127, then frozen.
+
+    Later tokens larger than the first write's amax are clipped to +-127 steps: that is what a static
+    per-tensor scale does, and why seed 001 found it "broken by outliers". The scale is a cache buffer of
+    shape (1,) (``global_storage``), counted once in ``active_nbytes`` and ``allocated_nbytes``.
+    """
+
+    def __init__(self, name="int8-tensor", seed_001="per-tensor INT8"):
+        super().__init__(name, bits=8, symmetric=True, group=None, seed_001=seed_001)
+        self.description = ("c INT8 with one float32 scale for the whole cache, calibrated on the first write "
+                            "(amax / 127) and kept; later values beyond it clip")
+
+    def storage(self, config, cache_dtype):
+        return {"c_q": ((config.kv_lora_rank,), torch.int8), "k_pe": ((config.qk_rope_head_dim,), cache_dtype)}
+
+    def global_storage(self, config):
+        return {"c_scale_tensor": ((1,), torch.float32)}
+
+    def bytes_per_token(self, config, cache_dtype):
+        payload = config.kv_lora_rank + config.qk_rope_head_dim * _elem(cache_dtype)
+        return {"payload": payload, "metadata": 0, "total": payload}
+
+    def calibrate(self, c, k_pe):
+        amax = c.to(torch.float32).abs().amax() if c.numel() else torch.zeros((), device=c.device)
+        return {"c_scale_tensor": (amax / 127).reshape(1)}
+
+    def _scale(self, globals):
+        if not globals or "c_scale_tensor" not in globals:
+            raise ValueError(f"kv_codec {self.name}: encode/decode need the calibrated per-tensor scale "
+                             "(globals={'c_scale_tensor': ...} from calibrate())")
+        return globals["c_scale_tensor"].to(torch.float32)
+
+    def encode(self, c, k_pe, cache_dtype, globals=None):
+        scale = self._scale(globals)
+        lead = c.shape[:-1]
+        q, _ = _sym_encode(c, c.shape[-1], 8, scale.expand(*lead, 1) if lead else scale)
+        return {"c_q": q, "k_pe": k_pe.to(cache_dtype)}
+
+    def decode(self, parts, cache_dtype, globals=None):
+        scale = self._scale(globals)
+        q = parts["c_q"]
+        c = _sym_decode(q, scale.expand(*q.shape[:-1], 1), q.shape[-1], 8)
+        return c.to(cache_dtype), parts["k_pe"].to(cache_dtype)
+
+
+class FlashMLAFP8(Codec):
+    """FlashMLA's FP8 KV cache for DeepSeek-V3.2 (``FP8KVCacheLayout.V32_FP8Sparse``), 656 bytes per token.
+
+    bytes 0..511   the 512 latent values as float8_e4m3fn, x / scale of their 128-value tile
+    bytes 512..527 four float32 scales (native little-endian), one per 128-value tile
+    bytes 528..655 the 64 RoPE values as bfloat16, copied unquantized
+
+    Scale convention, read from FlashMLA ``tests/quant.py`` (``quantize_k_cache`` and
+    ``_cast_scale_inv_to_ue8m0``, commit 520fec6a): scale = 2^ceil(log2(max(amax / 448, 1e-4))), i.e.
+    amax / 448 rounded *up to a power of two* (a UE8M0-representable value, stored as float32), so
+    x / scale never exceeds 448 and the division is exact; decode is fp8 * scale. A zero tile gets
+    scale 2^-13.
+    """
+
+    name = "fp8-e4m3-flashmla"
+    description = ("FlashMLA V3.2 FP8 layout: 512 x float8_e4m3fn + 4 x float32 tile scales (128 values each, "
+                   "amax/448 rounded up to 2^k) + 64 x bf16 RoPE, one 656-byte row per token")
+    kpe = "kept in bfloat16 (bytes 528..655, unquantized)"
+    seed_001 = ""
+    TILE = 128
+
+    def unsupported_reason(self, config, cache_dtype):
+        if cache_dtype != torch.bfloat16:
+            return f"kv_codec {self.name} is FlashMLA's BF16-model layout: it needs cache dtype bfloat16, got {cache_dtype}"
+        if (config.kv_lora_rank, config.qk_rope_head_dim) != (512, 64):
+            return (f"kv_codec {self.name} is laid out for kv_lora_rank 512 and qk_rope_head_dim 64; this config "
+                    f"has {config.kv_lora_rank} and {config.qk_rope_head_dim}")
+        return None
+
+    def storage(self, config, cache_dtype):
+        return {"kv": ((656,), torch.uint8)}
+
+    def bytes_per_token(self, config, cache_dtype):
+        return {"payload": 512 + 64 * 2, "metadata": 4 * 4, "total": 656}
+
+    @classmethod
+    def scales(cls, c: torch.Tensor) -> torch.Tensor:
+        amax = c.to(torch.float32).unflatten(-1, (-1, cls.TILE)).abs().amax(-1)
+        return torch.pow(2.0, torch.log2(torch.clamp_min(amax / FP8_E4M3_MAX, FLASHMLA_SCALE_FLOOR)).ceil())
+
+    def encode(self, c, k_pe, cache_dtype, globals=None):
+        scale = self.scales(c)
+        q = (c.to(torch.float32).unflatten(-1, (-1, self.TILE)) / scale[..., None]).flatten(-2)
+        q = q.to(torch.float8_e4m3fn).view(torch.uint8)
+        s = scale.to(torch.float32).contiguous().view(torch.uint8)
+        if sys.byteorder != "little":  # the layout is little-endian whatever the host
+            s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2)
+        rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+        return {"kv": torch.cat([q, s, rope], dim=-1)}
+
+    def decode(self, parts, cache_dtype, globals=None):
+        kv = parts["kv"]
+        q = kv[..., :512].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        s = kv[..., 512:528].contiguous()
+        if sys.byteorder != "little":
+            s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2).contiguous()
+        scale = s.view(torch.float32)
+        c = (q.unflatten(-1, (-1, self.TILE)) * scale[..., None]).flatten(-2)
+        k_pe = kv[..., 528:656].contiguous().view(torch.bfloat16)
+        return c.to(cache_dtype), k_pe.to(cache_dtype)
+
+
+def _registry() -> dict[str, Codec]:
+    codecs: list[Codec] = [
+        Unquantized(),
+        PerTensorInt8(),
+        IntCodec("int8-token", bits=8, symmetric=True, group=None, seed_001="per-token INT8"),
+        IntCodec("int8-g16", bits=8, symmetric=True, group=16, seed_001="per-channel INT8 (32 blocks)"),
+        IntCodec("int8-g32", bits=8, symmetric=True, group=32,
+                 seed_001="per-channel INT8 (32 blocks), read as groups of 32"),
+        IntCodec("int8-g16-kpe-int8", bits=8, symmetric=True, group=16, kpe_bits=8,
+                 seed_001="production: absorbed + per-channel INT8 + k_pe INT8 (8 blocks) = 15.2 KB/token"),
+        IntCodec("int8-g32-kpe-int8", bits=8, symmetric=True, group=32, kpe_bits=8,
+                 seed_001="production scheme, read as groups of 32"),
+        IntCodec("int4-sym-g16", bits=4, symmetric=True, group=16, seed_001="symmetric INT4 (32 blocks)"),
+        IntCodec("int4-sym-g32", bits=4, symmetric=True, group=32,
+                 seed_001="symmetric INT4 (32 blocks), read as groups of 32"),
+        IntCodec("int4-asym-g16", bits=4, symmetric=False, group=16, seed_001="asymmetric INT4 (32 blocks)"),
+        IntCodec("int4-asym-g32", bits=4, symmetric=False, group=32,
+                 seed_001="asymmetric INT4 (32 blocks), read as groups of 32"),
+        IntCodec("int4-asym-g16-kpe-int4", bits=4, symmetric=False, group=16, kpe_bits=4,
+                 seed_001="extreme: absorbed + asymmetric INT4 + k_pe symmetric INT4 (8 blocks) = 7.6 KB/token"),
+        IntCodec("int4-asym-g32-kpe-int4", bits=4, symmetric=False, group=32, kpe_bits=4,
+                 seed_001="extreme scheme, read as groups of 32"),
+        IntCodec("int2-asym-g32", bits=2, symmetric=False, group=32,
+                 seed_001="INT2 (error 0.496, 'precision collapse'): the negative control"),
+        FlashMLAFP8(),
+    ]
+    return {c.name: c for c in codecs}
+
+
+#: Every codec by name, in the order the CLI and markers.md list them.
+CODECS: dict[str, Codec] = _registry()
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown kv_codec {name!r}; known codecs: {', '.join(CODECS)}") from None
+
+
+# --------------------------------------------------------------------------- seed 001 and error bounds
+
+#: Seed 001's schemes -> our codecs, with the errors it reported (mean / max abs of the latent round
+#: trip on real V2-Lite latents, as far as its table says) and, for its two headline schemes, its sizes.
+SEED_001_SCHEMES: dict[str, dict[str, Any]] = {
+    "per-tensor INT8": {"codec": "int8-tensor", "mean_err": 0.2979, "max_err": 0.7833},
+    "per-channel INT8 (32 blocks)": {"codec": "int8-g16", "alt_codec": "int8-g32", "mean_err": 0.0109,
+                                     "max_err": 0.0125},
+    "per-token INT8": {"codec": "int8-token", "mean_err": 0.0636, "max_err": 0.0881},
+    "symmetric INT4 (32 blocks)": {"codec": "int4-sym-g16", "alt_codec": "int4-sym-g32", "mean_err": 0.1116},
+    "asymmetric INT4 (32 blocks)": {"codec": "int4-asym-g16", "alt_codec": "int4-asym-g32", "mean_err": 0.0786},
+    "k_pe INT8 (8 blocks)": {"codec": "int8-g16-kpe-int8", "part": "k_pe", "mean_err": 0.0051},
+    "k_pe symmetric INT4 (8 blocks)": {"codec": "int4-asym-g16-kpe-int4", "part": "k_pe", "mean_err": 0.0917},
+    "INT2": {"codec": "int2-asym-g32", "mean_err": 0.496},
+    "production: absorbed + per-channel INT8": {"codec": "int8-g16-kpe-int8", "alt_codec": "int8-g32-kpe-int8",
+                                                "mean_err": 0.011, "bytes_per_token_layer": 576,
+                                                "reported": "15.2 KB/token (17.8x)"},
+    "extreme: absorbed + asymmetric INT4": {"codec": "int4-asym-g16-kpe-int4", "alt_codec": "int4-asym-g32-kpe-int4",
+                                            "mean_err": 0.079, "bytes_per_token_layer": 288,
+                                            "reported": "7.6 KB/token (35.6x)"},
+}
+#: Short form: seed 001 scheme name -> codec name.
+CODEC_FOR_SEED_001: dict[str, str] = {k: v["codec"] for k, v in SEED_001_SCHEMES.items()}
+
+#: Seed 001's ratio base: the expanded BF16 cache of V2-Lite, 10,240 B/layer x 27 layers.
+SEED_001_EXPANDED_BYTES = 276_480
+SEED_001_LAYERS = 27
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorBound:
+    """Bounds on one codec's error (relative Frobenius, ||x_hat - x|| / ||x||).
+
+    latent: decode(encode(c)) against c, on N(0, 1) latents and on the tiny trained model's latents;
+    attention: the attention output with this codec against the same backend with kv_codec "none"
+    (same weights, inputs and dtype), so only the cache's rounding differs.
+    """
+
+    latent: float
+    attention: float
+    reason: str
+
+
+#: The one table of codec error bounds (mirrored in markers.md). Measured (tests/figures) on N(0, 1)
+#: latents [4 x 256 x 512], V2-Lite random weights in BF16 (prefill 20 + 6 decode steps) and the tiny
+#: trained model's latents / attention in float32; bounds are about 2x the worst measurement.
+ERROR_BOUNDS: dict[str, ErrorBound] = {
+    "none": ErrorBound(0.0, 0.0, "the cache stores the values it is given: exact"),
+    "int8-tensor": ErrorBound(
+        2.5e-2, 3e-2, "one scale for all tokens: step = amax / 127 of the whole first write (about 4.5 sigma on "
+                      "Gaussian data), so small channels lose ~1 of ~50 steps; measured 1.0e-2 latent"),
+    "int8-token": ErrorBound(
+        1.5e-2, 2e-2, "step = token amax / 127 over 512 channels (~3.3 sigma); uniform rounding gives "
+                      "rel ~ amax / (127 sqrt 12) ~ 7.5e-3"),
+    "int8-g16": ErrorBound(1e-2, 1.5e-2, "16-channel groups: step = group amax / 127 (~2 sigma), measured ~4.5e-3"),
+    "int8-g32": ErrorBound(1e-2, 1.5e-2, "32-channel groups: step = group amax / 127 (~2.3 sigma), measured ~5e-3"),
+    "int8-g16-kpe-int8": ErrorBound(1e-2, 1.5e-2, "int8-g16 plus k_pe INT8 in 8-channel groups (k_pe rel ~4e-3)"),
+    "int8-g32-kpe-int8": ErrorBound(1e-2, 1.5e-2, "int8-g32 plus k_pe INT8 in 8-channel groups"),
+    "int4-sym-g16": ErrorBound(1.6e-1, 2e-1, "7 steps each side of 0 per 16-channel group: rel ~ 2/(7 sqrt 12) "
+                                             "~ 8e-2 measured"),
+    "int4-sym-g32": ErrorBound(1.8e-1, 2.2e-1, "7 steps each side per 32-channel group, measured ~9e-2"),
+    "int4-asym-g16": ErrorBound(1.2e-1, 1.5e-1, "15 steps over [min, max] per 16-channel group: finer than "
+                                                "symmetric's 14 usable, measured ~6e-2"),
+    "int4-asym-g32": ErrorBound(1.4e-1, 1.7e-1, "15 steps over [min, max] per 32-channel group, measured ~7e-2"),
+    "int4-asym-g16-kpe-int4": ErrorBound(1.2e-1, 1.8e-1, "int4-asym-g16 plus k_pe INT4 (8-channel groups): the "
+                                                         "rotated key's error moves every score too"),
+    "int4-asym-g32-kpe-int4": ErrorBound(1.4e-1, 2e-1, "int4-asym-g32 plus k_pe INT4 (8-channel groups)"),
+    "int2-asym-g32": ErrorBound(6e-1, 7e-1, "negative control: 4 levels per 32-channel group, measured ~0.3-0.4; "
+                                           "must land far outside every INT8 bound"),
+    "fp8-e4m3-flashmla": ErrorBound(4e-2, 5e-2, "e4m3 keeps 3 mantissa bits: rel step 2^-4 at worst, ~2.2e-2 rms "
+                                                "per value; the power-of-two tile scale costs no precision"),
+}
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+class QuantizedLatentCache(SlotCache):
+    """reference-absorbed's cache for ``kv_codec != "none"``: the codec's per-token buffers
+    [B, capacity, *shape per token] plus its global buffers (e.g. int8-tensor's scale, shape (1,)).
+
+    ``write_latent`` encodes on write (the first write with a valid token calibrates the global
+    buffers); ``read_latent`` decodes the first T slots into the cache dtype.
+    """
+
+    def __init__(self, config: MLAConfig, *, batch_size: int, capacity: int, dtype: torch.dtype, device,
+                 kv_codec: str):
+        codec = get_codec(kv_codec)
+        reason = codec.unsupported_reason(config, dtype)
+        if reason:
+            raise ValueError(reason)
+        bufs = {name: torch.zeros(batch_size, capacity, *shape, dtype=dt, device=device)
+                for name, (shape, dt) in codec.storage(config, dtype).items()}
+        super().__init__(bufs, batch_size=batch_size, capacity=capacity, device=device, config=config,
+                         kv_codec=kv_codec)
+        self.codec = codec
+        self.dtype = dtype
+        self._globals = {name: torch.zeros(*shape, dtype=dt, device=device)
+                         for name, (shape, dt) in codec.global_storage(config).items()}
+        self.calibrated = not self._globals
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {**self._buffers, **self._globals}
+
+    def allocated_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def slot_nbytes(self) -> int:
+        return sum(t[0, 0].numel() * t.element_size() for t in self._buffers.values())
+
+    def global_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._globals.values())
+
+    def active_nbytes(self) -> int:
+        tokens = int(self.seq_lens.sum())
+        return tokens * self.slot_nbytes() + (self.global_nbytes() if tokens else 0)
+
+    def write_latent(self, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor) -> None:
+        if int(lengths.sum()) == 0:
+            return
+        if not self.calibrated:
+            valid = torch.arange(c.shape[1], device=c.device)[None, :] < lengths.to(c.device)[:, None]
+            for name, value in self.codec.calibrate(c[valid], k_pe[valid]).items():
+                self._globals[name].copy_(value)
+            self.calibrated = True
+        parts = self.codec.encode(c, k_pe, self.dtype, self._globals)
+        for name, values in parts.items():
+            self.write(name, values, lengths)
+
+    def read_latent(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = {name: buf[:, :T] for name, buf in self._buffers.items()}
+        return self.codec.decode(parts, self.dtype, self._globals)
+
+
+# --------------------------------------------------------------------------- measured bytes and the CLI
+
+
+def measure_bytes(codec_name: str, config: MLAConfig, dtype: torch.dtype, *, batch: int = 2, tokens: int = 5,
+                  device="cpu", seed: int = 0) -> dict[str, int]:
+    """Write ``tokens`` random latents per row through reference-absorbed's cache; bytes per token per layer."""
+    from mla_conformance.backends.reference import ReferenceAbsorbed
+
+    cache = ReferenceAbsorbed().new_cache(config, batch_size=batch, capacity=tokens + 3, dtype=dtype,
+                                          device=device, kv_codec=codec_name)
+    gen = torch.Generator().manual_seed(seed)
+    c = torch.randn(batch, tokens, config.kv_lora_rank, generator=gen).to(device=device, dtype=dtype)
+    k_pe = torch.randn(batch, tokens, config.qk_rope_head_dim, generator=gen).to(device=device, dtype=dtype)
+    positions = torch.arange(tokens, device=device).expand(batch, tokens)
+    lengths, new = cache.write_plan(positions, None)
+    cache.write_latent(c, k_pe, lengths)
+    cache.seq_lens = new
+    n = batch * tokens
+    active = int(cache.active_nbytes())
+    global_bytes = int(getattr(cache, "global_nbytes", lambda: 0)())
+    tensor_bytes = sum(t.numel() * t.element_size() for t in cache.tensors().values())
+    return {"tokens": n, "active_nbytes": active, "global_bytes": global_bytes,
+            "bytes_per_token_layer": (active - global_bytes) // n, "remainder": (active - global_bytes) % n,
+            "allocated_nbytes": int(cache.allocated_nbytes()), "tensor_bytes": tensor_bytes}
+
+
+def seed_001_figures(config: MLAConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """Seed 001's two headline sizes (metadata-free) next to the honest ones of the codecs it maps to."""
+    base = SEED_001_EXPANDED_BYTES
+    out: dict[str, Any] = {"source": "seed 001 (DeepSeek-V2-Lite, 27 layers; ratio base 10,240 B/layer x 27 = "
+                                     "276,480 B/token expanded BF16)",
+                           "expanded_bytes_per_token": base, "layers": SEED_001_LAYERS, "schemes": []}
+    for scheme in ("production: absorbed + per-channel INT8", "extreme: absorbed + asymmetric INT4"):
+        info = SEED_001_SCHEMES[scheme]
+        seed_layer = info["bytes_per_token_layer"]
+        seed_model = seed_layer * SEED_001_LAYERS
+        row = {"scheme": scheme, "reported": info["reported"], "seed_bytes_per_token_layer": seed_layer,
+               "seed_model_bytes_per_token": seed_model, "seed_model_kib": round(seed_model / 1024, 4),
+               "seed_ratio_vs_expanded": round(base / seed_model, 4), "honest": []}
+        for name in (info["codec"], info["alt_codec"]):
+            b = get_codec(name).bytes_per_token(config, dtype)
+            model = b["total"] * config.num_hidden_layers
+            row["honest"].append({"codec": name, "payload": b["payload"], "metadata": b["metadata"],
+                                  "total": b["total"], "model_bytes_per_token": model,
+                                  "model_kib": round(model / 1024, 4), "ratio_vs_expanded": round(base / model, 4),
+                                  "difference_bytes": model - seed_model,
+                                  "difference_pct": round(100 * (model - seed_model) / seed_model, 2)})
+        out["schemes"].append(row)
+    return out
+
+
+def codec_table(preset: str, dtype: torch.dtype, device="cpu") -> dict[str, Any]:
+    """Per codec: measured bytes per token per layer (checked against the formula), whole model, ratios."""
+    config = MLAConfig.preset(preset)
+    elem = _elem(dtype)
+    latent, expanded = config.latent_dim * elem, config.expanded_dim * elem
+    rows = []
+    for name, codec in CODECS.items():
+        row: dict[str, Any] = {"name": name, "description": codec.description, "kpe": codec.kpe,
+                               "seed_001": codec.seed_001}
+        reason = codec.unsupported_reason(config, dtype)
+        if reason:
+            row["unsupported"] = reason
+            rows.append(row)
+            continue
+        formula = codec.bytes_per_token(config, dtype)
+        measured = measure_bytes(name, config, dtype, device=device)
+        if (measured["bytes_per_token_layer"] != formula["total"] or measured["remainder"]
+                or measured["global_bytes"] != codec.global_nbytes(config)
+                or measured["allocated_nbytes"] != measured["tensor_bytes"]):
+            raise AssertionError(f"kv_codec {name}: measured {measured} disagrees with the formula {formula}")
+        total = formula["total"]
+        row.update(payload=formula["payload"], metadata=formula["metadata"], total=total,
+                   measured_bytes_per_token_layer=measured["bytes_per_token_layer"],
+                   global_bytes=measured["global_bytes"],
+                   model_bytes_per_token=total * config.num_hidden_layers,
+                   ratio_vs_latent=round(latent / total, 4), ratio_vs_expanded=round(expanded / total, 4))
+        rows.append(row)
+    out = {"preset": preset, "dtype": str(dtype).removeprefix("torch."), "layers": config.num_hidden_layers,
+           "latent_bytes_per_token_layer": latent, "expanded_bytes_per_token_layer": expanded, "codecs": rows}
+    if preset == "deepseek-v2-lite":
+        out["seed_001"] = seed_001_figures(config, dtype)
+    else:
+        out["seed_001"] = {"applies": False, "reason": "seed 001 measured DeepSeek-V2-Lite; run with "
+                                                       "--preset deepseek-v2-lite for its figures"}
+    return out
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "codecs", help="bytes per token of every KV codec (measured from real caches), ratios, seed 001",
+        description="For each quantized latent-cache layout: payload and metadata bytes per token per layer, "
+                    "measured by writing tokens into reference-absorbed caches and checked against the layout "
+                    "formula; whole-model bytes; ratios against the plain latent and expanded caches; and seed "
+                    "001's metadata-free sizes next to the honest ones.")
+    p.add_argument("--preset", default="deepseek-v2-lite", help="MLAConfig preset (default: deepseek-v2-lite)")
+    p.add_argument("--dtype", default="bfloat16", help="cache dtype (default: bfloat16)")
+    p.add_argument("--json", action="store_true", help="print deterministic JSON")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    from mla_conformance.checks import DTYPES
+    from mla_conformance.errors import MLAInputError
+
+    MLAConfig.preset(args.preset)  # unknown preset -> MLAInputError naming it -> exit 2
+    if args.dtype not in DTYPES:
+        raise MLAInputError(f"unknown --dtype {args.dtype!r}; known: {', '.join(DTYPES)}")
+    table = codec_table(args.preset, DTYPES[args.dtype])
+    if args.json:
+        print(json.dumps(table, indent=1, sort_keys=True))
+        return 0
+    print(f"KV codecs at {args.preset} ({table['layers']} layers), cache dtype {table['dtype']}: bytes per token "
+          f"per layer (measured == formula); plain latent {table['latent_bytes_per_token_layer']:,} B, "
+          f"expanded {table['expanded_bytes_per_token_layer']:,} B")
+    print(f"{'codec':24} {'payload':>8} {'meta':>6} {'total':>6} {'model B/tok':>12} {'x latent':>9} "
+          f"{'x expanded':>10}  k_pe")
+    for r in table["codecs"]:
+        if "unsupported" in r:
+            print(f"{r['name']:24} unsupported: {r['unsupported']}")
+            continue
+        print(f"{r['name']:24} {r['payload']:>8,} {r['metadata']:>6,} {r['total']:>6,} "
+              f"{r['model_bytes_per_token']:>12,} {r['ratio_vs_latent']:>9.2f} {r['ratio_vs_expanded']:>10.2f}  "
+              f"{r['kpe']}")
+    seed = table["seed_001"]
+    if seed.get("schemes"):
+        print(f"\nseed 001 (no scale/zero-point bytes counted; base {seed['expanded_bytes_per_token']:,} B/token):")
+        for s in seed["schemes"]:
+            print(f"  {s['scheme']}: {s['seed_bytes_per_token_layer']} B x {seed['layers']} = "
+                  f"{s['seed_model_bytes_per_token']:,} B = {s['seed_model_kib']:.1f} KiB, "
+                  f"{s['seed_ratio_vs_expanded']:.1f}x (reported {s['reported']})")
+            for h in s["honest"]:
+                print(f"    with scales, {h['codec']}: {h['payload']} + {h['metadata']} = {h['total']} B x "
+                      f"{seed['layers']} = {h['model_bytes_per_token']:,} B = {h['model_kib']:.1f} KiB, "
+                      f"{h['ratio_vs_expanded']:.1f}x ({h['difference_bytes']:+,} B, {h['difference_pct']:+.1f}%)")
+    return 0

@@ -1,0 +1,358 @@
+"""The optional paged-cache extension: a backend with ``supports_paging = True`` and
+``new_cache(..., page_block_size=N)`` (FlashMLA's layout: shuffled pages of N tokens, a block table).
+
+* paged == contiguous, bit for bit (``torch.equal``): storing tokens in pages changes where they live,
+  not the arithmetic. The reference-absorbed paged cache gathers the pages back into the same
+  [B, T, 512] / [B, T, 64] operands the contiguous cache slices, so every einsum sees identical values
+  and shapes (measured: identical in float64, float32 and bfloat16, tiny and V2-Lite dims, pages 16 and
+  64). A backend whose paged path really runs other arithmetic (another kernel) may declare
+  ``paged_bit_exact = False`` and is then held to its dtype's tolerance instead.
+* a varlen batch with a row that is empty during prefill, decode steps where a row appends nothing,
+  and a multi-token chunk after decoding; pages of 16 (rows span pages, partial last pages) and 64.
+* NaN in a slot no token was written to never reaches an output: the test fills every floating-point
+  buffer of a fresh paged cache with NaN before the first write (the pool's pages hold garbage until
+  written), so masking must *select* (0 * NaN is NaN).
+* FlashMLA's page layout (mla_conformance.paged.to_flashmla_layout / from_contiguous) against the
+  contiguous reference cache's contents.
+
+A backend without the extension (only the base contract) skips with a sentence saying so.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_conformance import MLAConfig, MLAWeights, checks
+from mla_conformance.backends import get_backend, supports_paging
+from mla_conformance.backends.reference import LatentSlotCache
+from mla_conformance.paged import PagedLatentCache, from_contiguous, to_flashmla_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE_SIZES = [16, 64]
+CAPACITY = 40  # not a multiple of either page size: every row's last page is partial
+
+#: per-row token counts of each attend call: row 1 is empty during prefill, rows sit out decode
+#: steps, and a 5-token chunk follows decoding (rows reach 31, 4, 10 and 22 tokens).
+CALLS = [(23, 0, 7, 16), (1, 1, 0, 1), (1, 1, 1, 1), (0, 1, 1, 1), (5, 0, 0, 2), (1, 1, 1, 1)]
+TOTALS = tuple(sum(c[b] for c in CALLS) for b in range(4))
+
+#: FlashMLA's head dims (kv_lora 512 + rope 64 = 576) and V2-Lite's 16 heads on a narrow layer: pages 576 wide,
+#: projections cheap on a CPU (V2-Lite's own dims run in suites/test_flashmla.py)
+DIMS_576 = MLAConfig(hidden_size=256, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                     qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+                     max_position_embeddings=64)
+
+CASES = [("tiny", "float32"), ("tiny", "bfloat16"), ("dims-576", "bfloat16")]
+
+
+@functools.lru_cache(maxsize=4)
+def _weights(preset: str, dtype: torch.dtype, device: str = "cpu") -> MLAWeights:
+    if preset == "dims-576":
+        return MLAWeights.random(DIMS_576, seed=0, dtype=torch.float64).to(dtype, device=device)
+    return checks.weights_for(preset, dtype, device)
+
+
+def require_paging(backend, page_block_size: int | None = None) -> None:
+    """Skip unless the backend opts in to paging (and, when it lists them, to this page size)."""
+    if not supports_paging(backend):
+        pytest.skip(f"{backend.name} does not implement the optional paged-cache extension (supports_paging)")
+    sizes = getattr(backend, "page_block_sizes", None)
+    if page_block_size is not None and sizes is not None and page_block_size not in tuple(sizes):
+        pytest.skip(f"{backend.name} pages the cache in blocks of {', '.join(map(str, sizes))} tokens, "
+                    f"not {page_block_size}")
+
+
+def poison_(cache) -> None:
+    """NaN into every floating-point buffer: what a freshly allocated page pool may hold."""
+    for t in checks.call_backend(cache, "tensors").values():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+
+
+class Paged:
+    """A backend seen through new_cache(..., page_block_size=N); the fresh cache is NaN-poisoned."""
+
+    def __init__(self, backend, page_block_size: int, poison: bool = True):
+        self.backend, self.page_block_size, self.poison = backend, page_block_size, poison
+        self.name = backend.name
+
+    def unsupported_reason(self, *args, **kwargs):
+        return self.backend.unsupported_reason(*args, **kwargs)
+
+    def new_cache(self, *args, **kwargs):
+        cache = self.backend.new_cache(*args, page_block_size=self.page_block_size, **kwargs)
+        if self.poison:
+            poison_(cache)
+        return cache
+
+    def attend(self, *args, **kwargs):
+        return self.backend.attend(*args, **kwargs)
+
+
+def drive(backend, weights, x, calls, *, capacity=CAPACITY, device="cpu", kv_codec="none"):
+    """Run attend() per ``calls`` (per-row new-token counts); outputs [B, T, hidden] float64 by position."""
+    B = len(calls[0])
+    cache = checks.call_backend(backend, "new_cache", weights.config, batch_size=B, capacity=capacity,
+                                dtype=weights.dtype, device=device, kv_codec=kv_codec)
+    xd = x.to(device=device, dtype=weights.dtype)
+    out = torch.zeros(B, x.shape[1], weights.config.hidden_size, dtype=torch.float64)
+    done = torch.zeros(B, dtype=torch.int64)
+    for k, call in enumerate(calls):
+        lengths = torch.tensor(call, dtype=torch.int64)
+        S = int(lengths.max())
+        positions = done[:, None] + torch.arange(S)[None, :]
+        h = xd[torch.arange(B)[:, None], positions.clamp(max=x.shape[1] - 1).to(device)]
+        o = checks.call_backend(backend, "attend", weights, h, positions.to(device), cache, lengths.to(device))
+        checks.check_output(backend, o, h, lengths, f"call {k} {list(call)}", positions)
+        for b in range(B):
+            n = int(lengths[b])
+            out[b, int(done[b]):int(done[b]) + n] = o[b, :n].to("cpu", torch.float64)
+        done += lengths
+    return out, cache
+
+
+def _inputs(config, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(len(TOTALS), max(TOTALS), config.hidden_size, generator=gen, dtype=torch.float64)
+
+
+def _valid():
+    return torch.arange(max(TOTALS))[None, :] < torch.tensor(TOTALS)[:, None]
+
+
+# --------------------------------------------------------------------------- every backend under test
+
+
+@pytest.mark.parametrize("page_block_size", PAGE_SIZES)
+@pytest.mark.parametrize("preset,dtype", CASES)
+def test_paged_equals_contiguous(backend, preset, dtype, page_block_size, mla_device, figures):
+    """Shuffled pages, varlen batch with empty rows, decode steps: the same outputs as the contiguous cache."""
+    w = _weights(preset, checks.DTYPES[dtype], str(mla_device))
+    checks.require_support(backend, w.config, dtype=w.dtype, device=mla_device)
+    require_paging(backend, page_block_size)
+    x = _inputs(w.config)
+    contiguous, _ = drive(backend, w, x, CALLS, device=mla_device)
+    paged, cache = drive(Paged(backend, page_block_size), w, x, CALLS, device=mla_device)
+    valid = _valid()
+    m = checks.error_metrics(paged[valid], contiguous[valid])
+    figures.update(page_block_size=page_block_size, **m)
+    assert [int(v) for v in cache.seq_lens.tolist()] == list(TOTALS)
+    if getattr(backend, "paged_bit_exact", True):
+        assert torch.equal(paged, contiguous), (
+            f"{backend.name} {preset} {dtype} page {page_block_size}: the paged cache changes the outputs "
+            f"({checks.format_metrics(m)}); storage in pages should not change the arithmetic")
+    else:
+        tol = checks.TOLERANCES[dtype]
+        assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, checks.format_metrics(m)
+
+
+def test_nan_in_unused_pages_never_reaches_outputs(backend, mla_device, figures):
+    """Every slot of the paged cache starts as NaN; outputs stay finite and equal the contiguous run."""
+    w = checks.weights_for("tiny", torch.float32, mla_device)
+    checks.require_support(backend, w.config, dtype=w.dtype, device=mla_device)
+    require_paging(backend, 16)
+    x = _inputs(w.config, seed=7)
+    contiguous, _ = drive(backend, w, x, CALLS, device=mla_device)
+    paged, cache = drive(Paged(backend, 16), w, x, CALLS, device=mla_device)  # check_output: finite
+    assert bool(torch.isfinite(paged[_valid()]).all())
+    assert torch.equal(paged, contiguous) or not getattr(backend, "paged_bit_exact", True)
+    nan_slots = sum(int(torch.isnan(t).sum()) for t in cache.tensors().values() if t.is_floating_point())
+    figures.update(nan_elements_left_in_cache=nan_slots)
+    if isinstance(cache, PagedLatentCache):  # the poison is really there: every slot but the stored tokens
+        assert nan_slots == (cache.num_pages * cache.page_block_size - sum(TOTALS)) * cache.kv_pages.shape[-1]
+
+
+def test_paged_cache_bytes(backend, mla_device, figures):
+    """active = stored tokens x 576 x element size; allocated = the bytes of tensors() (pool + block table)."""
+    w = _weights("dims-576", torch.bfloat16, str(mla_device))
+    checks.require_support(backend, w.config, dtype=w.dtype, device=mla_device)
+    require_paging(backend, 64)
+    _, cache = drive(Paged(backend, 64, poison=False), w, _inputs(w.config), CALLS, device=mla_device)
+    active, allocated = int(cache.active_nbytes()), int(cache.allocated_nbytes())
+    tensors = {k: t.numel() * t.element_size() for k, t in cache.tensors().items()}
+    figures.update(active_nbytes=active, allocated_nbytes=allocated, tensors=tensors)
+    assert active == sum(TOTALS) * 576 * 2
+    assert allocated == sum(tensors.values()) >= active
+
+
+# --------------------------------------------------------------------------- skip for the base contract
+
+
+def test_base_contract_backend_skips_not_fails():
+    """IndependentMLA has only the base contract: the paged tests skip it, naming the extension."""
+    independent = get_backend(f"{ROOT / 'suites' / 'meta' / 'independent_backend.py'}:IndependentMLA")
+    assert not hasattr(independent, "supports_paging")
+    with pytest.raises(pytest.skip.Exception) as info:
+        require_paging(independent, 16)
+    assert str(info.value) == ("independent-absorbed does not implement the optional paged-cache extension "
+                               "(supports_paging)")
+
+
+def test_listed_page_sizes_gate():
+    flashmla = get_backend("mla_conformance.backends.flashmla:FlashMLA")
+    require_paging(flashmla, 64)
+    with pytest.raises(pytest.skip.Exception, match="blocks of 64 tokens, not 16"):
+        require_paging(flashmla, 16)
+
+
+# --------------------------------------------------------------------------- the reference paged cache itself
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """reference-absorbed over CALLS at 576-wide latents, bf16: the contiguous cache and paged caches (16, 64)."""
+    ref = get_backend("reference-absorbed")
+    w = _weights("dims-576", torch.bfloat16)
+    x = _inputs(w.config)
+    _, contiguous = drive(ref, w, x, CALLS)
+    paged = {n: drive(Paged(ref, n, poison=False), w, x, CALLS)[1] for n in PAGE_SIZES}
+    return contiguous, paged
+
+
+@pytest.mark.parametrize("page_block_size", PAGE_SIZES)
+def test_flashmla_layout_holds_the_contiguous_cache(runs, page_block_size):
+    """k_cache[block_table[b, t // N], t % N, 0] == [kv_latent | k_pe][b, t] for every stored token."""
+    contiguous, paged = runs[0], runs[1][page_block_size]
+    k_cache, block_table, cache_seqlens = to_flashmla_layout(paged)
+    N, B = page_block_size, len(TOTALS)
+    assert k_cache.data_ptr() == paged.kv_pages.data_ptr()  # the pool itself, no copy
+    assert k_cache.shape == (paged.num_pages, N, 1, 576) and k_cache.dtype == torch.bfloat16
+    assert block_table.dtype == torch.int32 and block_table.shape == (B, math.ceil(CAPACITY / N))
+    assert cache_seqlens.dtype == torch.int32 and cache_seqlens.tolist() == list(TOTALS)
+    owned = block_table.flatten()
+    assert owned.unique().numel() == owned.numel()  # no page is shared
+    assert not torch.equal(owned.sort().values, owned), "pages are handed out in order, not shuffled"
+    spare = sorted(set(range(paged.num_pages)) - set(owned.tolist()))
+    assert len(spare) == paged.spare_pages >= 2 and bool(torch.isnan(k_cache[spare]).all())
+    bufs = contiguous.tensors()
+    expect = torch.cat([bufs["kv_latent"], bufs["k_pe"]], dim=-1)
+    for b, n in enumerate(TOTALS):
+        t = torch.arange(n)
+        got = k_cache[block_table[b, t // N].long(), t % N, 0]
+        assert torch.equal(got, expect[b, :n]), f"row {b}"
+        tail = torch.arange(n, CAPACITY)
+        assert bool(torch.isnan(k_cache[block_table[b, tail // N].long(), tail % N]).all()), f"row {b} tail"
+    # the contiguous cache converts to the same pages' contents
+    k2, bt2, sl2 = to_flashmla_layout(contiguous, page_block_size=N)
+    for b, n in enumerate(TOTALS):
+        t = torch.arange(n)
+        assert torch.equal(k2[bt2[b, t // N].long(), t % N, 0], expect[b, :n])
+    assert torch.equal(sl2, cache_seqlens)
+
+
+@pytest.mark.parametrize("page_block_size", PAGE_SIZES)
+def test_read_latent_equals_contiguous(runs, page_block_size):
+    """Gathered through the block table, the pages read back as the contiguous slots (zeros past each row)."""
+    contiguous, paged = runs[0], runs[1][page_block_size]
+    T = max(TOTALS)
+    c_ref, kpe_ref = contiguous.read_latent(T)
+    c, kpe = paged.read_latent(T)
+    assert torch.equal(c, c_ref) and torch.equal(kpe, kpe_ref)
+    assert paged.active_nbytes() == contiguous.active_nbytes() == sum(TOTALS) * 576 * 2
+    assert paged.allocated_nbytes() == sum(t.numel() * t.element_size() for t in paged.tensors().values())
+    assert set(paged.tensors()) == {"kv_pages", "block_table"}
+
+
+def test_from_contiguous_round_trip():
+    gen = torch.Generator().manual_seed(3)
+    c = torch.randn(3, 50, 512, generator=gen).to(torch.bfloat16)
+    k_pe = torch.randn(3, 50, 64, generator=gen).to(torch.bfloat16)
+    lengths = torch.tensor([50, 0, 17])
+    cache = from_contiguous(c, k_pe, lengths, 16, capacity=64)
+    assert cache.seq_lens.tolist() == [50, 0, 17] and cache.capacity == 64
+    valid = (torch.arange(50)[None, :] < lengths[:, None])[..., None]
+    rc, rk = cache.read_latent(50)
+    assert torch.equal(rc, torch.where(valid, c, 0)) and torch.equal(rk, torch.where(valid, k_pe, 0))
+    k_cache, bt, sl = to_flashmla_layout(cache)
+    t = torch.arange(17)
+    assert torch.equal(k_cache[bt[2, t // 16].long(), t % 16, 0], torch.cat([c[2, :17], k_pe[2, :17]], -1))
+    assert sl.tolist() == [50, 0, 17]
+    assert cache.active_nbytes() == 67 * 576 * 2
+
+
+def test_masking_by_selection_is_what_keeps_nan_out():
+    """Teeth: a paged cache that hands back the raw pages (no torch.where) leaks NaN into outputs."""
+
+    class Leaky(PagedLatentCache):
+        def read_latent(self, T):
+            kv = self.gather(T)["kv"]
+            return kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank:]
+
+    ref = get_backend("reference-absorbed")
+
+    class LeakyBackend(Paged):
+        def new_cache(self, config, **kw):
+            kw.pop("kv_codec", None)
+            return Leaky(config, page_block_size=16, **kw)
+
+    w = checks.weights_for("tiny", torch.float32)
+    with pytest.raises(AssertionError, match="non-finite"):
+        drive(LeakyBackend(ref, 16), w, _inputs(w.config), CALLS)
+
+
+def test_page_arguments_are_checked():
+    cfg = checks.weights_for("tiny", torch.float32).config
+    with pytest.raises(ValueError, match="page_block_size"):
+        PagedLatentCache(cfg, batch_size=1, capacity=8, dtype=torch.float32, page_block_size=0)
+    cache = PagedLatentCache(cfg, batch_size=2, capacity=8, dtype=torch.float32, page_block_size=4)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.write_plan(torch.arange(9).expand(2, 9), None)
+    assert isinstance(cache, LatentSlotCache) and cache.max_pages_per_row == 2
+
+
+# --------------------------------------------------------------------------- quantized pages
+
+
+def _has_codecs() -> bool:
+    try:
+        import mla_conformance.codecs  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_unknown_or_unavailable_codec_is_a_clear_error():
+    cfg = checks.weights_for("tiny", torch.bfloat16).config
+    with pytest.raises(ValueError, match="kv_codec 'fp5-nope'"):
+        PagedLatentCache(cfg, batch_size=1, capacity=8, dtype=torch.bfloat16, kv_codec="fp5-nope")
+    if _has_codecs():  # the codec's own reason: FlashMLA's FP8 layout needs 512 + 64 dims
+        with pytest.raises(ValueError, match="512"):
+            PagedLatentCache(cfg, batch_size=1, capacity=8, dtype=torch.bfloat16, kv_codec="fp8-e4m3-flashmla")
+
+
+#: FlashMLA's FP8 (one uint8 buffer), a codec with a calibrated global scale, and one with packed int4 k_pe
+CODEC_CASES = [("fp8-e4m3-flashmla", "dims-576"), ("int8-tensor", "tiny"), ("int4-asym-g16-kpe-int4", "tiny")]
+
+
+@pytest.mark.parametrize("page_block_size", PAGE_SIZES)
+@pytest.mark.parametrize("codec,preset", CODEC_CASES)
+def test_quantized_pages_equal_contiguous_codec(codec, preset, page_block_size):
+    """A codec's buffers in pages (NaN / 0xFF until written): outputs == reference-absorbed's contiguous codec cache."""
+    if not _has_codecs():
+        pytest.skip("mla_conformance.codecs is not in this installation: no quantized codecs to page")
+    ref = get_backend("reference-absorbed")
+    w = _weights(preset, torch.bfloat16)
+    checks.require_support(ref, w.config, dtype=w.dtype, device="cpu", kv_codec=codec)
+    x = _inputs(w.config)
+    contiguous, ccache = drive(ref, w, x, CALLS, kv_codec=codec)
+    paged, cache = drive(Paged(ref, page_block_size, poison=False), w, x, CALLS, kv_codec=codec)
+    assert isinstance(cache, PagedLatentCache)
+    assert torch.equal(paged, contiguous), checks.format_metrics(checks.error_metrics(paged, contiguous))
+    assert cache.active_nbytes() == ccache.active_nbytes()
+    assert cache.allocated_nbytes() == sum(t.numel() * t.element_size() for t in cache.tensors().values())
+    if codec == "fp8-e4m3-flashmla":
+        k_cache, _, _ = to_flashmla_layout(cache)
+        assert k_cache.dtype == torch.uint8 and k_cache.shape == (cache.num_pages, page_block_size, 1, 656)
+        assert cache.active_nbytes() == sum(TOTALS) * 656
+        bt = cache.block_table
+        for b, n in enumerate(TOTALS):  # the same 656 bytes per token as the contiguous codec cache
+            t = torch.arange(n)
+            assert torch.equal(k_cache[bt[b, t // page_block_size].long(), t % page_block_size, 0],
+                               ccache.tensors()["kv"][b, :n])

@@ -1,0 +1,470 @@
+"""Quantized latent caches (KV codecs of mla_conformance.codecs): bytes, errors, the FP8 layout, the CLI.
+
+* bytes per token per layer measured from the cache tensors after tokens went through ``attend`` equal
+  the layout formula (V2-Lite BF16: plain 1,152 B, FlashMLA FP8 656 B), next to seed 001's figures;
+* the latent round trip and the attention output stay within each codec's bound of
+  ``codecs.ERROR_BOUNDS`` (Gaussian latents, V2-Lite random weights, and the tiny trained model);
+  the INT2 negative control lands far outside every INT8 bound; seed 001's rankings are recorded;
+* the FP8 codec is FlashMLA's V3.2 layout byte for byte against an encoding written here;
+* ``mla-conformance codecs --json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_conformance import checks
+from mla_conformance import reference as ref
+from mla_conformance.backends import cache_format_of, get_backend
+from mla_conformance.codecs import CODECS, ERROR_BOUNDS, SEED_001_SCHEMES, get_codec
+from mla_conformance.config import MLAConfig
+
+MODEL_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "models" / "tiny-mla"
+PROMPTS = MODEL_DIR.parent.parent / "prompts.json"
+INT8 = [n for n in CODECS if n.startswith("int8")]
+#: varlen prefill then one decode step, so a token is written after the cache was read once.
+ATTENTION_SCENARIO = checks.Scenario("codec-attention", (13, 6), decode_steps=1)
+
+#: The layouts pinned at V2-Lite dims in BF16 (payload, metadata) bytes per token per layer: changing a
+#: layout must be deliberate (markers.md lists the same numbers).
+V2_LITE_BF16 = {
+    "none": (1152, 0), "int8-tensor": (640, 0), "int8-token": (640, 4), "int8-g16": (640, 128),
+    "int8-g32": (640, 64), "int8-g16-kpe-int8": (576, 160), "int8-g32-kpe-int8": (576, 96),
+    "int4-sym-g16": (384, 128), "int4-sym-g32": (384, 64), "int4-asym-g16": (384, 256),
+    "int4-asym-g32": (384, 128), "int4-asym-g16-kpe-int4": (288, 288), "int4-asym-g32-kpe-int4": (288, 160),
+    "int2-asym-g32": (256, 128), "fp8-e4m3-flashmla": (640, 16),
+}
+
+BYTES_CASES = ([(c, p, "bfloat16") for p in ("tiny", "deepseek-v2-lite") for c in CODECS]
+               + [(c, "deepseek-v2-lite", "float16") for c in ("none", "int8-g32", "int4-asym-g16-kpe-int4",
+                                                              "fp8-e4m3-flashmla")])
+
+
+def _err(x_hat: torch.Tensor, x: torch.Tensor) -> dict[str, float]:
+    """max / mean abs and relative Frobenius error (no quantiles: these tensors are large)."""
+    x_hat, x = x_hat.to(torch.float64), x.to(torch.float64)
+    d = (x_hat - x).abs()
+    return {"max_abs": float(d.max()), "mean_abs": float(d.mean()), "rel_fro": float(d.norm() / x.norm())}
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def test_layout_formula_matches_storage():
+    """Every codec's formula == the bytes of the buffers it declares, at every preset it supports."""
+    for preset in ("tiny", "deepseek-v2-lite", "deepseek-v3"):
+        config = MLAConfig.preset(preset)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for name, codec in CODECS.items():
+                if codec.unsupported_reason(config, dtype):
+                    continue
+                b = codec.bytes_per_token(config, dtype)
+                declared = sum(math.prod(s) * torch.empty(0, dtype=d).element_size()
+                               for s, d in codec.storage(config, dtype).values())
+                assert b["payload"] + b["metadata"] == b["total"] == declared, (name, preset, dtype, b, declared)
+    lite = MLAConfig.preset("deepseek-v2-lite")
+    got = {n: (b["payload"], b["metadata"]) for n, c in CODECS.items()
+           for b in [c.bytes_per_token(lite, torch.bfloat16)]}
+    assert got == V2_LITE_BF16
+
+
+@pytest.mark.parametrize("codec,preset,dtype", BYTES_CASES)
+def test_codec_bytes(backend, codec, preset, dtype, mla_device, figures):
+    """Write tokens through attend(); bytes per token per layer from the cache == the codec's formula."""
+    dt = checks.DTYPES[dtype]
+    w = checks.weights_for(preset, dt, mla_device)
+    config = w.config
+    checks.require_support(backend, config, dtype=dt, device=mla_device, kv_codec=codec)
+    if cache_format_of(backend) != "latent":
+        pytest.skip(f"{backend.name}: an expanded cache is no latent codec layout (its bytes: test_cache_bytes.py)")
+    scenario = checks.Scenario("codec-bytes", (5, 3), decode_steps=1)
+    x = checks.inputs_for(config, scenario)
+    capacity = 12
+    _, cache = checks.run_scenario(backend, w, x, scenario, device=mla_device, capacity=capacity, kv_codec=codec)
+    if cache_format_of(backend, cache) != "latent":
+        pytest.skip(f"{backend.name}: an expanded cache is no latent codec layout (its bytes: test_cache_bytes.py)")
+    c = get_codec(codec)
+    formula = c.bytes_per_token(config, dt)
+    global_bytes = c.global_nbytes(config)
+    tokens = sum(scenario.total(b) for b in range(scenario.batch))
+    where = f"{backend.name} kv_codec {codec} {preset} {dtype}"
+    assert [int(v) for v in cache.seq_lens.tolist()] == [scenario.total(b) for b in range(scenario.batch)], where
+    active = int(cache.active_nbytes())
+    allocated = int(cache.allocated_nbytes())
+    tensors = cache.tensors()
+    tensor_bytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    assert allocated == sum(tensor_bytes.values()), f"{where}: allocated {allocated} != tensors() {tensor_bytes}"
+    assert (active - global_bytes) % tokens == 0, f"{where}: active {active} B is not a whole number per token"
+    per_token = (active - global_bytes) // tokens
+    assert per_token == formula["total"], (f"{where}: {per_token} B/token/layer measured (active {active} B, "
+                                           f"{tokens} tokens, {global_bytes} B global), formula {formula}")
+    # the same figure from the tensors themselves: per-slot bytes of the [B, capacity, ...] buffers
+    slots = {k: t for k, t in tensors.items() if tuple(t.shape[:2]) == (scenario.batch, capacity)}
+    if set(tensors) - set(slots) <= set(c.global_storage(config)):
+        from_tensors = sum(tensor_bytes[k] for k in slots) // (scenario.batch * capacity)
+        assert from_tensors == formula["total"], f"{where}: tensors hold {from_tensors} B per slot: {tensor_bytes}"
+        assert sum(tensor_bytes[k] for k in set(tensors) - set(slots)) == global_bytes, where
+    elem = torch.empty(0, dtype=dt).element_size()
+    model = formula["total"] * config.num_hidden_layers
+    figures.update(bytes_per_token_layer=per_token, payload=formula["payload"], metadata=formula["metadata"],
+                   global_bytes=global_bytes, tokens=tokens, active_nbytes=active, allocated_nbytes=allocated,
+                   tensors=tensor_bytes, model_bytes_per_token=model, kpe=c.kpe,
+                   ratio_vs_latent=config.latent_dim * elem / per_token,
+                   ratio_vs_expanded=config.expanded_dim * elem / per_token)
+    if preset == "deepseek-v2-lite":
+        if dtype == "bfloat16":
+            assert (formula["payload"], formula["metadata"]) == V2_LITE_BF16[codec], where
+            if codec == "none":
+                assert per_token == 1152
+            if codec == "fp8-e4m3-flashmla":
+                assert per_token == 656
+        for scheme, info in SEED_001_SCHEMES.items():
+            if "bytes_per_token_layer" in info and codec in (info["codec"], info["alt_codec"]):
+                seed_model = info["bytes_per_token_layer"] * 27
+                figures["seed_001"] = {"scheme": scheme, "reported": info["reported"],
+                                       "seed_model_bytes_per_token": seed_model,
+                                       "seed_ratio_vs_expanded": 276_480 / seed_model,
+                                       "honest_model_bytes_per_token": model,
+                                       "honest_ratio_vs_expanded": 276_480 / model,
+                                       "difference_bytes": model - seed_model}
+
+
+# --------------------------------------------------------------------------- layouts in detail
+
+
+def test_unknown_codec_is_named():
+    with pytest.raises(ValueError, match=r"unknown kv_codec 'int3-g7'.*int8-g32.*fp8-e4m3-flashmla"):
+        get_codec("int3-g7")
+    config = MLAConfig.preset("tiny")
+    reason = get_backend("reference-absorbed").unsupported_reason(config, dtype=torch.bfloat16, device="cpu",
+                                                                  kv_codec="int3-g7")
+    assert "int3-g7" in reason and "int8-g32" in reason
+    assert get_backend("reference-naive").unsupported_reason(config, dtype=torch.bfloat16, device="cpu",
+                                                             kv_codec="int8-g32")
+    assert "bfloat16" in get_codec("fp8-e4m3-flashmla").unsupported_reason(
+        MLAConfig.preset("deepseek-v2-lite"), torch.float16)
+    assert "512" in get_codec("fp8-e4m3-flashmla").unsupported_reason(config, torch.bfloat16)
+
+
+def test_int_packing_order():
+    """Packed codes: element 2j in the low nibble of byte j; symmetric INT4 stores q + 8."""
+    c = torch.arange(16, dtype=torch.float32).repeat(2)[None]  # one token, kv_lora 32, two 16-groups
+    k_pe = torch.zeros(1, 8)
+    parts = get_codec("int4-asym-g16").encode(c, k_pe, torch.float32)
+    assert parts["c_q"].dtype == torch.uint8
+    assert parts["c_q"][0].tolist() == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE] * 2
+    assert parts["c_scale"][0].tolist() == [1.0, 1.0] and parts["c_min"][0].tolist() == [0.0, 0.0]
+    sym = get_codec("int4-sym-g16").encode(torch.tensor([[-7.0, 7.0] + [0.0] * 14]), k_pe, torch.float32)
+    assert sym["c_q"][0, 0] == (8 - 7) | ((8 + 7) << 4) and sym["c_scale"][0].tolist() == [1.0]
+    two = get_codec("int2-asym-g32").encode(torch.tensor([[0.0, 1, 2, 3] * 8]), k_pe, torch.float32)
+    assert two["c_q"][0].tolist() == [0b11100100] * 8
+    for name in CODECS:  # decode(encode(x)) == x when x is on every codec's grid
+        codec = get_codec(name)
+        if codec.unsupported_reason(MLAConfig.preset("deepseek-v2-lite"), torch.bfloat16):
+            continue
+        zeros = torch.zeros(3, 512, dtype=torch.bfloat16)
+        c2, k2 = codec.roundtrip(zeros, torch.zeros(3, 64, dtype=torch.bfloat16), torch.bfloat16)
+        assert not c2.any() and not k2.any(), name
+
+
+def test_per_tensor_scale_is_calibrated_once(figures):
+    """int8-tensor: the first write fixes the scale (a (1,) float32 buffer); later larger values clip."""
+    backend = get_backend("reference-absorbed")
+    config = MLAConfig.preset("tiny")
+    cache = backend.new_cache(config, batch_size=1, capacity=4, dtype=torch.float32, device="cpu",
+                              kv_codec="int8-tensor")
+    c1 = torch.linspace(-1, 1, 64)[None, None]
+    k1 = torch.ones(1, 1, 16)
+    lengths, new = cache.write_plan(torch.tensor([[0]]), None)
+    cache.write_latent(c1, k1, lengths)
+    cache.seq_lens = new
+    scale = cache.tensors()["c_scale_tensor"]
+    assert scale.shape == (1,) and scale.dtype == torch.float32 and float(scale) == pytest.approx(1 / 127)
+    lengths, new = cache.write_plan(torch.tensor([[1]]), None)
+    cache.write_latent(3 * c1, k1, lengths)
+    cache.seq_lens = new
+    assert float(cache.tensors()["c_scale_tensor"]) == float(scale)
+    c, _ = cache.read_latent(2)
+    assert float(c[0, 1].abs().max()) == pytest.approx(1.0, abs=1e-6)  # 3.0 clipped to the first write's amax
+    assert cache.active_nbytes() == 2 * (64 + 16 * 4) + 4
+    assert cache.allocated_nbytes() == 4 * (64 + 16 * 4) + 4
+    figures.update(scale=float(scale), clipped_to=float(c[0, 1].abs().max()))
+
+
+def _flashmla_bytes(c: torch.Tensor, k_pe: torch.Tensor) -> bytes:
+    """One token in FlashMLA's V3.2 FP8 layout, written from FlashMLA tests/quant.py's description."""
+    out = bytearray()
+    scales = []
+    for t in range(4):
+        tile = c[t * 128:(t + 1) * 128].to(torch.float32)
+        amax = float(tile.abs().max())
+        scale = 2.0 ** math.ceil(math.log2(max(amax / 448.0, 1e-4)))
+        scales.append(scale)
+        out += (tile / scale).to(torch.float8_e4m3fn).view(torch.uint8).numpy().tobytes()
+    out += struct.pack("<4f", *scales)
+    out += struct.pack("<64H", *[v & 0xFFFF for v in k_pe.view(torch.int16).tolist()])
+    return bytes(out)
+
+
+def test_fp8_flashmla_layout_byte_exact(mla_device, figures):
+    """fp8-e4m3-flashmla: 656 bytes per token exactly as FlashMLA lays them out, in a real cache."""
+    backend = get_backend("reference-absorbed")
+    w = checks.weights_for("deepseek-v2-lite", torch.bfloat16, mla_device)
+    scenario = checks.Scenario("fp8", (7, 4), decode_steps=1)
+    x = checks.inputs_for(w.config, scenario)
+    _, cache = checks.run_scenario(backend, w, x, scenario, device=mla_device, kv_codec="fp8-e4m3-flashmla")
+    kv = cache.tensors()["kv"].cpu()
+    assert kv.dtype == torch.uint8 and kv.shape[-1] == 656
+    positions = torch.arange(x.shape[1]).expand(scenario.batch, -1)
+    _, _, c, k_pe = ref.project(w.to(device="cpu"), x.to(torch.bfloat16), positions)
+    checked = 0
+    for b in range(scenario.batch):
+        for t in range(scenario.total(b)):
+            want = _flashmla_bytes(c[b, t], k_pe[b, t])
+            got = kv[b, t].numpy().tobytes()
+            assert got == want, (f"row {b} token {t}: first differing byte "
+                                 f"{next(i for i in range(656) if got[i] != want[i])}")
+            checked += 1
+    # special tiles: all zero (scale floor 2^-13), tiny, and one at the fp8 maximum after scaling
+    c = torch.zeros(512, dtype=torch.bfloat16)
+    c[128:256] = 1e-6
+    c[256:384] = torch.linspace(-900, 900, 128).to(torch.bfloat16)
+    c[384:] = torch.randn(128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    k = torch.randn(64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    codec = get_codec("fp8-e4m3-flashmla")
+    got = codec.encode(c[None], k[None], torch.bfloat16)["kv"][0]
+    assert got.numpy().tobytes() == _flashmla_bytes(c, k)
+    scales = struct.unpack("<4f", got[512:528].numpy().tobytes())
+    assert scales[0] == 2.0 ** -13 and all(math.frexp(s)[0] == 0.5 for s in scales)
+    c_back, k_back = codec.decode({"kv": got[None]}, torch.bfloat16)
+    assert torch.equal(k_back[0], k) and torch.equal(c_back[0, :128], c[:128])
+    figures.update(tokens_checked=checked + 1, special_tile_scales=list(scales))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@functools.cache
+def _gaussian_latent_errors() -> dict[str, dict[str, dict[str, float]]]:
+    """N(0, 1) latents at V2-Lite dims in BF16 through every codec's round trip."""
+    gen = torch.Generator().manual_seed(0)
+    c = torch.randn(2, 128, 512, generator=gen).to(torch.bfloat16)
+    k_pe = torch.randn(2, 128, 64, generator=gen).to(torch.bfloat16)
+    out = {}
+    for name, codec in CODECS.items():
+        c2, k2 = codec.roundtrip(c, k_pe, torch.bfloat16)
+        out[name] = {"c": _err(c2, c), "k_pe": _err(k2, k_pe)}
+    return out
+
+
+def _attention_error(backend, codec: str, device: str) -> dict[str, float]:
+    """V2-Lite random weights in BF16, varlen batch: the codec's output vs the same backend's kv_codec none
+    output (for reference-absorbed: the unquantized reference), so only the cache's rounding differs."""
+    w = checks.weights_for("deepseek-v2-lite", torch.bfloat16, device)
+    x = checks.inputs_for(w.config, ATTENTION_SCENARIO)
+    base, _ = checks.run_scenario(backend, w, x, ATTENTION_SCENARIO, device=device)
+    o, _ = checks.run_scenario(backend, w, x, ATTENTION_SCENARIO, device=device, kv_codec=codec)
+    valid = torch.arange(x.shape[1])[None, :] < checks.scenario_lengths(ATTENTION_SCENARIO)[:, None]
+    return _err(o[valid], base[valid])
+
+
+@functools.cache
+def _reference_attention_errors(device: str) -> dict[str, dict[str, float]]:
+    """_attention_error of reference-absorbed for every codec it supports at V2-Lite BF16."""
+    backend = get_backend("reference-absorbed")
+    config = MLAConfig.preset("deepseek-v2-lite")
+    return {name: _attention_error(backend, name, device) for name in CODECS
+            if not backend.unsupported_reason(config, dtype=torch.bfloat16, device=device, kv_codec=name)}
+
+
+def _check_bound(name: str, what: str, err: dict[str, float], bound: float, where: str):
+    reason = ERROR_BOUNDS[name].reason
+    assert err["rel_fro"] <= bound, (f"kv_codec {name} {where}: {what} relative error {err['rel_fro']:.3e} exceeds "
+                                     f"its bound {bound:g} ({reason}); max_abs {err['max_abs']:.3e}")
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_latent_roundtrip_gaussian(codec, figures):
+    """decode(encode(c)) on N(0, 1) latents at V2-Lite dims within the codec's latent bound."""
+    e = _gaussian_latent_errors()[codec]
+    bound = ERROR_BOUNDS[codec].latent
+    figures.update(latent=e["c"], k_pe=e["k_pe"], bound=bound, reason=ERROR_BOUNDS[codec].reason)
+    _check_bound(codec, "latent", e["c"], bound, "on N(0, 1) latents")
+    _check_bound(codec, "k_pe", e["k_pe"], bound, "on N(0, 1) rope keys")
+    if get_codec(codec).kpe.startswith("kept"):
+        assert e["k_pe"]["max_abs"] == 0, f"{codec} keeps k_pe but changed it"
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_attention_error(backend, codec, mla_device, figures):
+    """The attention output with the codec vs reference-absorbed with kv_codec none (V2-Lite, BF16)."""
+    w = checks.weights_for("deepseek-v2-lite", torch.bfloat16, mla_device)
+    checks.require_support(backend, w.config, dtype=torch.bfloat16, device=mla_device, kv_codec=codec)
+    e = (_reference_attention_errors(mla_device)[codec] if backend.name == "reference-absorbed"
+         else _attention_error(backend, codec, mla_device))
+    bound = ERROR_BOUNDS[codec].attention
+    figures.update(attention=e, bound=bound, reason=ERROR_BOUNDS[codec].reason)
+    _check_bound(codec, "attention output", e, bound, f"{backend.name} V2-Lite BF16 varlen 13/6 + 1 decode")
+    if codec.startswith("int2"):  # the negative control must be caught by any INT8 bound, with room
+        worst_int8 = max(ERROR_BOUNDS[n].attention for n in INT8)
+        assert e["rel_fro"] > 5 * worst_int8, f"INT2 error {e['rel_fro']:.3e} is not far outside INT8's {worst_int8:g}"
+        assert _gaussian_latent_errors()[codec]["c"]["rel_fro"] > 5 * max(ERROR_BOUNDS[n].latent for n in INT8)
+
+
+# --------------------------------------------------------------------------- the tiny trained model
+
+
+@functools.cache
+def _trained():
+    """Layer inputs and latents of the tiny trained model on its pinned prompts (float32)."""
+    from mla_conformance.generate import layer_weights, load_model
+
+    model = load_model(MODEL_DIR)
+    config = MLAConfig.from_hf(model.config.to_dict())
+    seqs = []
+    if PROMPTS.is_file():
+        data = json.loads(PROMPTS.read_text(encoding="utf-8"))
+        sets = [[ep["token_ids"] for ep in eps if ep.get("token_ids")] for eps in data.get("sets", {}).values()]
+        seqs = [s for eps in sets for s in eps[:3]]  # a few of each set: short and long (past position 64)
+    if not seqs:
+        gen = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (40, 64, 23, 90)]
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+    valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+    with torch.no_grad():
+        hidden = model(input_ids=ids, attention_mask=valid.long(), output_hidden_states=True).hidden_states
+        layers = []
+        for i, (layer, w) in enumerate(zip(model.model.layers, layer_weights(model, config))):
+            x = layer.input_layernorm(hidden[i])
+            positions = torch.arange(ids.shape[1]).expand(len(seqs), -1)
+            _, _, c, k_pe = ref.project(w, x, positions)
+            layers.append({"weights": w, "x": x, "c": c[valid], "k_pe": k_pe[valid],
+                           "none": _attend_once(w, x, lengths, "none")})
+    return {"config": config, "lengths": lengths, "valid": valid, "layers": layers}
+
+
+def _trained_or_skip():
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"the tiny trained model is not there ({MODEL_DIR}; train it with fixtures/train_tiny.py)")
+    return _trained()
+
+
+def _attend_once(weights, x: torch.Tensor, lengths: torch.Tensor, codec: str) -> torch.Tensor:
+    """One varlen prefill of layer inputs x [B, S, hidden] through reference-absorbed with this codec."""
+    backend = get_backend("reference-absorbed")
+    B, S, _ = x.shape
+    cache = backend.new_cache(weights.config, batch_size=B, capacity=S, dtype=x.dtype, device="cpu", kv_codec=codec)
+    with torch.no_grad():
+        return backend.attend(weights, x, torch.arange(S).expand(B, -1), cache, lengths)
+
+
+@functools.cache
+def _trained_errors(codec: str) -> dict[str, dict[str, float]]:
+    t = _trained()
+    out = {}
+    for i, layer in enumerate(t["layers"]):
+        c2, k2 = get_codec(codec).roundtrip(layer["c"], layer["k_pe"], torch.float32)
+        out[f"layer{i}_latent"] = _err(c2, layer["c"])
+        out[f"layer{i}_k_pe"] = _err(k2, layer["k_pe"])
+        o = _attend_once(layer["weights"], layer["x"], t["lengths"], codec)
+        out[f"layer{i}_attention"] = _err(o[t["valid"]], layer["none"][t["valid"]])
+    return out
+
+
+@pytest.mark.parametrize("codec", [n for n in CODECS if n != "fp8-e4m3-flashmla"])
+def test_trained_model_errors(codec, figures):
+    """Latent round trip and attention output on the tiny trained model's own latents, every layer."""
+    t = _trained_or_skip()
+    errs = _trained_errors(codec)
+    b = ERROR_BOUNDS[codec]
+    figures.update(errs, latent_bound=b.latent, attention_bound=b.attention, layers=len(t["layers"]))
+    for i in range(len(t["layers"])):
+        _check_bound(codec, "latent", errs[f"layer{i}_latent"], b.latent, f"tiny-mla layer {i}")
+        _check_bound(codec, "k_pe", errs[f"layer{i}_k_pe"], b.latent, f"tiny-mla layer {i}")
+        _check_bound(codec, "attention output", errs[f"layer{i}_attention"], b.attention, f"tiny-mla layer {i}")
+
+
+def _rankings(errors: dict[str, float]) -> dict[str, object]:
+    """Seed 001's claims, evaluated on one error table (codec -> relative error)."""
+    return {
+        "grouped_int8_beats_per_tensor": errors["int8-g16"] < errors["int8-tensor"]
+                                          and errors["int8-g32"] < errors["int8-tensor"],
+        "grouped_int8_beats_per_token": errors["int8-g16"] < errors["int8-token"],
+        "per_tensor_over_grouped": errors["int8-tensor"] / errors["int8-g16"],
+        "asym_int4_beats_sym_int4": errors["int4-asym-g16"] < errors["int4-sym-g16"]
+                                     and errors["int4-asym-g32"] < errors["int4-sym-g32"],
+        "asym_over_sym_g16": errors["int4-asym-g16"] / errors["int4-sym-g16"],
+        "int2_collapses": errors["int2-asym-g32"] > 0.2,
+    }
+
+
+def test_seed_001_ranking(mla_device, figures):
+    """Record whether seed 001's rankings hold on our data (per-channel > per-tensor INT8, asym > sym INT4).
+
+    Nothing is asserted about the ranking: the figures are the result. Seed 001 reported per-tensor 27x
+    worse than per-channel (outliers localized in channels of real V2-Lite latents) and asymmetric INT4
+    30% better than symmetric.
+    """
+    gauss = {n: e["c"]["rel_fro"] for n, e in _gaussian_latent_errors().items()}
+    attn = {n: e["rel_fro"] for n, e in _reference_attention_errors(mla_device).items()}
+    figures["gaussian_latent"] = {"errors": gauss, **_rankings(gauss)}
+    figures["v2_lite_attention"] = {"errors": attn, **_rankings(attn)}
+    figures["seed_001_reported_mean_abs"] = {k: v["mean_err"] for k, v in SEED_001_SCHEMES.items()}
+    if (MODEL_DIR / "config.json").is_file():
+        t = _trained()
+        for i in range(len(t["layers"])):
+            lat = {n: _trained_errors(n)[f"layer{i}_latent"]["rel_fro"] for n in CODECS if n != "fp8-e4m3-flashmla"}
+            att = {n: _trained_errors(n)[f"layer{i}_attention"]["rel_fro"] for n in lat}
+            figures[f"trained_layer{i}_latent"] = {"errors": lat, **_rankings(lat)}
+            figures[f"trained_layer{i}_attention"] = {"errors": att, **_rankings(att)}
+    else:
+        figures["trained"] = f"not measured: {MODEL_DIR} is missing"
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_codecs_cli_json(capsys):
+    from mla_conformance.cli import main
+
+    assert main(["codecs", "--preset", "deepseek-v2-lite", "--json"]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(text)
+    assert text == json.dumps(data, indent=1, sort_keys=True) + "\n"  # deterministic: sorted keys
+    rows = {r["name"]: r for r in data["codecs"]}
+    assert list(rows) == list(CODECS)
+    for name, (payload, metadata) in V2_LITE_BF16.items():
+        r = rows[name]
+        assert (r["payload"], r["metadata"], r["total"]) == (payload, metadata, payload + metadata), name
+        assert r["measured_bytes_per_token_layer"] == r["total"] and r["model_bytes_per_token"] == r["total"] * 27
+        assert r["ratio_vs_expanded"] == pytest.approx(10_240 / r["total"], abs=1e-4)
+        assert r["ratio_vs_latent"] == pytest.approx(1_152 / r["total"], abs=1e-4) and r["kpe"]
+    assert {"none", "int8-g32", "int4-asym-g16", "int2-asym-g32", "fp8-e4m3-flashmla"} <= set(rows)
+    assert rows["fp8-e4m3-flashmla"]["total"] == 656 and rows["none"]["total"] == 1152
+    seed = data["seed_001"]
+    assert seed["expanded_bytes_per_token"] == 276_480
+    prod, extreme = seed["schemes"]
+    assert (prod["seed_model_bytes_per_token"], round(prod["seed_model_kib"], 1),
+            round(prod["seed_ratio_vs_expanded"], 1)) == (15_552, 15.2, 17.8)
+    assert (extreme["seed_model_bytes_per_token"], round(extreme["seed_model_kib"], 1),
+            round(extreme["seed_ratio_vs_expanded"], 1)) == (7_776, 7.6, 35.6)
+    honest = {h["codec"]: h for s in seed["schemes"] for h in s["honest"]}
+    assert honest["int8-g16-kpe-int8"]["model_bytes_per_token"] == 736 * 27
+    assert honest["int4-asym-g16-kpe-int4"]["difference_bytes"] == 7_776  # the metadata doubles it
+
+
+def test_codecs_cli_unknown_preset(capsys):
+    from mla_conformance.cli import main
+
+    assert main(["codecs", "--preset", "deepseek-v9"]) == 2
+    assert "deepseek-v9" in capsys.readouterr().err
