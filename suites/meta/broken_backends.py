@@ -240,6 +240,24 @@ class RaisesOnDecode(_Absorbed):
         return super().attend(weights, hidden_states, positions, cache, lengths)
 
 
+class WrongShape(_Absorbed):
+    """Returns only the last token's output, [B, hidden] instead of [B, S, hidden]."""
+
+    name = "broken-wrong-shape"
+
+    def attend(self, weights, hidden_states, positions, cache, lengths=None):
+        return super().attend(weights, hidden_states, positions, cache, lengths)[:, -1]
+
+
+class WrongDtype(_Absorbed):
+    """Returns float32 whatever the input dtype (a kernel's accumulator leaking out)."""
+
+    name = "broken-wrong-dtype"
+
+    def attend(self, weights, hidden_states, positions, cache, lengths=None):
+        return super().attend(weights, hidden_states, positions, cache, lengths).float()
+
+
 #: broken backend class -> the checks (ids in test_meta.CHECKS) that must fail on it
 CAUGHT_BY = {
     WrongSoftmaxScale: ["numerics-fp32-tiny-prefill"],
@@ -258,4 +276,6 @@ CAUGHT_BY = {
     ExpandedClaimsLatent: ["bytes-bf16-lite"],
     NaNOutput: ["numerics-fp32-tiny-prefill_decode"],
     RaisesOnDecode: ["numerics-fp32-tiny-prefill_decode"],
+    WrongShape: ["numerics-fp32-tiny-prefill"],
+    WrongDtype: ["numerics-bf16-lite-varlen_batch"],
 }

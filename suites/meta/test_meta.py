@@ -44,7 +44,7 @@ def test_broken_backend_is_caught(broken):
 def test_every_check_catches_something():
     used = {c for names in CAUGHT_BY.values() for c in names}
     assert used <= set(CHECKS)
-    unused = set(CHECKS) - used - {"numerics-bf16-lite-varlen_batch"}
+    unused = set(CHECKS) - used
     assert not unused, f"checks no broken backend fails: {sorted(unused)}"
 
 
@@ -58,6 +58,20 @@ def test_nan_message_says_nan():
 
     with pytest.raises(AssertionError, match=r"NaN at row 0, position 20, channel 3"):
         CHECKS["numerics-fp32-tiny-prefill_decode"](NaNOutput())
+
+
+@pytest.mark.parametrize("broken,message", [
+    ("WrongShape", r"attend\(\) returned shape \(1, 128\), expected \(1, 24, 128\)"),
+    ("WrongDtype", r"attend\(\) returned torch.float32, expected hidden_states' torch.bfloat16"),
+    ("RaisesOnDecode", r"attend\(\) raised RuntimeError: kernel launch failed"),
+])
+def test_contract_violations_are_named(broken, message):
+    from . import broken_backends
+
+    check = "numerics-bf16-lite-varlen_batch" if broken == "WrongDtype" else (
+        "numerics-fp32-tiny-prefill_decode" if broken == "RaisesOnDecode" else "numerics-fp32-tiny-prefill")
+    with pytest.raises(AssertionError, match=message):
+        CHECKS[check](getattr(broken_backends, broken)())
 
 
 def _pytest(*args, timeout=600):
