@@ -25,7 +25,8 @@ each timed call :meth:`Prepared.reset` puts the cache back: ``seq_lens = context
 ``context`` is simply overwritten by the next step; capacity is ``context + 1``), and for ``HFCache``
 the DynamicCache's tensors are truncated back to ``context`` tokens and ``slot_pos`` likewise. A cache
 of another backend cannot be rewound safely: it gets capacity for every step and grows by one token a
-step (``Prepared.resets`` is False; the drift is ``rounds / context``, reported as ``context_drift``).
+step (``Prepared.resets`` is False; ``context_drift`` in the figures says how many extra tokens the
+last step saw, and its cache bytes are those at the end).
 
 **Bytes per step** = ``cache.active_nbytes()`` at ``context`` tokens + the bytes of every attention
 weight of the layer (all of them are read by a decode step): the minimum a step must move; achieved
@@ -394,7 +395,7 @@ class Prepared:
             "weight_bytes": weight_nbytes(self.weights), "gb_per_s": gbps, "flops": flops,
             "gflop_per_s": flops / median_s / 1e9, "flop_model": self.flop_model,
             "cache_format": cache_format_of(self.backend, self.cache), "fill": self.fill,
-            "resets_context": self.resets,
+            "resets_context": self.resets, "context_drift": 0 if self.resets else max(self.steps_taken - 1, 0),
             "bandwidth_fraction": (gbps * 1e9 / bandwidth) if bandwidth else None,
         }
 
@@ -488,17 +489,21 @@ def time_steps(prepared: Prepared, rounds: int, warmup: int = 1) -> list[float]:
     return times
 
 
-def time_interleaved(prepared: list[Prepared], rounds: int, warmup: int = 1) -> list[list[float]]:
+def time_interleaved(prepared: list[Prepared], rounds: int, warmup: int = 1,
+                     progress: Callable[[str], None] | None = None) -> list[list[float]]:
     """Like :func:`time_steps` for several prepared steps, round-robin so noise hits all alike."""
     for _ in range(warmup):
         for p in prepared:
             p.reset()
             p.step()
     times: list[list[float]] = [[] for _ in prepared]
-    for _ in range(rounds):
+    for r in range(rounds):
         for i, p in enumerate(prepared):
             p.reset()
             times[i].append(time_call(p.step, p.device))
+        if progress is not None:
+            progress(f"round {r + 1}/{rounds}: " + ", ".join(
+                f"{p.backend.name} {t[-1] * 1e3:.1f} ms" for p, t in zip(prepared, times)))
     return times
 
 
@@ -553,7 +558,7 @@ def run_bench(specs: list[str], preset: str, contexts: list[int], dtype: str, *,
     for ctx in contexts:
         prepared: list[Prepared] = []
         for b in backends:
-            say(f"{b.name} ctx={ctx} batch={batch}: filling (elapsed {time.perf_counter() - t_start:.1f}s)")
+            say(f"{b.name} ctx={ctx} batch={batch}: filling the cache (elapsed {time.perf_counter() - t_start:.1f}s)")
             try:
                 prepared.append(prepare(b, preset, tdtype, ctx, batch, device, kv_codec, seed=seed, progress=say,
                                         steps=(rounds or default_rounds(ctx)) + warmup))
@@ -568,7 +573,8 @@ def run_bench(specs: list[str], preset: str, contexts: list[int], dtype: str, *,
         n = rounds or default_rounds(ctx)
         say(f"ctx={ctx}: timing {n} rounds x {len(prepared)} backend(s), interleaved "
             f"(elapsed {time.perf_counter() - t_start:.1f}s)")
-        times = time_interleaved(prepared, n, warmup)
+        times = time_interleaved(prepared, n, warmup,
+                                 progress=lambda m, c=ctx: say(f"ctx={c} {m} (elapsed {time.perf_counter() - t_start:.1f}s)"))
         for p, ts in zip(prepared, times):
             fig = p.figures(statistics.median(ts), bw)
             fig.update(rounds=n, warmup=warmup, times_s=ts)
@@ -594,7 +600,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"decode step on {d['device']} ({d.get('name', '?')}), measured bandwidth "
              f"{report['measured_bandwidth_gb_per_s']:.1f} GB/s", ""]
     head = (f"{'backend':<22} {'codec':<10} {'context':>8} {'batch':>5} {'ms/step':>9} {'MB/step':>9} "
-            f"{'GB/s':>7} {'of bw':>6} {'GFLOP':>8} {'GFLOP/s':>8}  flop model")
+            f"{'GB/s':>7} {'of bw':>6} {'MFLOP':>9} {'GFLOP/s':>8}  flop model")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
         if r.get("skipped"):
@@ -603,7 +609,7 @@ def format_table(report: dict[str, Any]) -> str:
             continue
         lines.append(f"{r['backend']:<22} {r['kv_codec']:<10} {r['context']:>8} {r['batch']:>5} "
                      f"{r['median_s'] * 1e3:>9.3f} {r['bytes_per_step'] / 1e6:>9.2f} {r['gb_per_s']:>7.2f} "
-                     f"{r['bandwidth_fraction']:>6.1%} {r['flops'] / 1e9:>8.3f} {r['gflop_per_s']:>8.1f}  "
+                     f"{r['bandwidth_fraction']:>6.1%} {r['flops'] / 1e6:>9.1f} {r['gflop_per_s']:>8.2f}  "
                      f"{r['flop_model']}")
     ratios = report.get("naive_over_absorbed") or {}
     if ratios:
