@@ -171,8 +171,67 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _codec_section(report) -> str | None:
+    rows = [t for t in report["tests"] if "test_quantized_kv.py::test_codec_bytes" in t["nodeid"] and t.get("figures")
+            and t["params"].get("preset") == "deepseek-v2-lite" and t["params"].get("dtype") == "bfloat16"]
+    if not rows:
+        return None
+    attn = {(t["backend"], t["params"]["codec"]): t["figures"] for t in report["tests"]
+            if "test_quantized_kv.py::test_attention_error" in t["nodeid"] and t.get("figures")}
+    acc = {(t["backend"], t["params"]["kv_codec"]): t["figures"].get("accuracy") for t in report["tests"]
+           if "test_golden_generation_per_codec" in t["nodeid"] and t.get("figures")}
+    out = ["## KV codecs (V2-Lite, BF16 cache; bytes measured from the cache tensors)", "",
+           "| backend | codec | payload B | metadata B | total B/token/layer | model B/token (27 layers) | x vs latent | "
+           "attention rel error | tiny-model accuracy |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    seed = []
+    for t in sorted(rows, key=lambda t: (t["backend"], t["params"]["codec"])):
+        f, codec = t["figures"], t["params"]["codec"]
+        a = attn.get((t["backend"], codec), {}).get("attention", {})
+        a = a.get("rel_fro") if isinstance(a, dict) else None
+        g = acc.get((t["backend"], codec))
+        out.append(f"| {t['backend']} | {codec} | {_fmt_int(f['payload'])} | {_fmt_int(f['metadata'])} | "
+                   f"{_fmt_int(f['bytes_per_token_layer'])} | {_fmt_int(f['model_bytes_per_token'])} | "
+                   f"{f['ratio_vs_latent']:.2f} | {_fmt_e(a) if a is not None else ''} | "
+                   f"{'' if g is None else f'{g:.4f}'} |")
+        if f.get("seed_001"):
+            seed.append((codec, f["seed_001"]))
+    if seed:
+        out += ["", "Seed 001's sizes count no scale or zero-point bytes; with the honest layout:", ""]
+        for codec, s in seed:
+            out.append(f"- {s['scheme']} (reported {s['reported']}): seed {_fmt_int(s['seed_model_bytes_per_token'])} B/token "
+                       f"({s['seed_ratio_vs_expanded']:.1f}x) vs {codec} {_fmt_int(s['honest_model_bytes_per_token'])} B/token "
+                       f"({s['honest_ratio_vs_expanded']:.1f}x), +{_fmt_int(s['difference_bytes'])} B")
+    return "\n".join(out)
+
+
+def _generation_section(report) -> str | None:
+    rows = [t for t in report["tests"] if "test_generation_golden.py::test_golden_generation[" in t["nodeid"]
+            and t.get("figures")]
+    if not rows:
+        return None
+    out = ["## Generation on the embedded tiny model (greedy, accuracy on expected answers)", "",
+           "| backend | prompt set | accuracy | golden |", "|---|---|---:|---|"]
+    for t in sorted(rows, key=lambda t: (t["backend"], t["params"]["prompt_set"])):
+        out.append(f"| {t['backend']} | {t['params']['prompt_set']} | {t['figures']['accuracy']:.4f} | {t['outcome']} |")
+    return "\n".join(out)
+
+
+def _gating_section(report) -> str | None:
+    try:
+        from mla_conformance.arch import detect, kernel_ids, why_not
+    except ImportError:
+        return None
+    dev = report["environment"]["device"]
+    info = detect(dev)
+    out = ["## Kernel gating on this device", "", "| kernel | verdict |", "|---|---|"]
+    for kid in kernel_ids():
+        reason = why_not(kid, info)
+        out.append(f"| {kid} | {'runs here' if reason is None else reason} |")
+    return "\n".join(out)
+
+
 #: Extra markdown sections (codecs, gating, generation); each a function(report) -> str | None.
-REPORT_SECTIONS: list = []
+REPORT_SECTIONS: list = [_codec_section, _generation_section, _gating_section]
 
 
 def write_plots(report: dict[str, Any], directory: Path) -> list[str]:
@@ -228,8 +287,62 @@ def write_plots(report: dict[str, Any], directory: Path) -> list[str]:
     return written
 
 
+def _codec_plots(report, directory, plt, meta) -> list[str]:
+    written = []
+    attn = sorted(((t["params"]["codec"], t["figures"]["attention"]["rel_fro"]) for t in report["tests"]
+                   if "test_quantized_kv.py::test_attention_error" in t["nodeid"] and t.get("figures")
+                   and t.get("backend") == "reference-absorbed" and isinstance(t["figures"].get("attention"), dict)))
+    if attn:
+        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(attn)), 4))
+        ax.bar(range(len(attn)), [v for _, v in attn], color="#ddaa33")
+        ax.set_xticks(range(len(attn)), [k for k, _ in attn], rotation=60, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("attention output rel. error vs kv_codec none")
+        ax.set_title("Attention error by codec (reference-absorbed, V2-Lite, BF16)")
+        fig.tight_layout()
+        fig.savefig(directory / "attention_error_by_codec.png", dpi=100, metadata=meta)
+        plt.close(fig)
+        written.append("attention_error_by_codec.png")
+    acc = sorted(((t["params"]["kv_codec"], t["figures"]["accuracy"]) for t in report["tests"]
+                  if "test_golden_generation_per_codec" in t["nodeid"] and t.get("figures")
+                  and t.get("backend") == "reference-absorbed"))
+    if acc:
+        fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(acc)), 4))
+        ax.bar(range(len(acc)), [v for _, v in acc], color="#117733")
+        ax.set_xticks(range(len(acc)), [k for k, _ in acc], rotation=45, ha="right", fontsize=7)
+        ax.set_ylim(0, 1.05)
+        ax.axhline(0.99, color="grey", lw=0.8, ls="--")
+        ax.set_ylabel("accuracy on expected answers")
+        ax.set_title("Tiny-model generation accuracy by KV codec")
+        fig.tight_layout()
+        fig.savefig(directory / "accuracy_by_codec.png", dpi=100, metadata=meta)
+        plt.close(fig)
+        written.append("accuracy_by_codec.png")
+    bench = [t for t in report["tests"] if "test_decode_bench.py" in t["nodeid"] and t.get("figures", {}).get("median_s")]
+    if bench:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        series: dict[str, list] = {}
+        for t in bench:
+            f = t["figures"]
+            series.setdefault(f"{t.get('backend')} {f.get('kv_codec', 'none')} b{f.get('batch', 1)}", []).append(
+                (f["context"], f["median_s"]))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode step median (ms)")
+        ax.legend(fontsize=6)
+        ax.set_title("Decode time against context")
+        fig.tight_layout()
+        fig.savefig(directory / "decode_time.png", dpi=100, metadata=meta)
+        plt.close(fig)
+        written.append("decode_time.png")
+    return written
+
+
 #: Extra plots; each a function(report, directory, plt, metadata) -> list of file names.
-PLOT_HOOKS: list = []
+PLOT_HOOKS: list = [_codec_plots]
 
 
 def write_atomically(directory: Path, files: dict[str, bytes | str], plots_from: dict | None = None) -> None:

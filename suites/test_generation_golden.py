@@ -70,3 +70,46 @@ def test_transformers_generate_matches_golden(prompt_set, tiny_model, request, m
             gen = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out["tokens"]),
                                       do_sample=False, pad_token_id=0)
         assert gen[0, ids.shape[1]:].tolist() == out["tokens"], out["id"]
+
+
+#: codec -> minimum accuracy on the tiny model's expected answers (None: negative control, recorded only)
+CODEC_ACCURACY = {
+    "int8-g32": 0.99,
+    "int8-g16-kpe-int8": 0.99,
+    "int8-token": 0.99,
+    "int4-asym-g32": None,
+    "int4-sym-g32": None,
+    "int2-asym-g32": None,
+    "fp8-e4m3-flashmla": None,
+}
+ALL_SETS = "+".join(PROMPT_SETS)
+
+
+@pytest.mark.parametrize("kv_codec", list(CODEC_ACCURACY))
+def test_golden_generation_per_codec(backend, kv_codec, tiny_model, snapshot, request, mla_device, figures):
+    """Generation under each quantized latent cache: accuracy measured and the tokens pinned per codec."""
+    dtype = model_dtype(mla_device)
+    checks.require_support(backend, checks.MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
+                           device=mla_device, kv_codec=kv_codec)
+    result = run_generation(DEFAULT_MODEL, backend, kv_codec=kv_codec, prompt_sets=PROMPT_SETS, dtype=dtype,
+                            device=mla_device, model=tiny_model)
+    figures.update(kv_codec=kv_codec, accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
+    floor = CODEC_ACCURACY[kv_codec]
+    if floor is not None:
+        assert result["accuracy"] >= floor, f"{backend.name} kv_codec {kv_codec}: accuracy {result['accuracy']:.4f}"
+    check_against_golden(request, snapshot, result, ALL_SETS, kv_codec, mla_device, dtype)
+
+
+def test_int2_negative_control_collapses(tiny_model, mla_device, figures):
+    """INT2 is the negative control: it must measurably hurt, or the accuracy check has no teeth."""
+    from mla_conformance.backends import get_backend
+
+    dtype = model_dtype(mla_device)
+    acc = {}
+    for codec in ("int8-g32", "int2-asym-g32"):
+        acc[codec] = run_generation(DEFAULT_MODEL, get_backend("reference-absorbed"), kv_codec=codec,
+                                    prompt_sets=PROMPT_SETS, dtype=dtype, device=mla_device,
+                                    model=tiny_model)["accuracy"]
+    figures.update(acc)
+    print(f"measured accuracy: int8-g32 {acc['int8-g32']:.4f}, int2-asym-g32 {acc['int2-asym-g32']:.4f}")
+    assert acc["int2-asym-g32"] < acc["int8-g32"] and acc["int2-asym-g32"] < 0.99, acc
