@@ -77,6 +77,10 @@ def pytest_configure(config):
     config.stash[_BACKENDS_KEY] = backends
     config.stash[_RESULTS_KEY] = {}
     config.mla_device = _device(config)
+    if os.environ.get("PYTEST_XDIST_WORKER") and config.mla_device == "cpu":
+        import torch  # N workers on N cores: one intra-op thread each, or they oversubscribe the CPU
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
     ckpt = config.getoption("--mla-checkpoint")
     if ckpt and not Path(ckpt).is_dir():
         raise pytest.UsageError(f"--mla-checkpoint {ckpt}: no such directory")
