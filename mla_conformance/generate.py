@@ -34,6 +34,9 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
     SafetensorsCheckpoint(directory)  # validates every safetensors header and size, naming a bad file
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import DeepseekV2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     try:
         model = DeepseekV2ForCausalLM.from_pretrained(str(directory), dtype=dtype, attn_implementation="eager")
