@@ -328,6 +328,27 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=run_cli)
 
 
+def codec_rows(config: MLAConfig, dtype: str) -> list[tuple[str, int]]:
+    """(codec name, total bytes per token per layer incl. scales) for every quantized latent codec that
+    supports this config and cache dtype (formula of mla_conformance.codecs; the codecs suite checks it
+    against real caches)."""
+    try:
+        import torch
+
+        from mla_conformance.codecs import CODECS
+    except ImportError:
+        return []
+    cache_dtype = getattr(torch, dtype, None)
+    if not isinstance(cache_dtype, torch.dtype):
+        return []
+    rows = []
+    for name, codec in CODECS.items():
+        if name == "none" or codec.unsupported_reason(config, cache_dtype):
+            continue
+        rows.append((name, int(codec.bytes_per_token(config, cache_dtype)["total"])))
+    return rows
+
+
 def run_cli(args) -> int:
     from mla_conformance.cli import UserError
 
@@ -339,6 +360,7 @@ def run_cli(args) -> int:
     config = MLAConfig.preset(args.preset)  # unknown name -> MLAInputError naming it -> exit 2
     report = budget(config, args.seq, dtype=args.dtype, elem_bytes=elem_bytes, mha_heads=args.mha_heads,
                     mha_head_dim=args.mha_head_dim, block_h=args.block_h, block_n=args.block_n,
-                    threads=args.threads, stages=args.stages, preset=args.preset)
+                    threads=args.threads, stages=args.stages, preset=args.preset,
+                    extra_codecs=codec_rows(config, args.dtype))
     print(to_json(report) if args.json else format_report(report))
     return 0

@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mla-conformance: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `mla-conformance budget | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # input errors carry their own message; others too, but with a hint
         if isinstance(exc, MLAInputError):
             print(f"mla-conformance {args.command}: error: {exc}", file=sys.stderr)
