@@ -98,3 +98,17 @@ def test_broken_backend_through_pytest_fails_not_errors():
                 "--mla-backend", "suites/meta/broken_backends.py:MissingMscale")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
     assert "broken-missing-mscale" in r.stdout
+
+
+def test_independent_backend_generates_the_golden_tokens():
+    """The contract-only backend, driving all layers of the tiny model, reproduces the shared goldens."""
+    from mla_conformance.generate import DEFAULT_MODEL, load_model, numerics_class, run_generation
+    from mla_conformance.golden import golden_path, read_golden
+
+    model = load_model(DEFAULT_MODEL, torch.float32, "cpu")
+    for prompt_set in ("tiny-short", "tiny-long"):
+        golden = read_golden(golden_path(numerics_class("cpu", torch.float32), prompt_set, "none"))
+        assert golden is not None, f"no cpu-float32 golden for {prompt_set}"
+        result = run_generation(DEFAULT_MODEL, IndependentMLA(), prompt_sets=[prompt_set], model=model)
+        assert result["accuracy"] >= 0.99
+        assert [o["tokens"] for o in result["outputs"]] == [o["tokens"] for o in golden["outputs"]]
