@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
+from mla_conformance.backends.hf import restore_yarn_softmax_scale
 from mla_conformance.checkpoint import SafetensorsCheckpoint
+from mla_conformance.config import MLAConfig
 from mla_conformance.errors import CheckpointError
 from mla_conformance.weights import MLAWeights
 
@@ -69,6 +71,7 @@ def layer1_input(directory: str | Path, token_ids: list[int]) -> torch.Tensor:
         raise CheckpointError(f"{directory}: layer 0 tensors missing from the checkpoint: "
                               f"{[prefix + k for k in missing]}")
     layer0 = layer0.to(torch.float32).eval()
+    restore_yarn_softmax_scale(layer0.self_attn, MLAConfig.from_hf(cfg.to_dict()).softmax_scale)
     rotary = m.DeepseekV2RotaryEmbedding(cfg)
     ids = torch.tensor([token_ids])
     emb = t["model.embed_tokens.weight"]

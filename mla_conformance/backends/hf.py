@@ -13,6 +13,7 @@ derives its ``cache_format`` from their shapes, never from the version number.
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 
@@ -38,6 +39,19 @@ def _hf_config(config: MLAConfig):
     cfg = DeepseekV2Config(**kwargs)
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def restore_yarn_softmax_scale(attn, softmax_scale: float) -> None:
+    """Give a DeepseekV2Attention YaRN's softmax factor mscale(factor, mscale_all_dim)^2 where it lacks it.
+
+    Some transformers releases (4.57 among them) set ``scaling = qk_head_dim ** -0.5`` and drop that factor,
+    which DeepSeek's own code and later transformers apply (huggingface/transformers#47435). Detected from
+    the module, never from the version: only a module whose scaling is exactly the plain value while YaRN
+    asks for another one is changed.
+    """
+    plain = attn.qk_head_dim ** -0.5
+    if attn.scaling == plain and not math.isclose(softmax_scale, plain, rel_tol=1e-12):
+        attn.scaling = softmax_scale
 
 
 class HFCache:
@@ -133,6 +147,7 @@ class HFTransformers:
             raise ValueError(f"transformers' DeepseekV2Attention parameters do not match the weights: "
                              f"missing {missing}, unexpected {unexpected}")
         attn = attn.eval()
+        restore_yarn_softmax_scale(attn, weights.config.softmax_scale)
         rotary = m.DeepseekV2RotaryEmbedding(hf_config).to(weights.device)
         self._modules = {key: (weights, attn, rotary, hf_config)}
         return attn, rotary, hf_config
