@@ -87,7 +87,7 @@ class FlashMLA:
         if kv_codec != "none":
             return f"FlashMLA dense decode reads an unquantized bfloat16 cache; kv_codec {kv_codec!r} is not supported"
         if dtype != torch.bfloat16:
-            return (f"FlashMLA dense decode runs here in bfloat16 (the BF16 cache of FlashMLA's README), "
+            return (f"FlashMLA dense decode takes bfloat16 only (the BF16 cache of FlashMLA's README), "
                     f"not {str(dtype).removeprefix('torch.')}")
         if config.kv_lora_rank != HEAD_DIM_V or config.qk_rope_head_dim != ROPE_DIM:
             return (f"FlashMLA dense decode has fixed head dims 576 (K) / 512 (V): it needs kv_lora_rank 512 and "
