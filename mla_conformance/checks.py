@@ -122,6 +122,18 @@ def call_backend(backend, method: str, *args, **kwargs):
                              f"{type(exc).__name__}: {exc}") from exc
 
 
+def diagnosis(backend, weights) -> str:
+    """The backend's own explanation of a failure, when it offers one (optional ``diagnose(weights)``)."""
+    diagnose = getattr(backend, "diagnose", None)
+    if not callable(diagnose):
+        return ""
+    try:
+        hint = diagnose(weights)
+    except Exception:
+        return ""
+    return f" [{backend.name} diagnosis: {hint}]" if hint else ""
+
+
 def require_support(backend, config: MLAConfig, *, dtype, device, kv_codec="none") -> None:
     """Skip (with the backend's own sentence) when the backend opts out of this combination."""
     import pytest
@@ -249,7 +261,7 @@ def numerics(backend, preset: str, scenario_name: str, dtype: torch.dtype, devic
             raise AssertionError(
                 f"{where}: row {b} differs from the float64 reference beyond the {dtype_name(dtype)} tolerance "
                 f"(rel_fro <= {tol.rel_fro:g}, max_abs/rms <= {tol.max_rel:g}): {format_metrics(mb)}; "
-                f"worst token at position {worst} of {int(lengths[b])}")
+                f"worst token at position {worst} of {int(lengths[b])}{diagnosis(backend, w)}")
     return m
 
 

@@ -11,7 +11,7 @@ import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
 from mla_conformance.backends import get_backend
-from mla_conformance.backends.hf import _hf_config
+from mla_conformance.backends.hf import _hf_config, restore_yarn_softmax_scale, yarn_scale_diagnosis
 from mla_conformance.config import rope_inv_freq
 from mla_conformance.reference import reference_attention_f64
 
@@ -35,18 +35,24 @@ def test_builtins_float64_against_oracle(name, preset, figures):
         assert m["rel_fro"] <= checks.ANCHOR_TOLERANCES[name], f"{name} {preset} row {b}: {checks.format_metrics(m)}"
 
 
-def _transformers_attention(weights: MLAWeights, x: torch.Tensor) -> torch.Tensor:
-    """transformers' DeepseekV2Attention on the whole sequence, no cache, causal mask."""
+def _transformers_attention(weights: MLAWeights, x: torch.Tensor):
+    """transformers' DeepseekV2Attention on the whole sequence, no cache, causal mask.
+
+    Returns (output, diagnosis): a transformers release that drops YaRN's softmax mscale^2 is run with
+    the factor restored, so everything else is still anchored, and the diagnosis says so.
+    """
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
 
     cfg = _hf_config(weights.config)
     attn = m.DeepseekV2Attention(cfg, layer_idx=0).to(torch.float64)
     attn.load_state_dict(dict(weights))
+    diagnosis = yarn_scale_diagnosis(attn, weights.config.softmax_scale)
+    restore_yarn_softmax_scale(attn, weights.config.softmax_scale)
     rotary = m.DeepseekV2RotaryEmbedding(cfg)
     T = x.shape[1]
     mask = torch.full((T, T), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)[None, None]
     with torch.no_grad():
-        return attn(x, attention_mask=mask, position_embeddings=rotary(x, torch.arange(T)[None]))[0]
+        return attn(x, attention_mask=mask, position_embeddings=rotary(x, torch.arange(T)[None]))[0], diagnosis
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -55,10 +61,12 @@ def test_oracle_against_transformers(preset, figures):
     T = 150 if preset == "tiny" else 40  # tiny: positions well past original_max_position_embeddings (64)
     x = torch.randn(1, T, w.config.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     ours = reference_attention_f64(w, x)
-    theirs = _transformers_attention(w, x)
+    theirs, diagnosis = _transformers_attention(w, x)
     m = checks.error_metrics(ours, theirs)
     figures.update(m)
     assert m["rel_fro"] <= 1e-5, checks.format_metrics(m)
+    if diagnosis:
+        pytest.xfail(f"anchored with YaRN's mscale^2 restored: {diagnosis}")
 
 
 @pytest.mark.parametrize("preset", ["tiny", "deepseek-v2-lite", "deepseek-v3"])
@@ -71,8 +79,10 @@ def test_yarn_constants_match_transformers(preset):
     assert config.rope_attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
     with torch.device("meta"):
         attn = m.DeepseekV2Attention(hf, layer_idx=0)
-    assert config.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
     torch.testing.assert_close(rope_inv_freq(config, torch.float32), rotary.inv_freq, rtol=1e-6, atol=0)
+    if attn.scaling == attn.qk_head_dim ** -0.5 and config.softmax_scale != attn.scaling:
+        pytest.xfail(yarn_scale_diagnosis(attn, config.softmax_scale))  # that release's known YaRN bug
+    assert config.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
 
 
 def test_yarn_matters_in_the_presets():

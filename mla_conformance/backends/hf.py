@@ -42,16 +42,29 @@ def _hf_config(config: MLAConfig):
 
 
 def restore_yarn_softmax_scale(attn, softmax_scale: float) -> None:
-    """Give a DeepseekV2Attention YaRN's softmax factor mscale(factor, mscale_all_dim)^2 where it lacks it.
+    """For input preparation only (mla_conformance.probe), never for the backend under test: give a
+    DeepseekV2Attention YaRN's softmax factor mscale(factor, mscale_all_dim)^2 where it lacks it.
 
     Some transformers releases (4.57 among them) set ``scaling = qk_head_dim ** -0.5`` and drop that factor,
-    which DeepSeek's own code and later transformers apply (huggingface/transformers#47435). Detected from
-    the module, never from the version: only a module whose scaling is exactly the plain value while YaRN
-    asks for another one is changed.
+    which DeepSeek's own code and later transformers apply. Detected from the module, never the version.
     """
     plain = attn.qk_head_dim ** -0.5
     if attn.scaling == plain and not math.isclose(softmax_scale, plain, rel_tol=1e-12):
         attn.scaling = softmax_scale
+
+
+def yarn_scale_diagnosis(attn, softmax_scale: float) -> str | None:
+    """A sentence when transformers' module scales scores differently from YaRN's definition."""
+    if math.isclose(attn.scaling, softmax_scale, rel_tol=1e-9):
+        return None
+    import transformers
+
+    plain = attn.qk_head_dim ** -0.5
+    what = ("drops YaRN's softmax factor mscale(factor, mscale_all_dim)^2 (fixed in later transformers: "
+            "'Fix yarn mscale_all_dim for DeepSeek v2')" if math.isclose(attn.scaling, plain, rel_tol=1e-12)
+            else "uses a different softmax scale")
+    return (f"transformers {transformers.__version__}'s DeepseekV2Attention.scaling is {attn.scaling:.6g}, "
+            f"YaRN needs {softmax_scale:.6g}: this transformers {what}")
 
 
 class HFCache:
@@ -146,11 +159,15 @@ class HFTransformers:
         if missing or unexpected:
             raise ValueError(f"transformers' DeepseekV2Attention parameters do not match the weights: "
                              f"missing {missing}, unexpected {unexpected}")
-        attn = attn.eval()
-        restore_yarn_softmax_scale(attn, weights.config.softmax_scale)
+        attn = attn.eval()  # driven as transformers ships it: a wrong scale is a finding, not something to patch
         rotary = m.DeepseekV2RotaryEmbedding(hf_config).to(weights.device)
         self._modules = {key: (weights, attn, rotary, hf_config)}
         return attn, rotary, hf_config
+
+    def diagnose(self, weights) -> str | None:
+        """Optional extension: a known cause for a numerics failure, appended to the failure message."""
+        attn, _, _ = self._module(weights)
+        return yarn_scale_diagnosis(attn, weights.config.softmax_scale)
 
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
         return HFCache(_hf_config(config), config, batch_size=batch_size, capacity=capacity,
