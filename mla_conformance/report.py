@@ -73,6 +73,16 @@ def _backend_of(test: dict) -> str:
     return test.get("backend") or (test.get("params") or {}).get("backend") or ""
 
 
+def is_timing(nodeid: str) -> bool:
+    """Benchmarks' figures are clock readings: they go to timings.json, never into conformance.json."""
+    return "test_decode_bench.py" in nodeid
+
+
+def timings_of(results: dict) -> list[dict[str, Any]]:
+    return [{"nodeid": t["nodeid"], "params": t.get("params", {}), "figures": t["figures"]}
+            for t in sorted(results["tests"], key=lambda t: t["nodeid"]) if is_timing(t["nodeid"]) and t.get("figures")]
+
+
 def build_report(results: dict, *, name: str, env: dict) -> dict[str, Any]:
     tests = []
     for t in results["tests"]:
@@ -84,7 +94,9 @@ def build_report(results: dict, *, name: str, env: dict) -> dict[str, Any]:
             entry["params"] = params
         if t.get("reason"):
             entry["reason"] = t["reason"]
-        if t.get("figures"):
+        if t.get("device"):
+            entry["device"] = t["device"]
+        if t.get("figures") and not is_timing(t["nodeid"]):
             entry["figures"] = t["figures"]
         tests.append(entry)
     tests.sort(key=lambda e: e["nodeid"])
@@ -343,14 +355,14 @@ def _codec_plots(report, directory, plt, meta) -> list[str]:
         fig.savefig(directory / "accuracy_by_codec.png", dpi=100, metadata=meta)
         plt.close(fig)
         written.append("accuracy_by_codec.png")
-    bench = [t for t in report["tests"] if "test_decode_bench.py" in t["nodeid"] and t.get("figures", {}).get("median_s")]
+    bench = [t for t in report.get("timings", []) if t["figures"].get("median_s") and "context" in t["params"]]
     if bench:
         fig, ax = plt.subplots(figsize=(6, 4))
         series: dict[str, list] = {}
         for t in bench:
-            f = t["figures"]
-            series.setdefault(f"{t.get('backend')} {f.get('kv_codec', 'none')} b{f.get('batch', 1)}", []).append(
-                (f["context"], f["median_s"]))
+            p = t["params"]
+            series.setdefault(f"{p.get('backend')} {p.get('kv_codec', 'none')} b{p.get('batch', 1)}", []).append(
+                (int(p["context"]), t["figures"]["median_s"]))
         for label, pts in sorted(series.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=label)
@@ -444,8 +456,9 @@ def run_command(args) -> int:
     files = {"conformance.json": json.dumps(report, indent=1, sort_keys=True) + "\n",
              "conformance.md": render_markdown(report),
              "timings.json": json.dumps({"wall_s": round(wall, 3), "pytest_exit": proc.returncode,
-                                         "finished_unix": int(time.time())}, indent=1, sort_keys=True) + "\n"}
-    write_atomically(out, files, plots_from=report)
+                                         "finished_unix": int(time.time()), "benchmarks": timings_of(results)},
+                                        indent=1, sort_keys=True) + "\n"}
+    write_atomically(out, files, plots_from={**report, "timings": timings_of(results)})
     s = report["summary"]
     print(f"mla-conformance run: wrote {out}/conformance.json, conformance.md and plots in {wall:.1f} s; "
           + "; ".join(f"{b}: {v['passed']} passed, {v['failed']} failed, {v['skipped']} skipped"
