@@ -10,6 +10,8 @@ from mla_conformance import MLAConfig, MLAWeights
 from mla_conformance.errors import CheckpointError, MLAInputError
 from mla_conformance.weights import V3_REFERENCE_NAMES
 
+pytestmark = pytest.mark.meta
+
 PRESETS = ["deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "deepseek-v3.2", "tiny"]
 
 

@@ -11,7 +11,9 @@ import pytest
 from mla_conformance.errors import MLAInputError
 from mla_conformance.golden import read_golden
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.meta
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, **kw):

@@ -9,7 +9,9 @@ import pytest
 from mla_conformance.backends import BUILTINS, get_backend
 from mla_conformance.errors import BackendSpecError
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.meta
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("spec", list(BUILTINS))

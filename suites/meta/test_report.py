@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
+
+pytestmark = pytest.mark.meta
+
+ROOT = Path(__file__).resolve().parents[2]
 SUBSET = "seed_table or seed_figures or (test_against_float64 and tiny and float32 and prefill and not decode)"
 
 
