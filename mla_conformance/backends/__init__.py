@@ -25,6 +25,8 @@ Optional parts, detected and never assumed:
 * ``kv_codec`` values other than ``"none"`` (quantized caches): a backend that cannot do one says so
   in ``unsupported_reason`` and the suite skips with that sentence.
 * ``supports_paging = True`` with ``new_cache(..., page_block_size=N)`` (paged latent cache).
+* ``diagnose(weights) -> str | None``: a known cause, appended to a numerics failure's message
+  (hf-transformers uses it to say when a transformers release drops YaRN's mscale^2).
 
 A backend is named on the command line by a *spec*: a registered name (``reference-absorbed``), a
 ``package.module:attr`` or a ``path/to/file.py:attr``, where attr is a class (instantiated without
