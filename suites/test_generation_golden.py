@@ -8,7 +8,7 @@ golden/generation/<numerics class>/, shared by all backends: every backend must 
 import pytest
 import torch
 
-from mla_conformance import checks
+from mla_conformance import MLAConfig, checks
 from mla_conformance.errors import MLAInputError
 from mla_conformance.generate import DEFAULT_MODEL, load_model, numerics_class, run_generation
 from mla_conformance.golden import golden_extension, golden_path, golden_payload, read_golden
@@ -44,7 +44,7 @@ def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device
 @pytest.mark.parametrize("prompt_set", PROMPT_SETS)
 def test_golden_generation(backend, prompt_set, tiny_model, snapshot, request, mla_device, figures):
     dtype = model_dtype(mla_device)
-    checks.require_support(backend, checks.MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
+    checks.require_support(backend, MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
                            device=mla_device)
     result = run_generation(DEFAULT_MODEL, backend, prompt_sets=[prompt_set], dtype=dtype, device=mla_device,
                             model=tiny_model)
@@ -89,7 +89,7 @@ ALL_SETS = "+".join(PROMPT_SETS)
 def test_golden_generation_per_codec(backend, kv_codec, tiny_model, snapshot, request, mla_device, figures):
     """Generation under each quantized latent cache: accuracy measured and the tokens pinned per codec."""
     dtype = model_dtype(mla_device)
-    checks.require_support(backend, checks.MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
+    checks.require_support(backend, MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
                            device=mla_device, kv_codec=kv_codec)
     result = run_generation(DEFAULT_MODEL, backend, kv_codec=kv_codec, prompt_sets=PROMPT_SETS, dtype=dtype,
                             device=mla_device, model=tiny_model)
