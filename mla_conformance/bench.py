@@ -76,6 +76,7 @@ from mla_conformance import reference as ref
 from mla_conformance.backends import cache_format_of, get_backend
 from mla_conformance.config import MLAConfig
 from mla_conformance.errors import MLAInputError
+from mla_conformance.report import write_file_atomically
 
 #: Tokens per projection chunk while filling a cache.
 FILL_CHUNK = 2048
@@ -618,13 +619,6 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def add_cli(subparsers) -> None:
     from mla_conformance.checks import DTYPES
 
@@ -694,7 +688,7 @@ def run_cli(args) -> int:
     else:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = Path("reports") / "bench" / f"bench-{args.preset}-{args.dtype}-{stamp}.json"
-    write_atomic(out, text + "\n")
+    write_file_atomically(out, text + "\n")
     print(text if args.json else format_table(report))
     print(f"[bench] results written to {out}", file=sys.stderr)
     return 0

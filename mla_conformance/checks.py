@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import torch
@@ -312,11 +311,12 @@ def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decod
     if page:  # a paged cache rounds each row up to whole pages and may keep spare pages and a block table
         spare = int(getattr(cache, "spare_pages", 0) or 0)
         slots = (-(-capacity // page)) * page + -(-spare * page // batch)
-    overhead = sum(tensor_bytes.get(k, 0) for k in ("block_table",))
+    # integer buffers of an unquantized cache are bookkeeping (a paged cache's block table), not token payload
+    overhead = sum(tensor_bytes[k] for k, t in tensors.items() if not t.is_floating_point())
     slots_bytes = batch * slots * per_token + overhead
     if allocated > slots_bytes:
         raise AssertionError(f"{where}: allocated_nbytes() = {allocated:,} B exceeds capacity x per-token bytes "
-                             f"= {batch} x {slots} x {per_token:,}{' + block table' if overhead else ''} = "
+                             f"= {batch} x {slots} x {per_token:,}{' + index buffers' if overhead else ''} = "
                              f"{slots_bytes:,} B: the cache stores more than the format needs")
     return {"backend": backend.name, "preset": preset, "dtype": dtype_name(dtype), "cache_format": fmt,
             "tokens": tokens, "batch": batch, "capacity": capacity, "per_token_bytes": per_token,
@@ -351,6 +351,3 @@ def seed_byte_table(backend, device="cpu") -> dict[str, Any]:
     return cache_bytes(backend, "deepseek-v2-lite", torch.bfloat16, prefill=25, decode=1, batch=1,
                        capacity=32, device=device)
 
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan

@@ -192,8 +192,11 @@ def _codec_section(report) -> str | None:
             if "test_quantized_kv.py::test_attention_error" in t["nodeid"] and t.get("figures")}
     acc = {(t["backend"], t["params"]["kv_codec"]): t["figures"].get("accuracy") for t in report["tests"]
            if "test_golden_generation_per_codec" in t["nodeid"] and t.get("figures")}
+    from mla_conformance.config import MLAConfig
+
+    layers = MLAConfig.preset("deepseek-v2-lite").num_hidden_layers
     out = ["## KV codecs (V2-Lite, BF16 cache; bytes measured from the cache tensors)", "",
-           "| backend | codec | payload B | metadata B | total B/token/layer | model B/token (27 layers) | x vs latent | "
+           f"| backend | codec | payload B | metadata B | total B/token/layer | model B/token ({layers} layers) | x vs latent | "
            "attention rel error | tiny-model accuracy |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     seed = []
     for t in sorted(rows, key=lambda t: (t["backend"], t["params"]["codec"])):
@@ -380,6 +383,21 @@ def _codec_plots(report, directory, plt, meta) -> list[str]:
 
 #: Extra plots; each a function(report, directory, plt, metadata) -> list of file names.
 PLOT_HOOKS: list = [_codec_plots]
+
+
+def write_file_atomically(path: Path, text: str) -> None:
+    """One file: written beside its target, then renamed over it (a reader never sees half of it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_atomically(directory: Path, files: dict[str, bytes | str], plots_from: dict | None = None) -> None:

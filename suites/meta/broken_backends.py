@@ -6,6 +6,8 @@ check that must catch it (suites/meta/test_meta.py asserts it does).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mla_conformance import reference as ref
@@ -74,7 +76,7 @@ class RopeLayoutMixup(_Absorbed):
     name = "broken-rope-layout"
 
     def project(self, weights, x, positions, decode):
-        original = ref.apply_rope
+        original = ref.apply_rope  # the one pair-layout function project() calls for q_pe and k_pe
         ref.apply_rope = _rope_half_split
         try:
             return ref.project(weights, x, positions)
@@ -163,18 +165,8 @@ class YarnRampIgnored(_Absorbed):
     name = "broken-yarn-ramp"
 
     def project(self, weights, x, positions, decode):
-        import dataclasses
-
-        import mla_conformance.reference as r
-
-        cfg = weights.config
-        plain = dataclasses.replace(cfg, rope_scaling=None)
-        original = r.rope_inv_freq
-        r.rope_inv_freq = lambda config, dtype=None: original(plain, dtype)
-        try:
-            return ref.project(weights, x, positions)
-        finally:
-            r.rope_inv_freq = original
+        plain = dataclasses.replace(weights.config, rope_scaling=None)  # project() reads only RoPE and dims
+        return ref.project(type(weights)(plain, dict(weights)), x, positions)
 
 
 class WideBuffers(ReferenceAbsorbed):
