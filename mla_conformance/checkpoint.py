@@ -100,3 +100,60 @@ class SafetensorsCheckpoint:
             except Exception as exc:  # safetensors raises its own error types
                 raise CheckpointError(f"{path}: cannot read tensor(s) {wanted} ({exc})") from None
         return {name: out[name] for name in names}
+
+
+#: Files one of which a Hugging Face tokenizer needs.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def validate_checkpoint(directory: str | Path, *, layer: int = 1) -> None:
+    """Check a checkpoint directory once, before any test: config, weights and tokenizer.
+
+    Reads headers only. Raises one CheckpointError, one line, naming each of config / weights /
+    tokenizer that is missing or corrupt (and the file).
+    """
+    directory = Path(directory)
+    if not directory.exists():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory (a checkpoint is a directory holding config.json, "
+                              "*.safetensors and a tokenizer)")
+    problems: list[str] = []
+    config = None
+    cfg = directory / "config.json"
+    if not cfg.is_file():
+        problems.append("config missing (no config.json)")
+    else:
+        from mla_conformance.config import MLAConfig
+
+        try:
+            config = MLAConfig.from_hf(cfg)
+        except Exception as exc:  # MLAInputError naming the field, or a JSON error
+            problems.append(f"config corrupt ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+    try:
+        ckpt = SafetensorsCheckpoint(directory)
+    except CheckpointError as exc:
+        text = str(exc)
+        problems.append(("weights missing (" if "no *.safetensors" in text else "weights corrupt (") + text + ")")
+    else:
+        if config is not None:
+            from mla_conformance.weights import expected_shapes
+
+            hf = f"model.layers.{layer}.self_attn."
+            v3 = f"layers.{layer}.attn."
+            if not any(n.startswith((hf, v3)) for n in ckpt.names()):
+                problems.append(f"weights incomplete (no layer-{layer} attention tensors {hf}*)")
+            else:
+                missing = [hf + n for n in expected_shapes(config) if hf + n not in ckpt]
+                if missing and not any(n.startswith(v3) for n in ckpt.names()):
+                    problems.append(f"weights incomplete ({', '.join(missing)} not in the checkpoint)")
+    present = [f for f in TOKENIZER_FILES if (directory / f).is_file()]
+    if not present:
+        problems.append("tokenizer missing (none of " + ", ".join(TOKENIZER_FILES) + ")")
+    elif "tokenizer.json" in present:
+        try:
+            json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            problems.append(f"tokenizer corrupt ({directory / 'tokenizer.json'}: {str(exc).splitlines()[0]})")
+    if problems:
+        raise CheckpointError(f"{directory}: not a usable checkpoint: " + "; ".join(problems))

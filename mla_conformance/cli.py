@@ -29,6 +29,60 @@ class UserError(MLAInputError):
     """An input error reported to the user as one line, without a traceback."""
 
 
+#: The preset every command defaults to (--preset).
+DEFAULT_PRESET = "deepseek-v2-lite"
+
+#: One line per preset, for --help and the README.
+PRESET_NOTES = {
+    "deepseek-v2-lite": "DeepSeek-V2-Lite attention: 16 heads, no q_lora, kv_lora 512, YaRN x40, 27 layers",
+    "deepseek-v2": "DeepSeek-V2: 128 heads, q_lora 1536, kv_lora 512, YaRN x40, 60 layers",
+    "deepseek-v3": "DeepSeek-V3: 128 heads, q_lora 1536, kv_lora 512, YaRN x40, 61 layers",
+    "deepseek-v3.2": "DeepSeek-V3.2 (same attention dims as V3; seed 004's KV budget)",
+    "tiny": "4 heads, q_lora 64, kv_lora 64, YaRN x4 past 64 positions, 2 layers (fast CPU numerics)",
+    "v3-mini": "V3 head dims (kv_lora 512, rope 64) with q_lora and 2 heads, YaRN x8 past 128 positions",
+}
+
+
+def preset_help(default: str | None = DEFAULT_PRESET) -> str:
+    """``--preset`` help: every preset name (from MLAConfig's presets), and the default."""
+    from mla_conformance.config import PRESETS
+
+    names = ", ".join(PRESETS)
+    return f"MLAConfig preset, one of: {names}" + (f" (default: {default})" if default else "")
+
+
+def check_device(device: str | None, option: str = "--device") -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` that torch can use here; UserError (one line, exit 2) otherwise."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise UserError(f"{option} {device!r}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise UserError(f"{option} {device}: torch sees no CUDA device on this host (torch {torch.__version__}, "
+                        f"{build})")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UserError(f"{option} {device}: this host has {torch.cuda.device_count()} CUDA device(s), "
+                        f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse prints the one-line error and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mla_conformance import __version__
 
@@ -70,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # input errors carry their own message; others too, but with a hint
         if isinstance(exc, MLAInputError):
             print(f"mla-conformance {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, OSError) and exc.filename:  # a file or device the user named
+            print(f"mla-conformance {args.command}: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
             return 2
         raise
 

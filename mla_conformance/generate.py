@@ -202,9 +202,21 @@ def _generate_cli(args) -> int:
     from mla_conformance.backends import get_backend
     from mla_conformance.checks import DTYPES
 
-    backend = get_backend(args.backend)
+    from mla_conformance.cli import check_device
+
     if args.dtype not in DTYPES:
         raise MLAInputError(f"--dtype {args.dtype!r}: choose one of {sorted(DTYPES)}")
+    args.device = check_device(args.device)
+    if not Path(args.model).is_dir():
+        raise MLAInputError(f"--model {args.model}: no such model directory")
+    if args.kv_codec != "none":
+        try:
+            from mla_conformance.codecs import get_codec
+
+            get_codec(args.kv_codec)
+        except ValueError as exc:
+            raise MLAInputError(f"--kv-codec: {exc}") from None
+    backend = get_backend(args.backend)
     result = run_generation(args.model, backend, kv_codec=args.kv_codec, prompt_sets=args.prompts,
                             max_new_tokens=args.max_new_tokens, dtype=DTYPES[args.dtype], device=args.device,
                             prompts_file=args.prompts_file)
@@ -225,8 +237,11 @@ def add_cli(sub) -> None:
     p.add_argument("--kv-codec", default="none", metavar="NAME")
     p.add_argument("--prompts", action="append", metavar="SET", help="prompt set name in the prompts file (repeatable)")
     p.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS), metavar="FILE")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    from mla_conformance.cli import positive_int
+
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                   help="tokens to generate per prompt, >= 1 (default: each prompt's expected answer length)")
+    p.add_argument("--dtype", default="float32", help="float32, float64, bfloat16 or float16 (default: float32)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_generate_cli)

@@ -82,8 +82,13 @@ def pytest_configure(config):
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
     ckpt = config.getoption("--mla-checkpoint")
-    if ckpt and not Path(ckpt).is_dir():
-        raise pytest.UsageError(f"--mla-checkpoint {ckpt}: no such directory")
+    if ckpt:  # checked once, before any test: config, weights, tokenizer named as missing/corrupt
+        from mla_conformance.checkpoint import validate_checkpoint
+
+        try:
+            validate_checkpoint(ckpt)
+        except MLAInputError as exc:
+            raise pytest.UsageError(f"--mla-checkpoint: {exc}") from None
 
 
 def pytest_report_header(config):

@@ -2,24 +2,40 @@
 
 ``run`` drives pytest on the suites (in a subprocess, pytest's own progress on the terminal), collects
 every test's outcome and measured figures through the plugin's ``--mla-results``, and writes into the
-output directory, atomically (a temporary directory renamed into place):
+output directory:
 
-* ``conformance.json`` -- versioned schema; environment, per-test outcome, skip reason and figures.
-  Byte-identical between two runs on the same machine: no timings, no dates, sorted keys.
-* ``conformance.md`` -- the tables (cache bytes, errors, codecs, gating), a summary line per backend.
-* ``timings.json`` -- wall times, kept apart so the report stays deterministic.
-* PNG plots (bytes per token by format/codec, attention error by dtype or codec, accuracy by codec).
+* ``conformance.json`` -- versioned schema; environment, a verdict per backend, per-test outcome, skip
+  reason and figures. Byte-identical between two runs on the same machine, with or without ``-n N``:
+  no timings, no dates, sorted keys, floats rounded to :data:`SIG_DIGITS` significant digits.
+* ``conformance.md`` -- verdicts, failures first, the tables (cache bytes, errors with tolerance and
+  margin, codecs, generation), links to the plots, skips grouped by reason.
+* ``timings.json`` -- wall times and benchmark figures, kept apart so the report stays deterministic.
+* PNG plots of what the run measured (bytes per token, attention error, codecs, accuracy).
+* ``.mla-conformance-report`` -- the marker naming the files above: the tool writes only into a
+  directory it creates, an empty one, or one whose every file its marker names. Anything else there is
+  an error that names the files, and nothing is touched. The new report is written into a temporary
+  sibling and swapped in; a failure or Ctrl-C leaves the previous report as it was.
+
+Verdicts: a backend with a failed or errored test DOES NOT CONFORM; one with no executed conformance
+test (0 passed, failed, errored or xpassed) is NOT TESTED (``run`` exits non-zero); else it CONFORMS.
+``failed`` = a conformance check found the output or bytes wrong; ``error`` = the backend raised or
+returned the wrong type/shape/dtype, or the test could not be set up.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +44,31 @@ from mla_conformance.errors import MLAInputError
 
 SCHEMA = "mla-conformance/report"
 SCHEMA_VERSION = 1
+MATRIX_SCHEMA = "mla-conformance/matrix"
+
+#: Significant digits of every float figure in conformance.json (1 - cos: :data:`COSINE_DIGITS`).
+SIG_DIGITS = 4
+#: ``cosine_diff`` = 1 - cos is 1 minus a number near 1: its float64 noise (~1e-16 absolute) moves its
+#: 4th digit when the thread count changes the summation order, so it keeps 3.
+COSINE_DIGITS = 3
+
+#: The marker file in every directory this tool writes (JSON: kind and the files it owns).
+MARKER = ".mla-conformance-report"
+
+VERDICTS = ("CONFORMS", "DOES NOT CONFORM", "NOT TESTED")
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+INDEPENDENT = "(backend-independent)"
+
+#: The seeds' experiments, by the names the report and README use.
+EXPERIMENTS = {
+    "seed 000": ("V2-Lite cache probe", "what a cache holds after a 25-token prefill and one decode step at "
+                 "DeepSeek-V2-Lite dimensions in BF16: 1,152 B per token per layer for the 576-element latent, "
+                 "10,240 B for the expanded per-head K/V (8.9x)."),
+    "seed 001": ("latent quantization study", "bytes and error of quantized encodings of the latent cache "
+                 "(INT8/INT4/INT2/FP8, per tensor, token or channel group), scales and zero points counted."),
+    "seed 004": ("KV budget", "KV bytes per token of MHA, GQA and MLA, decode arithmetic intensity and the "
+                 "registers and shared memory of one MLA decode tile (`mla-conformance budget`)."),
+}
 
 
 # --------------------------------------------------------------------------- environment
@@ -83,6 +124,35 @@ def timings_of(results: dict) -> list[dict[str, Any]]:
             for t in sorted(results["tests"], key=lambda t: t["nodeid"]) if is_timing(t["nodeid"]) and t.get("figures")]
 
 
+def round_floats(value: Any, digits: int = SIG_DIGITS, key: str | None = None) -> Any:
+    """Every float in ``value`` to ``digits`` significant digits (``cosine_diff`` to COSINE_DIGITS)."""
+    if isinstance(value, float):
+        if not math.isfinite(value) or value == 0.0:
+            return value
+        d = COSINE_DIGITS if key == "cosine_diff" else digits
+        return float(f"{value:.{d - 1}e}")
+    if isinstance(value, dict):
+        return {k: round_floats(v, digits, k) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [round_floats(v, digits, key) for v in value]
+    return value
+
+
+def verdict_of(counts: dict[str, int]) -> str:
+    """DOES NOT CONFORM on any failed/error; NOT TESTED when no conformance test executed; else CONFORMS."""
+    if counts.get("failed", 0) or counts.get("error", 0):
+        return "DOES NOT CONFORM"
+    if counts.get("passed", 0) + counts.get("xpassed", 0) == 0:
+        return "NOT TESTED"
+    return "CONFORMS"
+
+
+def run_id(report: dict[str, Any]) -> str:
+    """A content hash of the report (its ``run_id`` left out): equal reports, equal ids."""
+    body = {k: v for k, v in report.items() if k != "run_id"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def build_report(results: dict, *, name: str, env: dict) -> dict[str, Any]:
     tests = []
     for t in results["tests"]:
@@ -97,125 +167,281 @@ def build_report(results: dict, *, name: str, env: dict) -> dict[str, Any]:
         if t.get("device"):
             entry["device"] = t["device"]
         if t.get("figures") and not is_timing(t["nodeid"]):
-            entry["figures"] = t["figures"]
+            entry["figures"] = round_floats(t["figures"])
         tests.append(entry)
     tests.sort(key=lambda e: e["nodeid"])
-    summary: dict[str, dict[str, int]] = {}
+    backends = list(results.get("backends", []))
+    summary: dict[str, dict[str, int]] = {b: dict.fromkeys(OUTCOMES, 0) for b in backends}
     for t in tests:
-        key = t.get("backend", "(backend-independent)")
-        summary.setdefault(key, {"passed": 0, "failed": 0, "error": 0, "skipped": 0, "xfailed": 0, "xpassed": 0})
+        key = t.get("backend", INDEPENDENT)
+        summary.setdefault(key, dict.fromkeys(OUTCOMES, 0))
         summary[key][t["outcome"]] = summary[key].get(t["outcome"], 0) + 1
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "name": name, "environment": env,
-            "backends": results.get("backends", []), "exitstatus": results.get("exitstatus"),
-            "summary": summary, "tests": tests}
+    verdicts = {}
+    for b in sorted(k for k in summary if k != INDEPENDENT):
+        counts = summary[b]
+        reasons: dict[str, int] = {}
+        for t in tests:
+            if t.get("backend") == b and t["outcome"] == "skipped":
+                reasons[t.get("reason", "?")] = reasons.get(t.get("reason", "?"), 0) + 1
+        verdicts[b] = {"verdict": verdict_of(counts),
+                       "executed": sum(counts.get(k, 0) for k in ("passed", "failed", "error", "xpassed")),
+                       "skip_reasons": [{"reason": r, "count": n}
+                                        for r, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]}
+    report = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "name": name, "environment": env,
+              "backends": backends, "exitstatus": results.get("exitstatus"), "summary": summary,
+              "verdicts": verdicts, "float_significant_digits": SIG_DIGITS, "tests": tests}
+    report["run_id"] = run_id(report)
+    return report
+
+
+# --------------------------------------------------------------------------- markdown
 
 
 def _fmt_int(v) -> str:
-    return f"{v:,}" if isinstance(v, int) else str(v)
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
 
 
 def _fmt_e(v) -> str:
-    return f"{v:.3e}" if isinstance(v, (int, float)) else str(v)
+    return f"{v:.3e}" if isinstance(v, (int, float)) and not isinstance(v, bool) else ("" if v is None else str(v))
+
+
+def _fmt_x(v) -> str:
+    if v is None:
+        return ""
+    if v == math.inf:
+        return "inf"
+    return f"{v:.3g}x"
 
 
 def _tests_named(report, fragment):
     return [t for t in report["tests"] if fragment in t["nodeid"] and t.get("figures")]
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def _mark(t) -> str:
+    return {"failed": "**FAIL**", "error": "**ERROR**", "xfailed": "xfail", "xpassed": "XPASS"}.get(t["outcome"], "ok")
+
+
+def _tolerance(t) -> tuple[float | None, float | None]:
+    f, dtype = t["figures"], (t.get("params") or {}).get("dtype")
+    tol_rf, tol_mr = f.get("tolerance_rel_fro"), f.get("tolerance_max_rel")
+    if (tol_rf is None or tol_mr is None) and dtype:
+        try:
+            from mla_conformance.checks import TOLERANCES
+
+            tol = TOLERANCES.get(dtype)
+        except ImportError:
+            tol = None
+        if tol is not None:
+            tol_rf = tol.rel_fro if tol_rf is None else tol_rf
+            tol_mr = tol.max_rel if tol_mr is None else tol_mr
+    return tol_rf, tol_mr
+
+
+def margin(measured: float | None, tolerance: float | None) -> float | None:
+    """tolerance / measured: how many times the error could grow before failing (below 1 fails)."""
+    if measured is None or tolerance is None:
+        return None
+    if measured == 0:
+        return math.inf
+    return float(f"{tolerance / measured:.3g}")
+
+
+def _verdict_lines(report) -> list[str]:
+    out = ["## Verdicts", "",
+           "| backend | verdict | passed | failed | errors | skipped | xfailed | xpassed |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    verdicts = report.get("verdicts") or {}
+    for backend, s in sorted(report["summary"].items(), key=lambda kv: (kv[0] == INDEPENDENT, kv[0])):
+        v = verdicts.get(backend, {}).get("verdict", "" if backend == INDEPENDENT else verdict_of(s))
+        out.append(f"| {backend} | {f'**{v}**' if v else '(not a backend)'} | {s.get('passed', 0)} | "
+                   f"{s.get('failed', 0)} | {s.get('error', 0)} | {s.get('skipped', 0)} | {s.get('xfailed', 0)} | "
+                   f"{s.get('xpassed', 0)} |")
+    out += ["", "*failed*: a conformance check found the backend's output or bytes wrong. *errors*: the backend "
+                "raised, or returned the wrong type, shape or dtype (or the test could not be set up). "
+                "Both fail the run. **NOT TESTED**: no conformance test executed for the backend (all skipped "
+                "or deselected); that is no verdict of conformance, and `mla-conformance run` exits non-zero."]
+    for backend, v in sorted(verdicts.items()):
+        if v["verdict"] == "NOT TESTED":
+            out += ["", f"**{backend}: NOT TESTED** ({v['executed']} conformance tests executed). "
+                        + ("Skip reasons:" if v["skip_reasons"] else "No test of it was selected.")]
+            out += [f"- {r['reason']} ({r['count']} test{'s' if r['count'] != 1 else ''})" for r in v["skip_reasons"]]
+    return out
+
+
+def _failure_lines(report) -> list[str]:
+    failed = [t for t in report["tests"] if t["outcome"] in ("failed", "error")]
+    if not failed:
+        return []
+    out = ["## Failures", "", "| outcome | test | message |", "|---|---|---|"]
+    for t in sorted(failed, key=lambda t: (t["outcome"], t["nodeid"])):
+        msg = (t.get("reason") or "").replace("|", "\\|")
+        cause = (t.get("figures") or {}).get("likely_cause")
+        if cause:
+            msg += f" *Likely cause:* {cause}"
+        out.append(f"| {t['outcome']} | `{t['nodeid']}` | {msg} |")
+    return out
+
+
+def _slots(f) -> str:
+    if f.get("allocated_slots") is None or f.get("requested_slots") is None:
+        return ""
+    over = f.get("slot_overhead")
+    if over is None and f["requested_slots"]:
+        over = f["allocated_slots"] / f["requested_slots"]
+    return f"{_fmt_int(f['allocated_slots'])} / {_fmt_int(f['requested_slots'])}" + (
+        f" ({over:.3g}x)" if over is not None else "")
+
+
+def _bytes_lines(report) -> list[str]:
+    seed = _tests_named(report, "test_seed_table[")
+    out: list[str] = []
+    if seed:
+        name, sentence = EXPERIMENTS["seed 000"]
+        out += ["## Cache bytes: the " + name, "",
+                f"The {name} (seed 000) measures {sentence} Bytes are read from the cache's own tensors.", "",
+                "| | backend | format | bytes/token/layer (measured) | format bytes/token/layer | active B | "
+                "allocated B | slots allocated / requested | tensors |",
+                "|---|---|---|---:|---:|---:|---:|---:|---|"]
+        for t in sorted(seed, key=_backend_of):
+            f = t["figures"]
+            tens = ", ".join(f"{k} {_fmt_int(v)}" for k, v in sorted((f.get("tensors") or {}).items()))
+            out.append(f"| {_mark(t)} | {t.get('backend', '')} | {f.get('cache_format', '')} | "
+                       f"{_fmt_int(f.get('bytes_per_token', f.get('per_token_bytes', '')))} | "
+                       f"{_fmt_int(f.get('format_bytes_per_token', f.get('per_token_bytes', '')))} | "
+                       f"{_fmt_int(f.get('active_nbytes', ''))} | {_fmt_int(f.get('allocated_nbytes', ''))} | "
+                       f"{_slots(f)} | {tens} |")
+        ratio = _tests_named(report, "test_seed_figures_reproduced")
+        if ratio and {"reference-naive", "reference-absorbed"} <= set(report.get("backends", [])):
+            f = ratio[0]["figures"]
+            out.append(f"\nreference-naive active bytes / reference-absorbed active bytes = "
+                       f"{_fmt_int(f['naive_active'])} / {_fmt_int(f['absorbed_active'])} = {f['naive_active'] / f['absorbed_active']:.6f} "
+                       f"(expanded over latent); the latent cache is {f['reduction'] * 100:.2f}% smaller "
+                       "(seed 000 printed 8.888…, 88.75%)")
+    over = [t for t in report["tests"] if t.get("figures") and t["figures"].get("allocated_slots") is not None
+            and t["figures"].get("requested_slots") is not None
+            and t["figures"]["allocated_slots"] != t["figures"]["requested_slots"]]
+    if over:
+        out += ["", "### Slot overhead (a figure, not a failure)", "",
+                "Slots beyond the requested capacity are the engine's allocation policy (pools, max_seq_len), "
+                "not its format: bytes per slot are judged against the format, slot counts only reported.", "",
+                "| | test | requested slots | allocated slots | allocated / requested | bytes/token measured | "
+                "format bytes/token |", "|---|---|---:|---:|---:|---:|---:|"]
+        for t in over:
+            f = t["figures"]
+            ratio = f.get("slot_overhead") or (f["allocated_slots"] / f["requested_slots"] if f["requested_slots"] else None)
+            out.append(f"| {_mark(t)} | `{t['nodeid']}` | {_fmt_int(f['requested_slots'])} | "
+                       f"{_fmt_int(f['allocated_slots'])} | {_fmt_x(ratio)} | {_fmt_int(f.get('bytes_per_token', ''))} | "
+                       f"{_fmt_int(f.get('format_bytes_per_token', ''))} |")
+    return out
+
+
+def _error_lines(report) -> list[str]:
+    errs = _tests_named(report, "test_numerics.py::test_against_float64")
+    if not errs:
+        return []
+    out = ["## Numerical error against the float64 expanded reference", "",
+           "Per test, the worst row. *rel Frobenius* = ||out - ref||_F / ||ref||_F; *max rel* = max |out - ref| / "
+           "rms(ref); *tol* = the stated tolerance of that dtype (markers.md); *margin* = tolerance / measured for "
+           "the tighter of the two (below 1x fails); *1 - cos* = 1 - cosine similarity of out and ref.", "",
+           "| | backend | preset | scenario | dtype | rel Frobenius | tol | max rel | tol | margin | max abs | "
+           "p99 abs | 1 - cos |",
+           "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    failing_first = sorted(errs, key=lambda t: (t["outcome"] not in ("failed", "error"), t.get("backend", ""),
+                                                t["params"].get("preset", ""), t["params"].get("dtype", ""),
+                                                t["params"].get("scenario", "")))
+    for t in failing_first:
+        f, p = t["figures"], t["params"]
+        tol_rf, tol_mr = _tolerance(t)
+        margins = [m for m in (margin(f.get("rel_fro"), tol_rf), margin(f.get("max_rel"), tol_mr)) if m is not None]
+        out.append(f"| {_mark(t)} | {t.get('backend', '')} | {p.get('preset', '')} | {p.get('scenario', '')} | "
+                   f"{p.get('dtype', '')} | {_fmt_e(f.get('rel_fro'))} | {_fmt_e(tol_rf)} | {_fmt_e(f.get('max_rel'))} | "
+                   f"{_fmt_e(tol_mr)} | {_fmt_x(min(margins)) if margins else ''} | {_fmt_e(f.get('max_abs'))} | "
+                   f"{_fmt_e(f.get('p99_abs'))} | {_fmt_e(f.get('cosine_diff'))} |")
+    causes = [t for t in failing_first if t["figures"].get("likely_cause")]
+    for t in causes:
+        out.append(f"\n`{t['nodeid']}`: likely cause: {t['figures']['likely_cause']}")
+    return out
+
+
+def render_markdown(report: dict[str, Any], plots: list[str] | None = None) -> str:
     env = report["environment"]
     out = [f"# MLA conformance report: {report['name']}", ""]
     out.append(f"mla-conformance {env['suite_version']} · device {env['device']} ({env.get('device_name')}"
                + (f", capability {env['capability']}" if env.get("capability") else "") + ")"
                + f" · torch {env['torch']} · transformers {env.get('transformers')} · python {env['python']}")
-    out += ["", "## Summary", "", "| backend | passed | failed | errors | skipped | xfailed |", "|---|---:|---:|---:|---:|---:|"]
-    for backend, s in sorted(report["summary"].items()):
-        out.append(f"| {backend} | {s['passed']} | {s['failed']} | {s['error']} | {s['skipped']} | {s['xfailed']} |")
-    for backend, s in sorted(report["summary"].items()):
-        verdict = "CONFORMS" if s["failed"] == 0 and s["error"] == 0 else "DOES NOT CONFORM"
-        out.append(f"\n**{backend}**: {verdict} ({s['passed']} passed, {s['failed']} failed, {s['skipped']} skipped)")
-
-    seed = [t for t in _tests_named(report, "test_seed_table[")]
-    if seed:
-        out += ["", "## Cache bytes (seed 000: V2-Lite, BF16, 25-token prefill + 1 decode, batch 1, 32 slots)", "",
-                "| backend | format | bytes/token/layer | active B | allocated B | tensors |", "|---|---|---:|---:|---:|---|"]
-        for t in sorted(seed, key=_backend_of):
-            f = t["figures"]
-            tens = ", ".join(f"{k} {_fmt_int(v)}" for k, v in sorted(f["tensors"].items()))
-            out.append(f"| {t['backend']} | {f['cache_format']} | {_fmt_int(f['per_token_bytes'])} | "
-                       f"{_fmt_int(f['active_nbytes'])} | {_fmt_int(f['allocated_nbytes'])} | {tens} |")
-        ratio = _tests_named(report, "test_seed_figures_reproduced")
-        if ratio:
-            f = ratio[0]["figures"]
-            out.append(f"\nnaive / absorbed = {_fmt_int(f['naive_active'])} / {_fmt_int(f['absorbed_active'])} = "
-                       f"{f['ratio']:.6f}; reduction {f['reduction'] * 100:.2f}% (seed 000: 8.888…, 88.75%)")
-
-    errs = _tests_named(report, "test_numerics.py::test_against_float64")
-    if errs:
-        out += ["", "## Numerical error against the float64 expanded reference", "",
-                "| backend | preset | scenario | dtype | max abs | mean abs | p99 abs | exact | 1-cos | rel Frobenius |",
-                "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-        for t in sorted(errs, key=lambda t: (t["backend"], t["params"]["preset"], t["params"]["dtype"],
-                                             t["params"]["scenario"])):
-            f, p = t["figures"], t["params"]
-            out.append(f"| {t['backend']} | {p['preset']} | {p['scenario']} | {p['dtype']} | {_fmt_e(f['max_abs'])} | "
-                       f"{_fmt_e(f['mean_abs'])} | {_fmt_e(f['p99_abs'])} | {f['exact_fraction']:.4f} | "
-                       f"{_fmt_e(f['cosine_diff'])} | {_fmt_e(f['rel_fro'])} |")
-
+    out += [""] + _verdict_lines(report)
+    for part in (_failure_lines, _bytes_lines, _error_lines):
+        lines = part(report)
+        if lines:
+            out += [""] + lines
     for section in REPORT_SECTIONS:
         text = section(report)
         if text:
             out += ["", text]
-
+    if plots:
+        out += ["", "## Plots", ""]
+        out += [f"- [{PLOT_TITLES.get(p, p)}]({p})" for p in plots]
     skipped = [t for t in report["tests"] if t["outcome"] == "skipped"]
     if skipped:
-        out += ["", "## Skipped (with the reason)", ""]
-        reasons: dict[str, list[str]] = {}
+        out += ["", "## Skipped, grouped by reason", "", "| tests | reason |", "|---:|---|"]
+        reasons: dict[str, int] = {}
         for t in skipped:
-            reasons.setdefault(t.get("reason", "?"), []).append(t["nodeid"])
-        for reason, ids in sorted(reasons.items()):
-            out.append(f"- {reason} ({len(ids)} test{'s' if len(ids) > 1 else ''})")
-    failed = [t for t in report["tests"] if t["outcome"] in ("failed", "error")]
-    if failed:
-        out += ["", "## Failures", ""]
-        for t in failed:
-            out.append(f"- `{t['nodeid']}`: {t.get('reason', '')}")
+            reasons[t.get("reason", "?")] = reasons.get(t.get("reason", "?"), 0) + 1
+        for reason, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+            out.append(f"| {n} | {reason.replace('|', '/')} |")
     return "\n".join(out) + "\n"
 
 
 def _codec_section(report) -> str | None:
     rows = [t for t in report["tests"] if "test_quantized_kv.py::test_codec_bytes" in t["nodeid"] and t.get("figures")
-            and t["params"].get("preset") == "deepseek-v2-lite" and t["params"].get("dtype") == "bfloat16"]
+            and t.get("params", {}).get("preset") == "deepseek-v2-lite" and t["params"].get("dtype") == "bfloat16"]
     if not rows:
         return None
-    attn = {(t["backend"], t["params"]["codec"]): t["figures"] for t in report["tests"]
+    attn = {(t.get("backend"), t["params"].get("codec")): t["figures"] for t in report["tests"]
             if "test_quantized_kv.py::test_attention_error" in t["nodeid"] and t.get("figures")}
-    acc = {(t["backend"], t["params"]["kv_codec"]): t["figures"].get("accuracy") for t in report["tests"]
+    acc = {(t.get("backend"), t["params"].get("kv_codec")): t["figures"].get("accuracy") for t in report["tests"]
            if "test_golden_generation_per_codec" in t["nodeid"] and t.get("figures")}
     from mla_conformance.config import MLAConfig
 
     layers = MLAConfig.preset("deepseek-v2-lite").num_hidden_layers
-    out = ["## KV codecs (V2-Lite, BF16 cache; bytes measured from the cache tensors)", "",
-           f"| backend | codec | payload B | metadata B | total B/token/layer | model B/token ({layers} layers) | x vs latent | "
-           "attention rel error | tiny-model accuracy |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    name, sentence = EXPERIMENTS["seed 001"]
+    has_attn = any(attn.get((t.get("backend"), t["params"]["codec"])) for t in rows)
+    has_acc = any(acc.get((t.get("backend"), t["params"]["codec"])) is not None for t in rows)
+    head = ["", "backend", "codec", "payload B", "metadata B", "total B/token/layer",
+            f"model B/token ({layers} layers)", "size / BF16 latent"]
+    if has_attn:
+        head.append("attention rel. error vs codec none")
+    if has_acc:
+        head.append("tiny-model accuracy")
+    out = [f"## KV codecs: the {name}", "",
+           f"The {name} (seed 001) compares {sentence} Bytes are measured from the cache tensors at V2-Lite "
+           "dims with a BF16 cache; *size / BF16 latent* is relative to the unquantized latent (codec `none`, "
+           "1,152 B/token/layer).", "",
+           "| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
     seed = []
-    for t in sorted(rows, key=lambda t: (t["backend"], t["params"]["codec"])):
+    for t in sorted(rows, key=lambda t: (t.get("backend", ""), t["params"]["codec"])):
         f, codec = t["figures"], t["params"]["codec"]
-        a = attn.get((t["backend"], codec), {}).get("attention", {})
-        a = a.get("rel_fro") if isinstance(a, dict) else None
-        g = acc.get((t["backend"], codec))
-        out.append(f"| {t['backend']} | {codec} | {_fmt_int(f['payload'])} | {_fmt_int(f['metadata'])} | "
-                   f"{_fmt_int(f['bytes_per_token_layer'])} | {_fmt_int(f['model_bytes_per_token'])} | "
-                   f"{f['ratio_vs_latent']:.2f} | {_fmt_e(a) if a is not None else ''} | "
-                   f"{'' if g is None else f'{g:.4f}'} |")
+        cells = [_mark(t), t.get("backend", ""), codec, _fmt_int(f.get("payload", "")), _fmt_int(f.get("metadata", "")),
+                 _fmt_int(f.get("bytes_per_token_layer", "")), _fmt_int(f.get("model_bytes_per_token", "")),
+                 f"{f['ratio_vs_latent']:.3f}" if isinstance(f.get("ratio_vs_latent"), (int, float)) else ""]
+        if has_attn:
+            a = attn.get((t.get("backend"), codec), {}).get("attention", {})
+            a = a.get("rel_fro") if isinstance(a, dict) else None
+            cells.append("0 (baseline)" if codec == "none" and a is None else _fmt_e(a))
+        if has_acc:
+            g = acc.get((t.get("backend"), codec))
+            cells.append("" if g is None else f"{g:.4f}")
+        out.append("| " + " | ".join(cells) + " |")
         if f.get("seed_001"):
             seed.append((codec, f["seed_001"]))
     if seed:
-        out += ["", "Seed 001's sizes count no scale or zero-point bytes; with the honest layout:", ""]
+        out += ["", "The study's printed sizes count no scale or zero-point bytes. With them, per token over "
+                    f"{layers} layers; *compression* is relative to the expanded BF16 cache (per-head K and V):", ""]
         for codec, s in seed:
-            out.append(f"- {s['scheme']} (reported {s['reported']}): seed {_fmt_int(s['seed_model_bytes_per_token'])} B/token "
-                       f"({s['seed_ratio_vs_expanded']:.1f}x) vs {codec} {_fmt_int(s['honest_model_bytes_per_token'])} B/token "
-                       f"({s['honest_ratio_vs_expanded']:.1f}x), +{_fmt_int(s['difference_bytes'])} B")
+            out.append(f"- {s['scheme']} (printed {s['reported']}): printed {_fmt_int(s['seed_model_bytes_per_token'])} B "
+                       f"({s['seed_ratio_vs_expanded']:.1f}x compression) vs measured {codec} "
+                       f"{_fmt_int(s['honest_model_bytes_per_token'])} B ({s['honest_ratio_vs_expanded']:.1f}x "
+                       f"compression), +{_fmt_int(s['difference_bytes'])} B")
     return "\n".join(out)
 
 
@@ -224,34 +450,41 @@ def _generation_section(report) -> str | None:
             and t.get("figures")]
     if not rows:
         return None
-    out = ["## Generation on the embedded tiny model (greedy, accuracy on expected answers)", "",
-           "| backend | prompt set | accuracy | golden |", "|---|---|---:|---|"]
-    for t in sorted(rows, key=lambda t: (t["backend"], t["params"]["prompt_set"])):
-        out.append(f"| {t['backend']} | {t['params']['prompt_set']} | {t['figures']['accuracy']:.4f} | {t['outcome']} |")
+    out = ["## Generation on the embedded tiny model", "",
+           "Greedy generation with every layer's attention through the backend; *accuracy* = fraction of the "
+           "pinned answer tokens produced; *golden* = the tokens equal the stored snapshot.", "",
+           "| | backend | prompt set | accuracy | golden |", "|---|---|---|---:|---|"]
+    for t in sorted(rows, key=lambda t: (t.get("backend", ""), t["params"].get("prompt_set", ""))):
+        out.append(f"| {_mark(t)} | {t.get('backend', '')} | {t['params'].get('prompt_set', '')} | "
+                   f"{t['figures']['accuracy']:.4f} | {t['outcome']} |")
     return "\n".join(out)
 
 
 def _checkpoint_section(report) -> str | None:
     rows = [t for t in report["tests"] if "test_checkpoint.py::test_prefill_decode_on_checkpoint" in t["nodeid"]
-            and t.get("figures")]
+            and t.get("figures") and t["figures"].get("source") == "checkpoint"]
     pairs = [t for t in report["tests"] if "test_checkpoint.py::test_naive_vs_absorbed_on_checkpoint" in t["nodeid"]
-             and t.get("figures")]
+             and t.get("figures") and (t.get("params") or {}).get("probe") == "checkpoint"]
     if not rows and not pairs:
         return None
-    out = ["## Checkpoint probe (seed 000 sections 4-5: real layer-1 input, prefill + 1 decode)", "",
-           "| source | backend | dtype | tokens | active B | allocated B | decode max abs | mean abs | p99 abs | exact |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for t in sorted(rows, key=lambda t: (t["figures"]["source"], t["backend"], t["figures"]["dtype"])):
+    name = EXPERIMENTS["seed 000"][0]
+    out = [f"## The {name} on the given checkpoint", "",
+           "The real layer-1 attention input of the checkpoint (its tokenizer, embedding and layer 0), a prefill "
+           "and one decode step per backend; errors of the decode token against the float64 reference.", "",
+           "| | backend | dtype | tokens | active B | allocated B | decode max abs | mean abs | p99 abs |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for t in sorted(rows, key=lambda t: (t.get("backend", ""), t["figures"]["dtype"])):
         f = t["figures"]
         d = f["decode"]
-        out.append(f"| {f['source']} | {t['backend']} | {f['dtype']} | {f['tokens']} | {_fmt_int(f['active_nbytes'])} | "
+        out.append(f"| {_mark(t)} | {t.get('backend', '')} | {f['dtype']} | {f['tokens']} | {_fmt_int(f['active_nbytes'])} | "
                    f"{_fmt_int(f['allocated_nbytes'])} | {_fmt_e(d['max_abs'])} | {_fmt_e(d['mean_abs'])} | "
-                   f"{_fmt_e(d['p99_abs'])} | {d['exact_fraction']:.4f} |")
+                   f"{_fmt_e(d['p99_abs'])} |")
     for t in pairs:
         for dtype, m in sorted(t["figures"].items()):
-            out.append(f"\nnaive vs absorbed ({t['params'].get('probe', '')} {dtype}, decode token): max {_fmt_e(m['max_abs'])}, "
-                       f"mean {_fmt_e(m['mean_abs'])}, p99 {_fmt_e(m['p99_abs'])}, exact {m['exact_fraction']:.4f} "
-                       "(seed 000 at V2-Lite: BF16 max 0.0039, FP32 max 1.19e-7)")
+            if isinstance(m, dict):
+                out.append(f"\nreference-absorbed against reference-naive ({dtype}, decode token): max abs "
+                           f"{_fmt_e(m['max_abs'])}, mean abs {_fmt_e(m['mean_abs'])}, p99 abs {_fmt_e(m['p99_abs'])} "
+                           "(seed 000 at V2-Lite: BF16 max 0.0039, FP32 max 1.19e-7)")
     return "\n".join(out)
 
 
@@ -261,6 +494,10 @@ def _gating_section(report) -> str | None:
     except ImportError:
         return None
     dev = report["environment"]["device"]
+    if not dev.startswith("cuda"):
+        return ("## Kernel gating on this device\n\nNo CUDA device (`" + dev + "`): none of the "
+                f"{len(kernel_ids())} kernels of the support matrix runs here; their tests skip with the "
+                "reason. `mla-conformance matrix --capability X.Y` says which run on a given GPU.")
     info = detect(dev)
     out = ["## Kernel gating on this device", "", "| kernel | verdict |", "|---|---|"]
     for kid in kernel_ids():
@@ -271,6 +508,17 @@ def _gating_section(report) -> str | None:
 
 #: Extra markdown sections (codecs, gating, generation); each a function(report) -> str | None.
 REPORT_SECTIONS: list = [_codec_section, _generation_section, _checkpoint_section, _gating_section]
+
+
+# --------------------------------------------------------------------------- plots
+
+PLOT_TITLES = {
+    "bytes_per_token.png": "KV cache bytes per token by cache format and codec",
+    "attention_error.png": "Attention output error against float64, by backend and dtype",
+    "attention_error_by_codec.png": "Attention error by KV codec",
+    "accuracy_by_codec.png": "Tiny-model generation accuracy by KV codec",
+    "decode_time.png": "Decode step time against context (timings.json)",
+}
 
 
 def write_plots(report: dict[str, Any], directory: Path) -> list[str]:
@@ -284,21 +532,21 @@ def write_plots(report: dict[str, Any], directory: Path) -> list[str]:
     meta = {"Software": None}
     seed = sorted(_tests_named(report, "test_seed_table["), key=_backend_of)
     codec_rows = [t for t in report["tests"] if "test_quantized_kv.py::test_codec_bytes" in t["nodeid"]
-                  and t.get("figures") and t["params"].get("preset") == "deepseek-v2-lite"
+                  and t.get("figures") and t.get("params", {}).get("preset") == "deepseek-v2-lite"
                   and t["params"].get("dtype", "bfloat16") == "bfloat16" and t["params"].get("codec") != "none"
                   and t.get("backend") == "reference-absorbed"]
     if seed or codec_rows:
-        labels = [f"{t['backend']} ({t['figures']['cache_format']})" for t in seed]
-        values = [t["figures"]["per_token_bytes"] for t in seed]
+        labels = [f"{t['backend']} ({t['figures'].get('cache_format', '?')})" for t in seed]
+        values = [t["figures"].get("bytes_per_token", t["figures"].get("per_token_bytes", 0)) for t in seed]
         for t in sorted(codec_rows, key=lambda t: t["params"]["codec"]):
             labels.append(f"codec {t['params']['codec']}")
             values.append(t["figures"]["bytes_per_token_layer"])
-        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(values)), 5))
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.6 * len(values) + 2), 5.5))
         ax.bar(range(len(values)), values, color="#4477aa")
-        ax.set_xticks(range(len(values)), labels, fontsize=7, rotation=60, ha="right")
+        ax.set_xticks(range(len(values)), labels, fontsize=8, rotation=45, ha="right")
         ax.set_yscale("log")
-        ax.set_ylabel("bytes / token / layer (V2-Lite, BF16)")
-        ax.set_title("KV cache bytes per token by cache format and codec")
+        ax.set_ylabel("bytes / token / layer")
+        ax.set_title("KV cache bytes per token (V2-Lite dims, BF16)")
         for i, v in enumerate(values):
             ax.text(i, v, f"{v:,}", ha="center", va="bottom", fontsize=7)
         fig.tight_layout()
@@ -309,15 +557,27 @@ def write_plots(report: dict[str, Any], directory: Path) -> list[str]:
     if errs:
         groups: dict[tuple, float] = {}
         for t in errs:
-            key = (t["backend"], t["params"]["dtype"])
+            key = (t.get("backend", ""), t["params"]["dtype"])
             groups[key] = max(groups.get(key, 0.0), t["figures"]["rel_fro"])
         keys = sorted(groups)
-        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(keys)), 4))
-        ax.bar(range(len(keys)), [groups[k] for k in keys], color="#cc6677")
-        ax.set_xticks(range(len(keys)), [f"{b}\n{d}" for b, d in keys], fontsize=7)
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.9 * len(keys) + 2), 5))
+        ax.bar(range(len(keys)), [max(groups[k], 1e-18) for k in keys], color="#cc6677", label="worst measured")
+        tols = []
+        for k in keys:
+            try:
+                from mla_conformance.checks import TOLERANCES
+
+                tols.append(TOLERANCES[k[1]].rel_fro if k[1] in TOLERANCES else None)
+            except ImportError:
+                tols.append(None)
+        if any(v is not None for v in tols):
+            ax.scatter([i for i, v in enumerate(tols) if v is not None], [v for v in tols if v is not None],
+                       marker="_", s=600, color="black", label="tolerance of the dtype")
+        ax.set_xticks(range(len(keys)), [f"{b} {d}" for b, d in keys], fontsize=8, rotation=35, ha="right")
         ax.set_yscale("log")
-        ax.set_ylabel("worst relative Frobenius error vs float64")
-        ax.set_title("Attention output error by backend and dtype")
+        ax.set_ylabel("relative Frobenius error vs float64")
+        ax.set_title("Attention output error by backend and dtype (worst test)")
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(directory / "attention_error.png", dpi=100, metadata=meta)
         plt.close(fig)
@@ -333,12 +593,18 @@ def _codec_plots(report, directory, plt, meta) -> list[str]:
                    if "test_quantized_kv.py::test_attention_error" in t["nodeid"] and t.get("figures")
                    and t.get("backend") == "reference-absorbed" and isinstance(t["figures"].get("attention"), dict)))
     if attn:
-        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(attn)), 4))
-        ax.bar(range(len(attn)), [v for _, v in attn], color="#ddaa33")
-        ax.set_xticks(range(len(attn)), [k for k, _ in attn], rotation=60, ha="right", fontsize=7)
+        names = ["none"] + [k for k, _ in attn if k != "none"]
+        values = {k: v for k, v in attn}
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.6 * len(names) + 2), 5.5))
+        xs = [i for i, k in enumerate(names) if values.get(k)]
+        ax.bar(xs, [values[names[i]] for i in xs], color="#ddaa33", label="reference-absorbed")
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
         ax.set_yscale("log")
-        ax.set_ylabel("attention output rel. error vs kv_codec none")
-        ax.set_title("Attention error by codec (reference-absorbed, V2-Lite, BF16)")
+        low = min(v for v in values.values() if v) if any(values.values()) else 1e-3
+        ax.text(0, low, "0\n(baseline)", ha="center", va="bottom", fontsize=7)
+        ax.set_ylabel("rel. error vs codec none")
+        ax.set_title("Attention output error by KV codec (V2-Lite, BF16)")
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(directory / "attention_error_by_codec.png", dpi=100, metadata=meta)
         plt.close(fig)
@@ -347,33 +613,34 @@ def _codec_plots(report, directory, plt, meta) -> list[str]:
                   if "test_golden_generation_per_codec" in t["nodeid"] and t.get("figures")
                   and t.get("backend") == "reference-absorbed"))
     if acc:
-        fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(acc)), 4))
-        ax.bar(range(len(acc)), [v for _, v in acc], color="#117733")
-        ax.set_xticks(range(len(acc)), [k for k, _ in acc], rotation=45, ha="right", fontsize=7)
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.7 * len(acc) + 2), 5))
+        ax.bar(range(len(acc)), [v for _, v in acc], color="#117733", label="reference-absorbed")
+        ax.set_xticks(range(len(acc)), [k for k, _ in acc], rotation=45, ha="right", fontsize=8)
         ax.set_ylim(0, 1.05)
-        ax.axhline(0.99, color="grey", lw=0.8, ls="--")
-        ax.set_ylabel("accuracy on expected answers")
+        ax.axhline(0.99, color="grey", lw=0.8, ls="--", label="0.99: floor of the INT8 codecs' test")
+        ax.set_ylabel("accuracy on the pinned answers")
         ax.set_title("Tiny-model generation accuracy by KV codec")
+        ax.legend(fontsize=8, loc="lower left")
         fig.tight_layout()
         fig.savefig(directory / "accuracy_by_codec.png", dpi=100, metadata=meta)
         plt.close(fig)
         written.append("accuracy_by_codec.png")
     bench = [t for t in report.get("timings", []) if t["figures"].get("median_s") and "context" in t["params"]]
     if bench:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
         series: dict[str, list] = {}
         for t in bench:
             p = t["params"]
-            series.setdefault(f"{p.get('backend')} {p.get('kv_codec', 'none')} b{p.get('batch', 1)}", []).append(
+            series.setdefault(f"{p.get('backend')} {p.get('kv_codec', 'none')} batch {p.get('batch', 1)}", []).append(
                 (int(p["context"]), t["figures"]["median_s"]))
         for label, pts in sorted(series.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
+        ax.set_xlabel("context (cached tokens)")
         ax.set_ylabel("decode step median (ms)")
-        ax.legend(fontsize=6)
-        ax.set_title("Decode time against context")
+        ax.legend(fontsize=7)
+        ax.set_title("Decode step time against context")
         fig.tight_layout()
         fig.savefig(directory / "decode_time.png", dpi=100, metadata=meta)
         plt.close(fig)
@@ -385,81 +652,233 @@ def _codec_plots(report, directory, plt, meta) -> list[str]:
 PLOT_HOOKS: list = [_codec_plots]
 
 
+# --------------------------------------------------------------------------- owned, atomic writes
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _names(paths) -> str:
+    paths = sorted(paths)
+    shown = ", ".join(paths[:6])
+    return shown + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+
+
+def _read_marker(directory: Path) -> dict | None:
+    try:
+        data = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) and data.get("tool") == "mla-conformance" else None
+
+
+def check_out_dir(out: str | Path, kind: str, option: str = "--out") -> Path:
+    """The resolved output directory, if this tool may write it; else MLAInputError naming what is there.
+
+    Writable: a path that does not exist (its parent is created), an empty directory, or a directory
+    whose marker says ``kind`` and names every file in it. Never the current directory or one above it.
+    """
+    given = str(out)
+    path = Path(out).expanduser().resolve()
+    cwd = Path.cwd().resolve()
+    if path == cwd or path in cwd.parents:
+        raise MLAInputError(f"{option} {given}: is the current directory or one above it; the report is "
+                            f"swapped in as a whole directory, so give a directory of its own (e.g. reports/NAME)")
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise MLAInputError(f"{option} {given}: exists and is not a directory; nothing was touched")
+        entries = sorted(p.name for p in path.iterdir())
+        if entries:
+            marker = _read_marker(path)
+            if marker is None:
+                raise MLAInputError(f"{option} {given}: holds files mla-conformance did not write ({_names(entries)}); "
+                                    "nothing was touched: give a new or empty directory")
+            owned = set(marker.get("files", [])) | {MARKER}
+            foreign = [e for e in entries if e not in owned]
+            if marker.get("kind") != kind:
+                raise MLAInputError(f"{option} {given}: holds a {marker.get('kind')} written by mla-conformance, "
+                                    f"not a {kind}; nothing was touched: give another directory")
+            if foreign:
+                raise MLAInputError(f"{option} {given}: holds files mla-conformance did not write ({_names(foreign)}); "
+                                    "nothing was touched: move them away or give another directory")
+            for e in entries:
+                if e != MARKER and not (path / e).is_file():
+                    raise MLAInputError(f"{option} {given}: {e} is not a plain file; nothing was touched")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=parent)
+        os.rmdir(probe)
+    except OSError as exc:
+        raise MLAInputError(f"{option} {given}: cannot write in {parent} ({exc.strerror or exc})") from None
+    return path
+
+
+def check_out_file(out: str | Path, schema: str, option: str = "--out") -> Path:
+    """The output file, if this tool may write it: new, or a JSON file whose ``schema`` is ``schema``."""
+    given = str(out)
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise MLAInputError(f"{option} {given}: is a directory; give a file name (e.g. {Path(given) / 'bench.json'})")
+    if path.exists() or path.is_symlink():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            data = None
+        if not isinstance(data, dict) or data.get("schema") != schema:
+            raise MLAInputError(f"{option} {given}: exists and was not written by mla-conformance ({schema}); "
+                                "nothing was touched: give a new file name")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise MLAInputError(f"{option} {given}: cannot write in {parent} ({exc.strerror or exc})") from None
+    return path
+
+
+@contextlib.contextmanager
+def _no_interrupt():
+    """SIGINT held back for the few renames of a swap (delivered right after)."""
+    if hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread():
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    else:
+        yield
+
+
 def write_file_atomically(path: Path, text: str) -> None:
-    """One file: written beside its target, then renamed over it (a reader never sees half of it)."""
+    """One file: written beside its target, then renamed over it (a reader never sees half of it).
+
+    Callers check ownership first (:func:`check_out_file`); the mode follows the user's umask.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def write_atomically(directory: Path, files: dict[str, bytes | str], plots_from: dict | None = None) -> None:
-    """Write every file into a fresh temporary directory, then swap it into place."""
-    directory = directory.resolve()
+def write_owned_dir(directory: Path, files: dict[str, bytes | str], *, kind: str,
+                    plots_from: dict | None = None) -> list[str]:
+    """Write ``files`` (and plots) into a temporary sibling, then swap it in for ``directory``.
+
+    Ownership is checked again right before the swap. On any failure or Ctrl-C the temporary directory
+    goes and ``directory`` is as it was. Returns the plot file names written.
+    """
+    directory = check_out_dir(directory, kind)
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     except OSError as exc:
-        raise MLAInputError(f"cannot write the report into {directory}: {exc.strerror or exc}") from None
+        raise MLAInputError(f"cannot write into {directory.parent}: {exc.strerror or exc}") from None
+    old = None
     try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        plots = write_plots(plots_from, tmp) if plots_from is not None else []
         for fname, content in files.items():
+            if callable(content):
+                content = content(plots)
             path = tmp / fname
             if isinstance(content, str):
                 path.write_text(content, encoding="utf-8")
             else:
                 path.write_bytes(content)
-        if plots_from is not None:
-            write_plots(plots_from, tmp)
-        old = None
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-        os.replace(tmp, directory)
+        owned = sorted(set(files) | set(plots))
+        (tmp / MARKER).write_text(json.dumps({"tool": "mla-conformance", "kind": kind, "files": owned},
+                                             indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        check_out_dir(directory, kind)
+        with _no_interrupt():
+            if directory.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
+                os.replace(directory, old)
+            try:
+                os.replace(tmp, directory)
+            except BaseException:
+                if old is not None:
+                    os.replace(old, directory)
+                    old = None
+                raise
+        return plots
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+# --------------------------------------------------------------------------- run
 
 
 def default_name() -> str:
     return platform.node().split(".")[0] or "local"
 
 
+def _check_name(name: str) -> str:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.strip() != name:
+        raise MLAInputError(f"--name {name!r}: a report name is one word (letters, digits, -, _, .)")
+    return name
+
+
+def write_report(out: Path, results: dict, *, name: str, env: dict, wall: float, pytest_exit: int) -> dict:
+    """Build and write the report directory from the plugin's results; returns the report."""
+    report = build_report(results, name=name, env=env)
+    timings = timings_of(results)
+    files = {"conformance.json": json.dumps(report, indent=1, sort_keys=True) + "\n",
+             "conformance.md": lambda plots: render_markdown(report, plots=plots),
+             "timings.json": json.dumps({"wall_s": round(wall, 3), "pytest_exit": pytest_exit,
+                                         "finished_unix": int(time.time()), "benchmarks": timings},
+                                        indent=1, sort_keys=True) + "\n"}
+    report["_plots"] = write_owned_dir(out, files, kind="report", plots_from={**report, "timings": timings})
+    return report
+
+
 def run_command(args) -> int:
+    from mla_conformance.cli import check_device
+
     suites = Path(args.suites) if args.suites else find_suites()
-    name = args.name or default_name()
-    out = Path(args.out) if args.out else Path("reports") / name
-    out_parent = out.resolve().parent
-    try:
-        out_parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise MLAInputError(f"--out {out}: cannot create {out_parent} ({exc.strerror or exc})") from None
-    if not os.access(out_parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise MLAInputError(f"--out {out}: the directory {out_parent} is not writable")
-    if args.checkpoint and not Path(args.checkpoint).is_dir():
-        raise MLAInputError(f"--checkpoint {args.checkpoint}: no such directory")
+    if args.suites and not (suites / "test_cache_bytes.py").is_file():
+        raise MLAInputError(f"--suites {args.suites}: not the suites directory (no test_cache_bytes.py)")
+    name = _check_name(args.name or default_name())
+    out = check_out_dir(args.out if args.out else Path("reports") / name, "report")
+    device = check_device(args.device) if args.device else None
+    if args.checkpoint:
+        from mla_conformance.checkpoint import validate_checkpoint
+
+        try:
+            validate_checkpoint(args.checkpoint)
+        except MLAInputError as exc:
+            raise MLAInputError(f"--checkpoint: {exc}") from None
     from mla_conformance.backends import get_backend
 
     for spec in args.backend or []:
         get_backend(spec)  # fail fast, naming the spec
-    with tempfile.TemporaryDirectory() as tmpdir:
+    with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
         results_path = Path(tmpdir) / "results.json"
         cmd = [sys.executable, "-m", "pytest", str(suites), "--ignore", str(suites / "meta"), "-p", "no:cacheprovider",
-               "--mla-results", str(results_path), "-rs"]
+               "--mla-results", str(results_path), "-ra"]
+        import importlib.util
+
+        if importlib.util.find_spec("pytest_benchmark"):  # its storage, or an empty .benchmarks/ lands in the cwd
+            cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
         for spec in args.backend or []:
             cmd += ["--mla-backend", spec]
         if args.checkpoint:
             cmd += ["--mla-checkpoint", args.checkpoint]
-        if args.device:
-            cmd += ["--mla-device", args.device]
+        if device:
+            cmd += ["--mla-device", device]
         cmd += list(args.pytest_args or [])
         print(f"mla-conformance run: {' '.join(cmd[2:])}", flush=True)
         t0 = time.perf_counter()
@@ -469,56 +888,118 @@ def run_command(args) -> int:
             print(f"mla-conformance run: pytest exited {proc.returncode} before any result was recorded; "
                   "no report written", file=sys.stderr)
             return proc.returncode or 1
-        results = json.loads(results_path.read_text())
-    report = build_report(results, name=name, env=environment(results.get("device", "cpu")))
-    files = {"conformance.json": json.dumps(report, indent=1, sort_keys=True) + "\n",
-             "conformance.md": render_markdown(report),
-             "timings.json": json.dumps({"wall_s": round(wall, 3), "pytest_exit": proc.returncode,
-                                         "finished_unix": int(time.time()), "benchmarks": timings_of(results)},
-                                        indent=1, sort_keys=True) + "\n"}
-    write_atomically(out, files, plots_from={**report, "timings": timings_of(results)})
-    s = report["summary"]
-    print(f"mla-conformance run: wrote {out}/conformance.json, conformance.md and plots in {wall:.1f} s; "
-          + "; ".join(f"{b}: {v['passed']} passed, {v['failed']} failed, {v['skipped']} skipped"
-                      for b, v in sorted(s.items())))
+        try:
+            results = json.loads(results_path.read_text())
+        except ValueError as exc:
+            print(f"mla-conformance run: the results pytest wrote are not JSON ({exc}); no report written",
+                  file=sys.stderr)
+            return proc.returncode or 1
+    report = write_report(out, results, name=name, env=environment(results.get("device", "cpu")), wall=wall,
+                          pytest_exit=proc.returncode)
+    plots = report.pop("_plots")
+    written = ["conformance.json", "conformance.md", "timings.json"] + plots
+    print(f"mla-conformance run: wrote {out}: {', '.join(written)} in {wall:.1f} s")
+    for b, v in sorted(report["verdicts"].items()):
+        s = report["summary"][b]
+        print(f"  {b}: {v['verdict']} ({s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
+              f"{s['skipped']} skipped)")
+    not_tested = sorted(b for b, v in report["verdicts"].items() if v["verdict"] == "NOT TESTED")
+    if not_tested:
+        print(f"mla-conformance run: NOT TESTED: {', '.join(not_tested)}: no conformance test executed "
+              f"(skip reasons in {out / 'conformance.md'})", file=sys.stderr)
+        return proc.returncode or 1
     return proc.returncode
 
 
 # --------------------------------------------------------------------------- merge
 
 
-def merge_command(args) -> int:
-    reports = []
-    for path in args.reports:
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise MLAInputError(f"{p}: no such report file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise MLAInputError(f"{p}: not a JSON report ({exc})") from None
-        if data.get("schema") != SCHEMA:
-            raise MLAInputError(f"{p}: not an mla-conformance report (schema {data.get('schema')!r})")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise MLAInputError(f"{p}: report schema version {data.get('schema_version')}, this tool reads "
-                                f"{SCHEMA_VERSION}")
-        reports.append(data)
-    columns = []
+def check_key(test: dict) -> str:
+    """A test's row in the matrix: its function and its parameters other than the backend, by name."""
+    base = test["nodeid"].split("[", 1)[0]
+    params = {k: v for k, v in (test.get("params") or {}).items() if k != "backend"}
+    if not params:
+        return base
+    return base + "[" + ", ".join(f"{k}={params[k]}" for k in sorted(params)) + "]"
+
+
+def load_report(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MLAInputError(f"{p}: no such report file") from None
+    except IsADirectoryError:
+        raise MLAInputError(f"{p}: is a directory; give its conformance.json") from None
+    except OSError as exc:
+        raise MLAInputError(f"{p}: cannot read it ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MLAInputError(f"{p}: not a JSON report ({exc})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise MLAInputError(f"{p}: not an mla-conformance report (schema "
+                            f"{data.get('schema') if isinstance(data, dict) else None!r})")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise MLAInputError(f"{p}: report schema version {data.get('schema_version')}, this tool reads "
+                            f"{SCHEMA_VERSION}")
+    return data
+
+
+def merge_reports(reports: list[tuple[str, dict]], warn=None) -> tuple[dict, str]:
+    """(matrix, markdown) of ``(source, report)`` pairs; the result does not depend on their order."""
+    warn = warn or (lambda msg: print(f"mla-conformance merge: warning: {msg}", file=sys.stderr))
+    by_id: dict[str, tuple[str, dict]] = {}
+    for source, r in sorted(reports, key=lambda sr: (run_id(sr[1]), sr[0])):
+        rid = run_id(r)
+        if rid in by_id:
+            warn(f"{source} is the same report as {by_id[rid][0]} (run id {rid}); counted once")
+            continue
+        by_id[rid] = (source, r)
+    names: dict[str, list[str]] = {}
+    for rid, (_, r) in by_id.items():
+        names.setdefault(r["name"], []).append(rid)
+    label = {}
+    for name, rids in sorted(names.items()):
+        if len(rids) == 1:
+            label[rids[0]] = name
+        else:
+            for rid in rids:
+                label[rid] = f"{name} [{rid}]"
+            warn(f"{len(rids)} different reports are named {name!r} ("
+                 + ", ".join(by_id[rid][0] for rid in sorted(rids)) + "): kept apart as "
+                 + ", ".join(repr(label[rid]) for rid in sorted(rids)))
+    columns: list[str] = []
     cells: dict[str, dict[str, dict]] = {}
-    for r in reports:
+    col_verdicts: dict[str, str] = {}
+    for rid in sorted(by_id, key=lambda i: label[i]):
+        r = by_id[rid][1]
+        verdicts = r.get("verdicts") or {}
         for t in r["tests"]:
-            backend = t.get("backend", "(suite)")
-            col = f"{r['name']} / {backend}"
+            backend = t.get("backend", INDEPENDENT)
+            col = f"{label[rid]} / {backend}"
             if col not in columns:
                 columns.append(col)
-            check = t["nodeid"].replace(f"[{backend}-", "[").replace(f"[{backend}]", "").replace(f"-{backend}]", "]")
-            cells.setdefault(check, {})[col] = {"outcome": t["outcome"], **({"reason": t["reason"]} if t.get("reason") else {})}
+                if backend != INDEPENDENT:
+                    col_verdicts[col] = verdicts.get(backend, {}).get(
+                        "verdict", verdict_of((r.get("summary") or {}).get(backend, {})))
+            check = check_key(t)
+            if col in cells.get(check, {}):
+                check = f"{check} ({t['nodeid']})"
+            cells.setdefault(check, {})[col] = {"outcome": t["outcome"],
+                                                **({"reason": t["reason"]} if t.get("reason") else {})}
     columns.sort()
-    matrix = {"schema": "mla-conformance/matrix", "schema_version": 1,
-              "hosts": [{"name": r["name"], "environment": r["environment"]} for r in reports],
-              "columns": columns, "rows": {k: cells[k] for k in sorted(cells)}}
-    symbol = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "skip", "xfailed": "xfail", "xpassed": "XPASS"}
-    lines = ["# MLA conformance matrix", "", "| check | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    matrix = {"schema": MATRIX_SCHEMA, "schema_version": 2,
+              "hosts": sorted(({"name": r["name"], "label": label[rid], "run_id": rid,
+                                "environment": r["environment"]} for rid, (_, r) in by_id.items()),
+                              key=lambda h: h["label"]),
+              "columns": columns, "verdicts": {c: col_verdicts[c] for c in columns if c in col_verdicts},
+              "rows": {k: cells[k] for k in sorted(cells)}}
+    symbol = {"passed": "pass", "failed": "**FAIL**", "error": "**ERROR**", "skipped": "skip", "xfailed": "xfail",
+              "xpassed": "XPASS"}
+    lines = ["# MLA conformance matrix", "",
+             "Rows: checks (test and parameters); columns: report / backend. *FAIL*: a check found the output "
+             "or bytes wrong; *ERROR*: the backend raised or returned the wrong type/shape.", "",
+             "| check | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns),
+             "| **verdict** | " + " | ".join(col_verdicts.get(c, "") for c in columns) + " |"]
     for check in sorted(cells):
         row = []
         for col in columns:
@@ -526,31 +1007,47 @@ def merge_command(args) -> int:
             if c is None:
                 row.append("")
             elif c["outcome"] == "skipped":
-                row.append(f"skip: {c.get('reason', '')[:80]}")
+                row.append(f"skip: {c.get('reason', '')[:80]}".replace("|", "/"))
             else:
                 row.append(symbol.get(c["outcome"], c["outcome"]))
         lines.append(f"| `{check}` | " + " | ".join(row) + " |")
-    out = Path(args.out)
-    write_atomically(out, {"matrix.json": json.dumps(matrix, indent=1, sort_keys=True) + "\n",
-                           "matrix.md": "\n".join(lines) + "\n"})
-    print(f"mla-conformance merge: {len(reports)} reports, {len(cells)} checks x {len(columns)} columns -> {out}/matrix.md")
+    return matrix, "\n".join(lines) + "\n"
+
+
+def merge_command(args) -> int:
+    out = check_out_dir(args.out, "matrix")
+    reports = [(str(p), load_report(p)) for p in args.reports]
+    matrix, md = merge_reports(reports)
+    write_owned_dir(out, {"matrix.json": json.dumps(matrix, indent=1, sort_keys=True) + "\n", "matrix.md": md},
+                    kind="matrix")
+    print(f"mla-conformance merge: {len(matrix['hosts'])} reports, {len(matrix['rows'])} checks x "
+          f"{len(matrix['columns'])} columns -> {out}/matrix.md")
     return 0
 
 
 def add_cli(sub) -> None:
     p = sub.add_parser("run", help="run the conformance suite and write reports/<name>/conformance.{json,md}",
                        description="Run the conformance suite on the built-in backends (or --backend SPEC...) "
-                                   "and write conformance.json, conformance.md and plots. Arguments after `--` "
-                                   "go to pytest.")
+                                   "and write conformance.json, conformance.md and plots into --out, a new or "
+                                   "empty directory or one holding an earlier report of this tool (anything "
+                                   "else there is an error; nothing is touched). Arguments after `--` go to "
+                                   "pytest, e.g. `-- -k tiny -n 2`. Exits non-zero when a backend fails or is "
+                                   "NOT TESTED (no conformance test executed).")
     p.add_argument("--backend", action="append", metavar="SPEC", help="backend spec (repeatable; default: built-ins)")
-    p.add_argument("--checkpoint", metavar="DIR", help="a real DeepSeek checkpoint for the checkpoint tests")
-    p.add_argument("--out", metavar="DIR", help="output directory (default reports/<host-name>)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="a real DeepSeek checkpoint for the checkpoint tests (config, weights and tokenizer "
+                        "are checked before any test runs)")
+    p.add_argument("--out", metavar="DIR", help="output directory (default reports/<name>)")
     p.add_argument("--name", help="report name (default: this host's name)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--suites", metavar="DIR", help="suites directory (default: ./suites)")
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS")
     p.set_defaults(func=run_command)
-    m = sub.add_parser("merge", help="merge conformance.json reports of several hosts into one matrix")
+    m = sub.add_parser("merge", help="merge conformance.json reports of several hosts into one matrix",
+                       description="Merge conformance.json reports into one matrix (rows: checks; columns: report "
+                                   "x backend). Reports with the same name are kept apart by their run id; the "
+                                   "order of the arguments does not change the result.")
     m.add_argument("reports", nargs="+", metavar="REPORT.json")
-    m.add_argument("--out", required=True, metavar="DIR")
+    m.add_argument("--out", required=True, metavar="DIR",
+                   help="output directory: new, empty, or holding an earlier matrix of this tool")
     m.set_defaults(func=merge_command)
