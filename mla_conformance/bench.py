@@ -222,7 +222,7 @@ def _latent_chunks(weights, context: int, batch: int, seed: int, device) -> list
 def _fill_kind(backend, cache) -> str:
     """How ``prepare`` fills this cache: "expanded", "latent", "hf" or "attend"."""
     from mla_conformance.backends.hf import HFCache
-    from mla_conformance.backends.reference import LatentSlotCache, SlotCache
+    from mla_conformance.cache import LatentSlotCache, SlotCache
 
     if isinstance(cache, HFCache):
         return "hf"
@@ -242,30 +242,15 @@ def _hf_layout(backend, weights, device) -> str:
     x = torch.zeros(1, 1, cfg.hidden_size, dtype=weights.dtype, device=device)
     pos = torch.zeros(1, 1, dtype=torch.int64, device=device)
     backend.attend(weights, x, pos, probe)
-    kv = probe._kv()
-    if kv is None:
+    kv = probe.tensors()
+    if not kv:
         raise RuntimeError("hf-transformers stored nothing in its DynamicCache after one token")
-    k, v = kv
+    k, v = kv["layers.0.keys"], kv["layers.0.values"]
     if k.shape[1] == 1 and k.shape[-1] == cfg.kv_lora_rank and v.shape[-1] == cfg.qk_rope_head_dim:
         return "latent"
     if k.shape[1] == cfg.num_attention_heads and k.shape[-1] == cfg.qk_head_dim and v.shape[-1] == cfg.v_head_dim:
         return "expanded"
     raise RuntimeError(f"unrecognised transformers cache layout: keys {tuple(k.shape)}, values {tuple(v.shape)}")
-
-
-def _hf_layer(cache):
-    layers = getattr(cache.hf, "layers", None)
-    return layers[0] if layers is not None else None
-
-
-def _hf_set(cache, keys: torch.Tensor, values: torch.Tensor) -> None:
-    layer = _hf_layer(cache)
-    if layer is not None:
-        layer.keys, layer.values = keys, values
-    else:  # older releases: lists per layer
-        cache.hf.key_cache[0], cache.hf.value_cache[0] = keys, values
-    if hasattr(cache.hf, "_seen_tokens"):
-        cache.hf._seen_tokens = keys.shape[-2]
 
 
 def _fill(backend, weights, cache, kind: str, context: int, batch: int, seed: int, device, say) -> None:
@@ -293,21 +278,16 @@ def _fill(backend, weights, cache, kind: str, context: int, batch: int, seed: in
                 ks, vs = zip(*(ref.expand_kv(weights, c, k) for _, c, k in chunks))
                 keys = torch.cat(ks, dim=1).transpose(1, 2)
                 values = torch.cat(vs, dim=1).transpose(1, 2)
-            cache.hf.update(keys.contiguous(), values.contiguous(), 0)
-        cache.slot_pos = torch.arange(context, device=dev).expand(batch, context).clone()
-        cache.seq_lens = torch.full((batch,), context, dtype=torch.int64, device=cache.seq_lens.device)
+            cache.fill(keys, values)
         return
     with torch.no_grad():
         for _, c, k_pe in chunks:
             n = c.shape[1]
-            lengths = torch.full((batch,), n, dtype=torch.int64, device=cache.seq_lens.device)
             if kind == "latent":
-                cache.write_latent(c, k_pe, lengths)
+                cache.append_latent(c, k_pe)
             else:
                 k, v = ref.expand_kv(weights, c, k_pe)
-                cache.write("k", k, lengths)
-                cache.write("v", v, lengths)
-            cache.seq_lens = cache.seq_lens + lengths
+                cache.append({"k": k, "v": v})
 
 
 # --------------------------------------------------------------------------- one prepared decode step
@@ -337,15 +317,7 @@ class Prepared:
         """Put the cache back to exactly ``context`` tokens per row (no-op when it cannot be rewound)."""
         cache = self.cache
         if self.resets:
-            from mla_conformance.backends.hf import HFCache
-
-            if isinstance(cache, HFCache):
-                kv = cache._kv()
-                if kv is not None and kv[0].shape[-2] != self.context:
-                    _hf_set(cache, kv[0][..., : self.context, :], kv[1][..., : self.context, :])
-                cache.slot_pos = cache.slot_pos[:, : self.context]
-            cache.seq_lens = torch.full((self.batch,), self.context, dtype=torch.int64,
-                                        device=cache.seq_lens.device)
+            cache.rewind(self.context)
         self.positions = cache.seq_lens.to(self.hidden.device)[:, None].clone()
 
     def setup(self):

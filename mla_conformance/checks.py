@@ -15,7 +15,9 @@ import torch
 
 from mla_conformance.backends import cache_format_of
 from mla_conformance.config import MLAConfig
-from mla_conformance.errors import BackendOutputError
+from mla_conformance.cache.measure import (bookkeeping_limit, describe_buffers, is_bookkeeping, poison, slot_figures,
+                                            written_bytes, written_masks)
+from mla_conformance.errors import BackendError, BackendOutputError
 from mla_conformance.reference import reference_attention_f64
 from mla_conformance.weights import MLAWeights
 
@@ -87,9 +89,16 @@ def format_metrics(m: dict[str, float]) -> str:
             f"(ref rms {m['ref_rms']:.3f})")
 
 
+NAN_HINT = ("the suite fills every cache slot no token was written to with NaN (and 0xFF bytes in integer "
+            "storage): a backend that reads slots past seq_lens and masks them by multiplying with 0 gets NaN "
+            "(0 * NaN = NaN); select with torch.where or read only the written slots")
+
+
 def check_output(backend, out: Any, hidden_states: torch.Tensor, lengths: torch.Tensor, where: str,
                  positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Shape, dtype and finiteness of one attend() result (finiteness on valid slots)."""
+    """Type, shape and dtype of one attend() result (a BackendOutputError: an *error*), then finiteness
+    on valid slots (an AssertionError: a *failure*, the output is wrong)."""
+    __tracebackhide__ = True
     name = getattr(backend, "name", backend)
     if not isinstance(out, torch.Tensor):
         raise BackendOutputError(f"{name}: attend() returned {type(out).__name__}, not a Tensor ({where})")
@@ -105,20 +114,20 @@ def check_output(backend, out: Any, hidden_states: torch.Tensor, lengths: torch.
         b, s, h = (int(i) for i in bad.nonzero()[0])
         kind = "NaN" if bool(torch.isnan(out[b, s, h])) else "inf"
         pos = int(positions[b, s]) if positions is not None else s
-        raise BackendOutputError(f"{name}: attend() output has {int(bad.sum())} non-finite value(s): {kind} "
-                                 f"at row {b}, position {pos}, channel {h} ({where})")
+        raise AssertionError(f"{name}: attend() output has {int(bad.sum())} non-finite value(s): {kind} "
+                             f"at row {b}, position {pos}, channel {h} ({where}); {NAN_HINT}")
     return out
 
 
 def call_backend(backend, method: str, *args, **kwargs):
-    """Call a backend method; an exception becomes an assertion naming the backend and method."""
+    """Call a backend method; any exception it raises (AssertionError included: it comes from the
+    backend's code, not from a check) becomes a BackendError naming the backend and the method."""
+    __tracebackhide__ = True
     try:
         return getattr(backend, method)(*args, **kwargs)
-    except AssertionError:
-        raise
     except Exception as exc:
-        raise AssertionError(f"{getattr(backend, 'name', backend)}: {method}() raised "
-                             f"{type(exc).__name__}: {exc}") from exc
+        raise BackendError(f"{getattr(backend, 'name', backend)}: {method}() raised "
+                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def diagnosis(backend, weights) -> str:
@@ -178,7 +187,7 @@ def _weights(preset: str, seed: int) -> MLAWeights:
 
 @functools.lru_cache(maxsize=8)
 def _weights_as(preset: str, seed: int, dtype: torch.dtype, device: str) -> MLAWeights:
-    return _weights(preset, seed).to(dtype, device=device)
+    return _weights(preset, seed).to(dtype, device=device).clone()  # never the oracle's own tensors
 
 
 def weights_for(preset: str, dtype: torch.dtype, device="cpu", seed: int = 0) -> MLAWeights:
@@ -194,31 +203,60 @@ def inputs_for(config: MLAConfig, scenario: Scenario, seed: int = 1) -> torch.Te
 
 
 def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenario, *, device="cpu",
-                 capacity: int | None = None, kv_codec: str = "none"):
+                 capacity: int | None = None, kv_codec: str = "none", poison_sentinel: int = 0xFF,
+                 trace: dict | None = None):
     """Drive a backend through the scenario; return (outputs float64 [B, T, hidden], cache).
 
-    Outputs are placed at each token's position so they line up with the one-shot reference.
+    Outputs are placed at each token's position so they line up with the one-shot reference. What the
+    suite guarantees around the backend, each a failure naming its cause:
+
+    * the fresh cache's token-storage buffers are poisoned (NaN; ``poison_sentinel`` bytes in integer
+      storage) and the poison must land (``tensors()`` are the cache's own buffers): see
+      :mod:`mla_conformance.cache.measure`;
+    * the backend gets its own copy of the weights; a backend that changes them, or the hidden_states it
+      is given, in place fails naming the tensor.
+
+    ``trace`` (a dict), when given, receives ``calls`` (each attend call's (start [B], new tokens [B])),
+    ``poisoned`` (what was poisoned) and ``preallocated`` (storage existed right after new_cache).
     """
-    config, dtype = weights.config, weights.dtype
+    __tracebackhide__ = True
+    config = weights.config
     B = scenario.batch
     T = x.shape[1]
     capacity = capacity or T
-    cache = call_backend(backend, "new_cache", config, batch_size=B, capacity=capacity, dtype=dtype,
+    mine = weights.clone()  # the backend's copy: the caller's weights (and the oracle's) stay untouched
+    cache = call_backend(backend, "new_cache", config, batch_size=B, capacity=capacity, dtype=weights.dtype,
                          device=device, kv_codec=kv_codec)
+    where_cache = f"{backend.name} cache ({type(cache).__name__})"
+    try:
+        tensors = call_backend(cache, "tensors")
+    except BackendError as exc:
+        raise BackendError(f"{where_cache}: {exc}") from exc
+    poisoned = poison(cache, tensors_of_checked(tensors, where_cache), batch_size=B, capacity=capacity,
+                      sentinel=poison_sentinel, name=where_cache)
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     out = torch.zeros(B, T, config.hidden_size, dtype=torch.float64)
-    xd = x.to(device=device, dtype=dtype)
+    xd = x.to(device=device, dtype=weights.dtype)
     prefill = torch.tensor(scenario.prefill)
     chunk = scenario.chunk or int(prefill.max())
     done = torch.zeros(B, dtype=torch.int64)
+
+    def attend(h, positions, lengths, where):
+        kept = h.clone()
+        o = call_backend(backend, "attend", mine, h, positions, cache, lengths.to(device))
+        if not torch.equal(h, kept):
+            raise AssertionError(f"{backend.name}: attend() changed its hidden_states argument in place ({where}); "
+                                 "a backend must not write to its inputs")
+        calls.append((done.clone(), lengths.clone()))
+        return check_output(backend, o, h, lengths, where, positions)
+
     while bool((done < prefill).any()):
         S = int(min(chunk, int((prefill - done).max())))
         lengths = torch.clamp(prefill - done, 0, S)
         idx = (done[:, None] + torch.arange(S)[None, :]).clamp(max=T - 1)
         h = torch.gather(xd, 1, idx.to(device)[..., None].expand(-1, -1, xd.shape[-1]))
         positions = (done[:, None] + torch.arange(S)[None, :]).to(device)
-        where = f"prefill tokens {done.tolist()}..+{lengths.tolist()}"
-        o = call_backend(backend, "attend", weights, h, positions, cache, lengths.to(device))
-        check_output(backend, o, h, lengths, where, positions)
+        o = attend(h, positions, lengths, f"prefill tokens {done.tolist()}..+{lengths.tolist()}")
         for b in range(B):
             n = int(lengths[b])
             out[b, int(done[b]):int(done[b]) + n] = o[b, :n].to("cpu", torch.float64)
@@ -227,41 +265,83 @@ def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenar
         pos = done.clone()
         h = xd[torch.arange(B), pos.clamp(max=T - 1).to(device)][:, None]
         lengths = torch.ones(B, dtype=torch.int64)
-        o = call_backend(backend, "attend", weights, h, pos[:, None].to(device), cache, lengths.to(device))
-        check_output(backend, o, h, lengths, f"decode step {step}", pos[:, None])
+        o = attend(h, pos[:, None].to(device), lengths, f"decode step {step}")
         out[torch.arange(B), pos] = o[:, 0].to("cpu", torch.float64)
         done = done + 1
+    changed = mine.changed_from(weights)
+    if changed:
+        raise AssertionError(f"{backend.name}: attend() changed the weights tensor(s) {changed} in place (its "
+                             "copy differs from the suite's after the run); a backend must not write to its weights")
+    if trace is not None:
+        trace.update(calls=calls, poisoned=poisoned, preallocated=bool(poisoned.storage))
     return out, cache
+
+
+def tensors_of_checked(tensors, where: str) -> dict[str, torch.Tensor]:
+    __tracebackhide__ = True
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise BackendOutputError(f"{where}: tensors() must return a dict of name -> Tensor, got "
+                                 f"{type(tensors).__name__}")
+    return tensors
 
 
 def scenario_lengths(scenario: Scenario) -> torch.Tensor:
     return torch.tensor([scenario.total(b) for b in range(scenario.batch)])
 
 
+def tolerance_figures(tol: Tolerance) -> dict[str, float]:
+    return {"tolerance_rel_fro": tol.rel_fro, "tolerance_max_rel": tol.max_rel}
+
+
 def numerics(backend, preset: str, scenario_name: str, dtype: torch.dtype, device="cpu",
-             tolerance: Tolerance | None = None) -> dict[str, float]:
-    """Backend output vs the float64 expanded reference; returns the metrics, raises on violation."""
+             tolerance: Tolerance | None = None, figures: dict | None = None) -> dict[str, float]:
+    """Backend output vs the float64 expanded reference; returns the metrics, raises on violation.
+
+    ``figures`` (a dict) receives the metrics and the tolerance before any failure is raised, so a
+    failing test still reports what it measured."""
+    __tracebackhide__ = True
+    figures = {} if figures is None else figures
     scenario = SCENARIOS[scenario_name]
     w = weights_for(preset, dtype, device)
     x = inputs_for(w.config, scenario)
     require_support(backend, w.config, dtype=dtype, device=device)
-    out, cache = run_scenario(backend, w, x, scenario, device=device)
+    trace: dict = {}
+    out, _ = run_scenario(backend, w, x, scenario, device=device, trace=trace)
     lengths = scenario_lengths(scenario)
-    ref = reference_attention_f64(_weights(preset, 0), x.to(dtype).to(torch.float64), lengths)
+    x64 = x.to(dtype).to(torch.float64)
+    ref = reference_attention_f64(_weights(preset, 0), x64, lengths)
     valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
     m = error_metrics(out[valid], ref[valid])
     tol = tolerance or TOLERANCES[dtype_name(dtype)]
+    figures.update(m)
+    figures.update(tolerance_figures(tol), margin_rel_fro=tol.rel_fro / m["rel_fro"] if m["rel_fro"] else None)
     where = f"{backend.name} {preset} {scenario_name} {dtype_name(dtype)}"
     # per-row check too, so a bug confined to one row cannot hide in the batch average
     for b in range(scenario.batch):
         mb = error_metrics(out[b, : lengths[b]], ref[b, : lengths[b]])
         if not (mb["rel_fro"] <= tol.rel_fro and mb["max_rel"] <= tol.max_rel):
             worst = int((out[b, : lengths[b]] - ref[b, : lengths[b]]).abs().amax(-1).argmax())
+            cause = likely_cause_message(out, _weights(preset, 0), x64, lengths, trace["calls"],
+                                         correct=m["rel_fro"], tol=tol, figures=figures)
             raise AssertionError(
-                f"{where}: row {b} differs from the float64 reference beyond the {dtype_name(dtype)} tolerance "
-                f"(rel_fro <= {tol.rel_fro:g}, max_abs/rms <= {tol.max_rel:g}): {format_metrics(mb)}; "
-                f"worst token at position {worst} of {int(lengths[b])}{diagnosis(backend, w)}")
+                f"{where}: row {b} differs from the float64 reference beyond the {dtype_name(dtype)} tolerance: "
+                f"rel_fro {mb['rel_fro']:.3e} (tolerance {tol.rel_fro:g}), max_abs/rms {mb['max_rel']:.3e} "
+                f"(tolerance {tol.max_rel:g}); worst token at position {worst} of {int(lengths[b])}"
+                f"{cause}{diagnosis(backend, w)}")
     return m
+
+
+def likely_cause_message(out, weights64, x64, lengths, calls, *, correct: float, tol: Tolerance,
+                         figures: dict) -> str:
+    """'; likely cause: ...' when an oracle of a known bug class matches the output far better."""
+    from mla_conformance import diagnose
+
+    found = diagnose.likely_cause(out, weights64, x64, lengths, calls, correct_rel_fro=correct,
+                                  tolerance_rel_fro=tol.rel_fro)
+    if not found:
+        return ""
+    figures["likely_cause"] = diagnose.format_cause(found)
+    return "; " + figures["likely_cause"]
 
 
 # --------------------------------------------------------------------------- bytes
@@ -271,64 +351,115 @@ def per_token_elements(config: MLAConfig, cache_format: str) -> int:
     return config.latent_dim if cache_format == "latent" else config.expanded_dim
 
 
+def format_bytes_per_token(config: MLAConfig, cache_format: str, dtype: torch.dtype, kv_codec: str = "none") -> int:
+    """Bytes one stored token takes in the declared format (a codec's payload + metadata)."""
+    if kv_codec != "none":
+        from mla_conformance.codecs import get_codec
+
+        return get_codec(kv_codec).bytes_per_token(config, dtype)["total"]
+    return per_token_elements(config, cache_format) * torch.empty(0, dtype=dtype).element_size()
+
+
 def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decode: int, batch: int,
-                capacity: int, device="cpu") -> dict[str, Any]:
-    """Write tokens through attend() and measure the cache; raises when bytes break the contract."""
+                capacity: int, device="cpu", kv_codec: str = "none", figures: dict | None = None) -> dict[str, Any]:
+    """Write tokens through attend() and measure the cache from its tensors; raise when the bytes break
+    the contract. One rule for every format and codec (mla_conformance.cache.measure):
+
+    * bytes per stored token = bytes of token storage that no longer hold the suite's poison / tokens,
+      must equal the declared format's bytes per token -- else the *format* is wrong;
+    * a cache that preallocates must have room for batch x capacity tokens -- else the *slot count* is
+      wrong; more slots are an allocation policy, reported (allocated_slots, slot_overhead);
+    * the self-reports: allocated_nbytes() == bytes of tensors(); active_nbytes() == stored tokens x the
+      measured bytes per token (plus at most the bookkeeping buffers).
+    """
+    __tracebackhide__ = True
+    figures = {} if figures is None else figures
     w = weights_for(preset, dtype, device)
     config = w.config
-    require_support(backend, config, dtype=dtype, device=device)
+    require_support(backend, config, dtype=dtype, device=device, kv_codec=kv_codec)
     scenario = Scenario("bytes", (prefill,) * batch, decode_steps=decode)
     x = inputs_for(config, scenario)
-    _, cache = run_scenario(backend, w, x, scenario, device=device, capacity=capacity)
+    trace: dict = {}
+    _, cache = run_scenario(backend, w, x, scenario, device=device, capacity=capacity, kv_codec=kv_codec,
+                            trace=trace)
+    where_cache = f"{backend.name} cache"
+    tensors = tensors_of_checked(call_backend(cache, "tensors"), where_cache)
+    masks = [written_masks(tensors, trace["poisoned"])]
+    integer_storage = [k for k, (shape, dt) in trace["poisoned"].storage.items()
+                       if not (dt.is_floating_point and torch.empty(0, dtype=dt).element_size() > 1)]
+    if integer_storage:  # a written byte may equal the 0xFF poison: a second run poisoned with 0x00
+        trace2: dict = {}
+        _, cache2 = run_scenario(backend, w, x, scenario, device=device, capacity=capacity, kv_codec=kv_codec,
+                                 poison_sentinel=0x00, trace=trace2)
+        masks.append(written_masks(tensors_of_checked(call_backend(cache2, "tensors"), where_cache),
+                                   trace2["poisoned"]))
     fmt = cache_format_of(backend, cache)
     elem = torch.empty(0, dtype=dtype).element_size()
     tokens = batch * (prefill + decode)
-    per_token = per_token_elements(config, fmt) * elem
+    expected = format_bytes_per_token(config, fmt, dtype, kv_codec)
+    tensor_bytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    limit = bookkeeping_limit(batch, capacity, getattr(cache, "page_block_size", None))
+    book = {k: b for k, b in tensor_bytes.items() if is_bookkeeping(tensors[k], limit)}
+    storage = {k: b for k, b in tensor_bytes.items() if k not in book}
+    written = written_bytes(tensors, masks)
+    total_written = sum(written.values())
+    measured = total_written // tokens if tokens else 0
     active = int(call_backend(cache, "active_nbytes"))
     allocated = int(call_backend(cache, "allocated_nbytes"))
-    tensors = call_backend(cache, "tensors")
-    tensor_bytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
-    where = f"{backend.name} {preset} {dtype_name(dtype)} {tokens} tokens (batch {batch})"
+    requested = batch * capacity
+    slots = slot_figures(sum(storage.values()), measured, requested, trace["preallocated"])
+    figures.update({"backend": backend.name, "preset": preset, "dtype": dtype_name(dtype), "cache_format": fmt,
+                    "kv_codec": kv_codec, "tokens": tokens, "batch": batch, "capacity": capacity,
+                    "per_token_bytes": expected, "format_bytes_per_token": expected, "bytes_per_token": measured,
+                    "written_nbytes": total_written, "active_nbytes": active, "allocated_nbytes": allocated,
+                    "tensors": tensor_bytes, "bookkeeping": sorted(book), **slots})
+    where = f"{backend.name} {preset} {dtype_name(dtype)}{'' if kv_codec == 'none' else ' kv_codec ' + kv_codec} " \
+            f"{tokens} tokens (batch {batch})"
     seq_lens = [int(v) for v in cache.seq_lens.tolist()]
     if seq_lens != [prefill + decode] * batch:
         raise AssertionError(f"{where}: cache.seq_lens is {seq_lens}, expected {[prefill + decode] * batch}")
-    if active != tokens * per_token:
-        raise AssertionError(
-            f"{where}: active_nbytes() = {active:,} B but {tokens} tokens x {per_token:,} B "
-            f"({per_token_elements(config, fmt)} {dtype_name(dtype)} elements, declared cache_format "
-            f"{fmt!r}) = {tokens * per_token:,} B")
     if allocated != sum(tensor_bytes.values()):
         raise AssertionError(f"{where}: allocated_nbytes() = {allocated:,} B but the tensors() it lists hold "
                              f"{sum(tensor_bytes.values()):,} B ({tensor_bytes})")
-    if allocated < active:
-        raise AssertionError(f"{where}: allocated_nbytes() = {allocated:,} B is less than active {active:,} B")
-    widest = [k for k, t in tensors.items() if t.is_floating_point() and t.element_size() > elem]
-    if widest:
-        raise AssertionError(f"{where}: buffers {widest} are wider than the {dtype_name(dtype)} cache asked for "
-                             f"({[str(tensors[k].dtype) for k in widest]})")
-    slots = capacity
-    page = getattr(cache, "page_block_size", None)
-    if page:  # a paged cache rounds each row up to whole pages and may keep spare pages and a block table
-        spare = int(getattr(cache, "spare_pages", 0) or 0)
-        slots = (-(-capacity // page)) * page + -(-spare * page // batch)
-    # integer buffers of an unquantized cache are bookkeeping (a paged cache's block table), not token payload
-    overhead = sum(tensor_bytes[k] for k, t in tensors.items() if not t.is_floating_point())
-    slots_bytes = batch * slots * per_token + overhead
-    if allocated > slots_bytes:
-        raise AssertionError(f"{where}: allocated_nbytes() = {allocated:,} B exceeds capacity x per-token bytes "
-                             f"= {batch} x {slots} x {per_token:,}{' + index buffers' if overhead else ''} = "
-                             f"{slots_bytes:,} B: the cache stores more than the format needs")
-    return {"backend": backend.name, "preset": preset, "dtype": dtype_name(dtype), "cache_format": fmt,
-            "tokens": tokens, "batch": batch, "capacity": capacity, "per_token_bytes": per_token,
-            "active_nbytes": active, "allocated_nbytes": allocated, "tensors": tensor_bytes}
+    per_buffer = ", ".join(f"{k!r} {describe_buffers({k: tensors[k]})[k]}: "
+                           f"{v / tokens:,.6g} B/token" for k, v in sorted(written.items()) if v)
+    if total_written != measured * tokens or measured != expected:
+        hints = []
+        wide = [k for k in written if tensors[k].is_floating_point() and tensors[k].element_size() > elem]
+        if wide:
+            hints.append(f"buffer(s) {wide} are {[str(tensors[k].dtype) for k in wide]}, wider than the "
+                         f"{dtype_name(dtype)} cache asked for")
+        if fmt == "latent" and kv_codec == "none" and total_written == tokens * config.expanded_dim * elem:
+            hints.append(f"that is the expanded per-head K/V size (H x (qk + v) = {config.expanded_dim:,} "
+                         "elements per token): the cache stores the expanded K/V, not the latent")
+        raise AssertionError(
+            f"{where}: the cache holds {total_written / tokens:,.6g} B per stored token ({per_buffer or 'nothing written'}; "
+            f"measured as the token-storage bytes that no longer hold the suite's poison) but the declared format "
+            f"{fmt!r}{'' if kv_codec == 'none' else ' with kv_codec ' + kv_codec} needs {expected:,} B per token: "
+            f"the format is wrong, not the slot count" + "".join(f"; {h}" for h in hints))
+    if slots["preallocated"] and slots["allocated_slots"] < requested:
+        raise AssertionError(
+            f"{where}: the cache preallocated room for {slots['allocated_slots']:,} tokens "
+            f"({sum(storage.values()):,} B of token storage / {measured:,} B per token) but batch x capacity = "
+            f"{batch} x {capacity} = {requested:,} were requested: the slot count is wrong, not the format")
+    book_bytes = sum(book.values())
+    if not tokens * measured <= active <= tokens * measured + book_bytes:
+        raise AssertionError(
+            f"{where}: active_nbytes() says {active:,} B but the {tokens} stored tokens occupy {tokens * measured:,} B "
+            f"({measured:,} B per token, measured from tensors(): {per_buffer})"
+            + (f" plus at most {book_bytes:,} B of bookkeeping/per-cache buffers {sorted(book)}" if book else "")
+            + ": the self-report is wrong")
+    return figures
 
 
 # --------------------------------------------------------------------------- incremental
 
 
 def incremental_equals_prefill(backend, preset: str, dtype: torch.dtype, device="cpu", *, prefill=12,
-                               decode=8) -> dict[str, float]:
+                               decode=8, figures: dict | None = None) -> dict[str, float]:
     """Prefill P then D single-token steps == one prefill of P + D tokens (same tokens)."""
+    __tracebackhide__ = True
+    figures = {} if figures is None else figures
     w = weights_for(preset, dtype, device)
     require_support(backend, w.config, dtype=dtype, device=device)
     inc = Scenario("incremental", (prefill,), decode_steps=decode)
@@ -338,16 +469,22 @@ def incremental_equals_prefill(backend, preset: str, dtype: torch.dtype, device=
     out_one, _ = run_scenario(backend, w, x, one, device=device)
     m = error_metrics(out_inc, out_one)
     tol = TOLERANCES[dtype_name(dtype)]
+    figures.update(m)
+    figures.update(tolerance_figures(tol))
     if not (m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel):
         worst = int((out_inc[0] - out_one[0]).abs().amax(-1).argmax())
         raise AssertionError(f"{backend.name} {preset} {dtype_name(dtype)}: prefill {prefill} + {decode} decode "
-                             f"steps differs from one {prefill + decode}-token prefill: {format_metrics(m)}; "
-                             f"worst at position {worst}")
+                             f"steps differs from one {prefill + decode}-token prefill: rel_fro {m['rel_fro']:.3e} "
+                             f"(tolerance {tol.rel_fro:g}), max_abs/rms {m['max_rel']:.3e} (tolerance "
+                             f"{tol.max_rel:g}); worst at position {worst}")
     return m
 
 
-def seed_byte_table(backend, device="cpu") -> dict[str, Any]:
-    """Seed 000's measurement: V2-Lite, bf16, 25-token prefill + 1 decode, batch 1, capacity 32."""
+def v2_lite_cache_probe(backend, device="cpu", figures: dict | None = None) -> dict[str, Any]:
+    """The V2-Lite cache probe (seed 000's measurement): V2-Lite dims, bf16, 25-token prefill + 1 decode,
+    batch 1, capacity 32."""
     return cache_bytes(backend, "deepseek-v2-lite", torch.bfloat16, prefill=25, decode=1, batch=1,
-                       capacity=32, device=device)
+                       capacity=32, device=device, figures=figures)
 
+
+seed_byte_table = v2_lite_cache_probe

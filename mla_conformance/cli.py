@@ -15,7 +15,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "mla_conformance.report",     # run, merge
     "mla_conformance.generate",   # generate
-    "mla_conformance.codecs",     # codecs
+    "mla_conformance.codec_table",  # codecs
     "mla_conformance.arch",       # matrix
     "mla_conformance.budget",     # budget
     "mla_conformance.bench",      # bench

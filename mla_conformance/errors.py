@@ -13,5 +13,13 @@ class CheckpointError(MLAInputError):
     """A checkpoint directory, file or tensor that is missing, corrupt or has the wrong shape."""
 
 
-class BackendOutputError(AssertionError):
-    """A backend returned something the contract forbids (wrong shape/dtype, NaN/inf)."""
+class BackendError(Exception):
+    """The backend under test crashed: it raised, or returned something of the wrong type, shape or dtype.
+
+    Reported as an *error*, apart from a *failure* (an ``AssertionError`` from a check: the backend ran and
+    its output or bytes are wrong). Both fail the run.
+    """
+
+
+class BackendOutputError(BackendError):
+    """A backend returned something the contract forbids (not a Tensor, wrong shape, wrong dtype)."""

@@ -202,17 +202,31 @@ def mla_checkpoint(request) -> Path | None:
 
 @pytest.fixture
 def figures(request):
-    """A dict the test fills with measured figures; they go into the --mla-results JSON and reports."""
+    """A dict the test fills with measured figures; they go into the --mla-results JSON and reports --
+    failing tests' too (the checks fill it before they raise)."""
     data: dict = {}
+    request.node.user_properties.append(("mla_figures", data))
     yield data
-    if data:
-        request.node.user_properties.append(("mla_figures", data))
+    if not data:
+        request.node.user_properties.remove(("mla_figures", data))
+
+
+def _is_failure(excinfo) -> bool:
+    """A check's verdict (AssertionError: the backend ran and is wrong) -- as opposed to an error (the
+    backend raised or broke the contract's types: mla_conformance.errors.BackendError, or anything else)."""
+    from mla_conformance.errors import BackendError
+
+    return excinfo is not None and isinstance(excinfo.value, AssertionError) and not isinstance(excinfo.value, BackendError)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
+    if rep.failed and call.when == "call" and _is_failure(call.excinfo) and not hasattr(rep, "wasxfail"):
+        # a conformance verdict: the message says it all; show it with short frames (the suite's own
+        # helpers hide themselves with __tracebackhide__), not pages of suite source
+        rep.longrepr = call.excinfo.getrepr(style="short", tbfilter=True, chain=False)
     results = item.config.stash.get(_RESULTS_KEY, None)
     if results is None:
         return
@@ -230,10 +244,15 @@ def pytest_runtest_makereport(item, call):
             entry["reason"] = rep.longrepr[2].removeprefix("Skipped: ")
         elif hasattr(rep, "wasxfail"):
             entry["reason"] = rep.wasxfail
-    elif rep.failed:
-        entry["outcome"] = "failed" if rep.when == "call" else "error"
-        msg = getattr(rep.longrepr, "reprcrash", None)
-        entry["reason"] = (msg.message if msg else str(rep.longrepr)).splitlines()[0][:500]
+    elif rep.failed and entry["outcome"] not in ("failed", "error"):
+        entry["outcome"] = "failed" if rep.when == "call" and _is_failure(call.excinfo) else "error"
+        if call.excinfo is not None:
+            msg = f"{call.excinfo.typename}: {call.excinfo.value}" if entry["outcome"] == "error" else \
+                str(call.excinfo.value)
+        else:
+            crash = getattr(rep.longrepr, "reprcrash", None)
+            msg = crash.message if crash else str(rep.longrepr)
+        entry["reason"] = (msg.strip().splitlines() or [""])[0][:1000]
     for key, value in item.user_properties:
         if key == "mla_figures":
             entry["figures"] = value

@@ -88,6 +88,15 @@ class MLAWeights(Mapping):
         return MLAWeights(self.config, {k: v.to(device=device, dtype=dtype) for k, v in self._tensors.items()},
                           source=self.source)
 
+    def clone(self) -> "MLAWeights":
+        """Own copies of every tensor: what a backend gets, so it cannot change anyone else's weights."""
+        return MLAWeights(self.config, {k: v.detach().clone() for k, v in self._tensors.items()},
+                          source=self.source)
+
+    def changed_from(self, other: "MLAWeights") -> list[str]:
+        """Names of the tensors whose values differ from ``other``'s (same names, shapes and dtypes)."""
+        return [k for k, v in self._tensors.items() if not torch.equal(v, other[k])]
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def random(cls, config: MLAConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,

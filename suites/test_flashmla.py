@@ -23,7 +23,7 @@ from mla_conformance import MLAConfig, checks
 from mla_conformance.arch import DeviceInfo, PackageInfo, detect, why_not
 from mla_conformance.backends import get_backend
 from mla_conformance.backends.flashmla import KERNEL_ID, FlashMLA, mla_metadata
-from mla_conformance.paged import PagedLatentCache
+from mla_conformance.cache import PagedLatentCache
 from mla_conformance.reference import reference_attention_f64
 
 SPEC = "mla_conformance.backends.flashmla:FlashMLA"

@@ -39,7 +39,7 @@ import inspect
 import torch
 
 from mla_conformance import reference as ref
-from mla_conformance.paged import PagedLatentCache, to_flashmla_layout
+from mla_conformance.cache import PagedLatentCache, to_flashmla_layout
 
 KERNEL_ID = "flashmla/dense_decode"
 PAGE_BLOCK_SIZE = 64
@@ -153,5 +153,5 @@ class FlashMLA:
                                            cache_seqlens[rows].contiguous(), cfg.softmax_scale).to(q.dtype)
         o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)
         out = o.flatten(-2) @ weights["o_proj.weight"].T
-        cache.seq_lens = new_lens
+        cache.commit(new_lens)
         return out.to(hidden_states.dtype)

@@ -99,6 +99,29 @@ class HFCache:
             return self.hf.key_cache[0], self.hf.value_cache[0]
         return None
 
+    def fill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Public API for benchmarks: store ``keys``/``values`` in transformers' layout ([B, heads, T, d])
+        as T tokens per row, positions 0..T-1, through transformers' own ``Cache.update``."""
+        T = keys.shape[-2]
+        self.hf.update(keys.contiguous(), values.contiguous(), 0)
+        self.slot_pos = torch.arange(T, device=keys.device).expand(self.batch_size, T).clone()
+        self.seq_lens = torch.full((self.batch_size,), T, dtype=torch.int64, device=self.seq_lens.device)
+
+    def rewind(self, length: int) -> None:
+        """Public API for benchmarks: drop every slot past ``length`` (rows filled alike, no padding)."""
+        kv = self._kv()
+        if kv is not None and kv[0].shape[-2] != length:
+            keys, values = kv[0][..., :length, :], kv[1][..., :length, :]
+            layers = getattr(self.hf, "layers", None)
+            if layers is not None:
+                layers[0].keys, layers[0].values = keys, values
+            else:  # older releases: lists per layer
+                self.hf.key_cache[0], self.hf.value_cache[0] = keys, values
+            if hasattr(self.hf, "_seen_tokens"):
+                self.hf._seen_tokens = length
+        self.slot_pos = self.slot_pos[:, :length]
+        self.seq_lens = torch.clamp(self.seq_lens, max=int(length))
+
     def tensors(self) -> dict[str, torch.Tensor]:
         kv = self._kv()
         return {} if kv is None else {"layers.0.keys": kv[0], "layers.0.values": kv[1]}

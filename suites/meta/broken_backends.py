@@ -11,7 +11,8 @@ import dataclasses
 import torch
 
 from mla_conformance import reference as ref
-from mla_conformance.backends.reference import LatentSlotCache, ReferenceAbsorbed, ReferenceNaive
+from mla_conformance.backends.reference import ReferenceAbsorbed, ReferenceNaive
+from mla_conformance.cache import LatentSlotCache
 
 
 class _Absorbed(ReferenceAbsorbed):
@@ -26,13 +27,12 @@ class _Absorbed(ReferenceAbsorbed):
     def attend(self, weights, hidden_states, positions, cache, lengths=None):
         lengths, new_lens = cache.write_plan(positions, lengths)
         q_nope, q_pe, c, k_pe = self.project(weights, hidden_states, positions, hidden_states.shape[1] == 1)
-        cache.write("kv_latent", c, lengths)
-        cache.write("k_pe", k_pe, lengths)
+        cache.write_latent(c, k_pe, lengths)
         T = int(new_lens.max())
         allowed = self.allowed(cache, lengths, new_lens, hidden_states.shape[1], T)
-        kv = cache.tensors()
-        out = self.mix(weights, q_nope, q_pe, kv["kv_latent"][:, :T], kv["k_pe"][:, :T], allowed)
-        cache.seq_lens = new_lens
+        c_all, kpe_all = cache.read_latent(T, new_lens)
+        out = self.mix(weights, q_nope, q_pe, c_all, kpe_all, allowed)
+        cache.commit(new_lens)
         return out.to(hidden_states.dtype)
 
     def allowed(self, cache, lengths, new_lens, S, T):
@@ -271,3 +271,74 @@ CAUGHT_BY = {
     WrongShape: ["numerics-fp32-tiny-prefill"],
     WrongDtype: ["numerics-bf16-lite-varlen_batch"],
 }
+
+
+# --- bug classes of mla_conformance.diagnose
+
+from mla_conformance.config import yarn_get_mscale  # noqa: E402
+
+
+class ChunkMaskTopLeft(_Absorbed):
+    """Aligns each call's causal mask top-left: query i of a call sees slots <= i, not <= start + i
+    (vLLM #24045); a decode step then sees only slot 0. Shows on chunks after the first and on decode."""
+
+    name = "broken-chunk-mask-top-left"
+
+    def allowed(self, cache, lengths, new_lens, S, T):
+        dev = new_lens.device
+        i = torch.arange(S, device=dev)
+        t = torch.arange(T, device=dev)
+        return (t[None, None, :] <= i[None, :, None]) & (t[None, None, :] < new_lens[:, None, None])
+
+
+class SoftmaxScaleFrom576(_Absorbed):
+    """Takes the softmax scale from the absorbed width: 1/sqrt(kv_lora + rope) (576 at DeepSeek dims),
+    times mscale², instead of 1/sqrt(qk_nope + qk_rope)."""
+
+    name = "broken-softmax-scale-576"
+
+    def mix(self, weights, q_nope, q_pe, c, k_pe, allowed):
+        cfg = weights.config
+        factor = (cfg.qk_head_dim / cfg.latent_dim) ** 0.5  # scores scale linearly with q
+        return super().mix(weights, q_nope * factor, q_pe * factor, c, k_pe, allowed)
+
+
+class KvBSwapped(_Absorbed):
+    """Exchanges W_UK and W_UV (kv_b_proj's first qk_nope rows used as values, the last v rows as keys);
+    needs qk_nope_head_dim == v_head_dim, as in every DeepSeek config."""
+
+    name = "broken-kv-b-swapped"
+
+    def mix(self, weights, q_nope, q_pe, c, k_pe, allowed):
+        cfg = weights.config
+        w = weights["kv_b_proj.weight"]
+        wkv = w.view(cfg.num_attention_heads, -1, cfg.kv_lora_rank)
+        n = cfg.qk_nope_head_dim
+        tensors = dict(weights)
+        tensors["kv_b_proj.weight"] = torch.cat([wkv[:, n:], wkv[:, :n]], dim=1).reshape(w.shape)
+        return super().mix(type(weights)(cfg, tensors), q_nope, q_pe, c, k_pe, allowed)
+
+
+class MscaleNotAllDim(_Absorbed):
+    """Squares YaRN's mscale(factor, mscale) into the softmax scale where mscale(factor, mscale_all_dim)
+    belongs (differs only when a config has mscale != mscale_all_dim)."""
+
+    name = "broken-mscale-not-all-dim"
+
+    def mix(self, weights, q_nope, q_pe, c, k_pe, allowed):
+        cfg = weights.config
+        y = cfg.yarn or {}
+        m = yarn_get_mscale(float(y.get("factor", 1.0)), float(y.get("mscale") or 1.0))
+        factor = cfg.qk_head_dim ** -0.5 * m * m / cfg.softmax_scale  # scores scale linearly with q
+        return super().mix(weights, q_nope * factor, q_pe * factor, c, k_pe, allowed)
+
+
+class MissingMscaleSquared(_Absorbed):
+    """Leaves YaRN's whole mscale(factor, mscale_all_dim)² out of the softmax scale: 1/sqrt(qk_head_dim)."""
+
+    name = "broken-missing-mscale-squared"
+
+    def mix(self, weights, q_nope, q_pe, c, k_pe, allowed):
+        cfg = weights.config
+        factor = cfg.qk_head_dim ** -0.5 / cfg.softmax_scale  # scores scale linearly with q
+        return super().mix(weights, q_nope * factor, q_pe * factor, c, k_pe, allowed)

@@ -29,23 +29,16 @@ import types
 
 import torch
 
-from mla_conformance.backends.reference import LatentSlotCache, SlotCache
+from mla_conformance.cache.slots import LatentSlotCache, SlotCache
+from mla_conformance.codecs import get_codec
 
 DEFAULT_PAGE_BLOCK_SIZE = 64
 DEFAULT_SEED = 0
 
 
 def _codec(kv_codec: str):
-    """The codec object for a non-"none" kv_codec, or ValueError saying why there is none."""
-    try:
-        from mla_conformance.codecs import get_codec
-    except ImportError:
-        raise ValueError(f"kv_codec {kv_codec!r}: quantized codecs need mla_conformance.codecs, which this "
-                         "installation lacks; the paged cache stores kv_codec 'none' only") from None
-    try:
-        return get_codec(kv_codec)
-    except Exception as exc:
-        raise ValueError(f"kv_codec {kv_codec!r}: {exc}") from None
+    """The codec object for a non-"none" kv_codec, or ValueError naming the known ones."""
+    return get_codec(kv_codec)
 
 
 def _poison_(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +53,7 @@ def _poison_(t: torch.Tensor) -> torch.Tensor:
 class PagedLatentCache(LatentSlotCache):
     """The absorbed path's latent cache, stored in shuffled pages of ``page_block_size`` tokens.
 
-    Same interface as :class:`~mla_conformance.backends.reference.LatentSlotCache` (``write_plan``,
+    Same interface as :class:`~mla_conformance.cache.LatentSlotCache` (``write_plan``,
     ``write_latent``, ``read_latent``, ``allowed``, byte accounting); ``kv_pages``/``block_table`` are
     FlashMLA's layout. Every row owns ``max_pages_per_row = ceil(capacity / page_block_size)`` pages
     from construction on; ``spare_pages`` more stay unowned (NaN) in the pool.
@@ -79,7 +72,7 @@ class PagedLatentCache(LatentSlotCache):
         self.kv_lora_rank = int(config.kv_lora_rank)
         self.rope_dim = int(config.qk_rope_head_dim)
         self.codec = None if kv_codec == "none" else _codec(kv_codec)
-        if self.codec is not None and hasattr(self.codec, "unsupported_reason"):
+        if self.codec is not None:
             reason = self.codec.unsupported_reason(config, dtype)
             if reason:
                 raise ValueError(reason)
@@ -105,8 +98,8 @@ class PagedLatentCache(LatentSlotCache):
         # tokens written per row: seq_lens plus what write_latent stored during the current attend call
         self.written = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
         # a codec's per-cache buffers (e.g. int8-tensor's scale): calibrated on the first write, as in
-        # mla_conformance.codecs.QuantizedLatentCache
-        global_storage = self.codec.global_storage(config) if hasattr(self.codec, "global_storage") else {}
+        # mla_conformance.cache.QuantizedLatentCache
+        global_storage = self.codec.global_storage(config) if self.codec is not None else {}
         self._globals = {name: torch.zeros(*shape, dtype=dt, device=self.device)
                          for name, (shape, dt) in global_storage.items()}
         self.calibrated = not self._globals
@@ -201,7 +194,7 @@ class PagedLatentCache(LatentSlotCache):
             out[name] = flat[idx]
         return out
 
-    def read_latent(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_latent(self, T: int, new_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(c [B, T, kv_lora], k_pe [B, T, rope]) in the cache dtype; zeros at slots a row has not written."""
         if T > self.capacity:
             raise ValueError(f"read of {T} slots from a cache of capacity {self.capacity}")
@@ -211,7 +204,8 @@ class PagedLatentCache(LatentSlotCache):
             c, k_pe = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank:]
         else:
             c, k_pe = self.codec.decode(parts, self.dtype, self._globals)
-        valid = (torch.arange(T, device=c.device)[None, :] < self.written.to(c.device)[:, None])[..., None]
+        lens = self.written if new_lens is None else torch.maximum(self.written, new_lens.to(self.written.device))
+        valid = (torch.arange(T, device=c.device)[None, :] < lens.to(c.device)[:, None])[..., None]
         zero = torch.zeros((), dtype=c.dtype, device=c.device)
         # select, never multiply: NaN * 0 is NaN
         return torch.where(valid, c, zero), torch.where(valid, k_pe, zero.to(k_pe.dtype))
@@ -269,5 +263,5 @@ def from_contiguous(c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor |
     lengths = lengths.to(c.device)
     _, new = cache.write_plan(positions, lengths)
     cache.write_latent(c, k_pe, lengths)
-    cache.seq_lens = new
+    cache.commit(new)
     return cache
