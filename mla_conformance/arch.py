@@ -809,7 +809,28 @@ def _render_text(report: dict[str, Any]) -> str:
             lines.append(f"{kid:<{kw}}  supported")
         else:
             lines.append(f"{kid:<{kw}}  no: {verdict['reason']}")
+    lines += ["", _runs_here(report)]
     return "\n".join(lines)
+
+
+def _runs_here(report: dict[str, Any]) -> str:
+    """One sentence: which kernels do run on the device judged, by library, and FlashInfer's FA2 fallback."""
+    dev = report["device"]
+    where = f"On {dev['sm']} ({dev['capability']})" if dev["capability"] is not None else "On this host (no CUDA device)"
+    runs = [k for k, v in report["verdicts"].items() if v["supported"]]
+    parts = []
+    for lib, prefix in (("FlashMLA", "flashmla/"), ("FlashInfer", "flashinfer/")):
+        mine = [k for k in runs if k.startswith(prefix)]
+        parts.append(f"{lib}'s {', '.join(mine)}" if mine else f"none of {lib}'s")
+    text = f"{where}: " + "; ".join(parts)
+    cap = dev["capability"]
+    if cap is not None and tuple(int(x) for x in cap.split(".")) >= (8, 0) and not any(
+            k == "flashinfer/fa3_mla" for k in runs):
+        text += ("; FlashInfer's FA2 MLA (BatchMLAPagedAttentionWrapper, backend fa2, not in this matrix) does "
+                 "(FlashInfer falls back to it off SM90)")
+    elif cap is None:
+        text += " (a CUDA GPU is needed for all of them)"
+    return text + "."
 
 
 def _cmd_matrix(args: argparse.Namespace) -> int:

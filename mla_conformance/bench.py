@@ -491,6 +491,32 @@ def measure(prepared: Prepared, rounds: int | None = None, warmup: int = 1, *,
     return fig
 
 
+#: A copy-bandwidth reading below this fraction of the run's best one means the machine was busy.
+BUSY_FRACTION = 0.8
+
+
+def bandwidth_fraction(readings: list[float]) -> float:
+    """The worst copy-bandwidth reading of a run over its best (1.0: the machine stayed as fast)."""
+    readings = [r for r in readings if r and r > 0]
+    return min(readings) / max(readings) if readings else 1.0
+
+
+def ratio_verdict(ratio: float, floor: float, fraction: float, *, what: str = "ratio") -> tuple[str, str]:
+    """A timing ratio against a stated floor: ("ok" | "inconclusive" | "below floor", one sentence).
+
+    Below the floor is "inconclusive (machine busy: N% of copy bandwidth measured)" when the machine's
+    own copy bandwidth dropped under :data:`BUSY_FRACTION` of its best reading in the same run: a load
+    spike is not a property of the code under test.
+    """
+    if ratio >= floor:
+        return "ok", f"{what} {ratio:.2f}x >= stated floor {floor:g}x"
+    if fraction < BUSY_FRACTION:
+        return "inconclusive", (f"{what} {ratio:.2f}x < stated floor {floor:g}x: inconclusive (machine busy: "
+                                f"{fraction:.0%} of copy bandwidth measured)")
+    return "below floor", (f"{what} {ratio:.2f}x < stated floor {floor:g}x with the machine's copy bandwidth "
+                           f"steady ({fraction:.0%} of its best reading)")
+
+
 def speed_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     """naive median / absorbed median per context (and batch/codec when not 1/"none"), where both exist."""
     out: dict[str, float] = {}
@@ -557,7 +583,8 @@ def run_bench(specs: list[str], preset: str, contexts: list[int], dtype: str, *,
         del prepared, times
     if results and all(r.get("skipped") for r in results):
         raise MLAInputError("no backend supports this combination: " + "; ".join(r["skipped"] for r in results))
-    return {"results": results, "device": device_info(device), "measured_bandwidth_gb_per_s": bw / 1e9,
+    return {"schema": BENCH_SCHEMA, "schema_version": 1,
+            "results": results, "device": device_info(device), "measured_bandwidth_gb_per_s": bw / 1e9,
             "naive_over_absorbed": speed_ratios(results),
             "command": {"preset": preset, "contexts": contexts, "dtype": dtype, "backends": specs, "batch": batch,
                         "kv_codec": kv_codec, "rounds": rounds, "warmup": warmup, "seed": seed},
@@ -591,8 +618,13 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: The ``schema`` of the JSON ``bench --out`` writes; an existing file is overwritten only if it has it.
+BENCH_SCHEMA = "mla-conformance/bench"
+
+
 def add_cli(subparsers) -> None:
     from mla_conformance.checks import DTYPES
+    from mla_conformance.cli import DEFAULT_PRESET, positive_int, preset_help
 
     p = subparsers.add_parser(
         "bench", help="time one decode step per backend at long contexts (GB/s, FLOPs, bandwidth fraction)",
@@ -600,8 +632,8 @@ def add_cli(subparsers) -> None:
                     "side by side, with bytes per step, achieved GB/s, FLOPs and the fraction of this device's "
                     "memory bandwidth measured in the same run. Caches of the built-in backends are filled "
                     "directly with real latents; every timed step sees exactly CONTEXT cached tokens.")
-    p.add_argument("--preset", default="deepseek-v2-lite", help="MLAConfig preset (default: deepseek-v2-lite)")
-    p.add_argument("--context", type=int, nargs="+", required=True, metavar="N", help="cached tokens per row")
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=preset_help())
+    p.add_argument("--context", type=positive_int, nargs="+", required=True, metavar="N", help="cached tokens per row")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype (default: bfloat16)")
     p.add_argument("--backend", action="append", default=None, metavar="SPEC",
                    help="backend spec (repeatable; default: reference-naive and reference-absorbed)")
@@ -616,7 +648,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and hidden states (default: 0)")
     p.add_argument("--json", action="store_true", help="print the results as JSON (sorted keys)")
     p.add_argument("--out", metavar="FILE", default=None,
-                   help="write the JSON here (default: reports/bench/bench-<preset>-<dtype>-<time>.json)")
+                   help="write the JSON here (default: reports/bench/bench-<preset>-<dtype>-<time>.json); checked "
+                        "before measuring: a new file, or one an earlier `bench` wrote")
     p.set_defaults(func=run_cli)
 
 
@@ -635,12 +668,11 @@ def run_cli(args) -> int:
         if args.threads <= 0:
             raise UserError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
-    device = args.device
-    if device is not None:
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError(f"--device {device}: torch sees no CUDA device on this host")
-        if device != "cpu" and not device.startswith("cuda"):
-            raise UserError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    from mla_conformance.cli import check_device
+    from mla_conformance.report import check_out_file
+
+    device = check_device(args.device) if args.device is not None else None
+    MLAConfig.preset(args.preset)  # unknown preset -> one line, before any work
     if args.kv_codec != "none":
         try:
             from mla_conformance.codecs import get_codec
@@ -651,15 +683,19 @@ def run_cli(args) -> int:
         except ValueError as exc:
             raise UserError(f"--kv-codec: {exc}") from None
     specs = args.backend or ["reference-naive", "reference-absorbed"]
-    report = run_bench(specs, args.preset, list(args.context), args.dtype, batch=args.batch,
-                       kv_codec=args.kv_codec, rounds=args.rounds, warmup=args.warmup, device=device,
-                       seed=args.seed)
-    text = to_json(report)
+    for spec in specs:
+        get_backend(spec)  # an unknown spec is named before any work
     if args.out:
         out = Path(args.out)
     else:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = Path("reports") / "bench" / f"bench-{args.preset}-{args.dtype}-{stamp}.json"
+    out = check_out_file(out, BENCH_SCHEMA)  # before measuring: results are never lost to a bad path
+    report = run_bench(specs, args.preset, list(args.context), args.dtype, batch=args.batch,
+                       kv_codec=args.kv_codec, rounds=args.rounds, warmup=args.warmup, device=device,
+                       seed=args.seed)
+    text = to_json(report)
+    check_out_file(out, BENCH_SCHEMA)
     write_file_atomically(out, text + "\n")
     print(text if args.json else format_table(report))
     print(f"[bench] results written to {out}", file=sys.stderr)

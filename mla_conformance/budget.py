@@ -107,6 +107,30 @@ HARDWARE: tuple[Hardware, ...] = (
 )
 
 
+#: Maximum shared memory one thread block may use (opt-in), bytes, by compute capability (CUDA C++
+#: Programming Guide, "Technical Specifications per Compute Capability").
+SMEM_PER_BLOCK: dict[str, int] = {
+    "7.0": 96 * 1024, "7.5": 64 * 1024, "8.0": 163 * 1024, "8.6": 99 * 1024, "8.7": 163 * 1024,
+    "8.9": 99 * 1024, "9.0": 227 * 1024, "10.0": 227 * 1024, "10.3": 227 * 1024, "12.0": 99 * 1024,
+    "12.1": 99 * 1024,
+}
+#: Devices the budget judges the tile against when none is stated (the hardware rows above are SM90).
+DEFAULT_SMEM_DEVICES = ("9.0",)
+
+
+def smem_verdict(total_bytes: float, capability: str) -> dict[str, Any]:
+    """Fits / does not fit: the tile's shared-memory upper bound against one block's limit."""
+    limit = SMEM_PER_BLOCK.get(capability)
+    if limit is None:
+        raise MLAInputError(f"no shared-memory limit known for compute capability {capability}; known: "
+                            f"{', '.join(SMEM_PER_BLOCK)}")
+    fits = total_bytes <= limit
+    return {"capability": capability, "smem_per_block_bytes": limit, "fits": fits,
+            "verdict": ("fits" if fits else "does not fit") + f": {total_bytes / 1024:,.1f} KiB "
+                       f"{'<=' if fits else '>'} {limit / 1024:,.0f} KiB per block on compute capability {capability}"
+                       + ("" if fits else " (upper bound: a kernel that reuses or aliases buffers may still fit)")}
+
+
 # ---------------------------------------------------------------------------------------- formulas
 def mha_decode_ai(heads_q: int, heads_kv: int, elem_bytes: float) -> float:
     """MHA/GQA decode arithmetic intensity: ``2 H_q / (H_kv b)`` FLOP per byte."""
@@ -220,7 +244,8 @@ def budget(config: MLAConfig, seq_len: int, *, dtype: str = "bfloat16", elem_byt
            mha_heads: int | None = None, mha_head_dim: int | None = None,
            extra_codecs: Iterable[tuple[str, int | float]] | None = None,
            block_h: int = 64, block_n: int = 64, threads: int = 256, stages: int = 2,
-           hardware: Iterable[Hardware] = HARDWARE, preset: str | None = None) -> dict[str, Any]:
+           hardware: Iterable[Hardware] = HARDWARE, preset: str | None = None,
+           capabilities: Iterable[str] = DEFAULT_SMEM_DEVICES) -> dict[str, Any]:
     """Every figure of the budget as one JSON-ready dict (the ``--json`` output)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         raise MLAInputError(f"sequence length must be a positive integer, got {seq_len!r}")
@@ -230,6 +255,8 @@ def budget(config: MLAConfig, seq_len: int, *, dtype: str = "bfloat16", elem_byt
     mha = rows[0]
     d_c, d_r = config.kv_lora_rank, config.qk_rope_head_dim
     mla_ai = mla_decode_ai(config.num_attention_heads, d_c, d_r, b)
+    tile = tile_account(config, block_h=block_h, block_n=block_n, threads=threads, stages=stages, elem_bytes=b)
+    tile["smem_verdicts"] = {cap: smem_verdict(tile["smem_total_bytes"], cap) for cap in capabilities}
     return {
         "preset": preset,
         "config": {k: getattr(config, k) for k in (
@@ -253,8 +280,7 @@ def budget(config: MLAConfig, seq_len: int, *, dtype: str = "bfloat16", elem_byt
             }
             for hw in hardware
         },
-        "tile": tile_account(config, block_h=block_h, block_n=block_n, threads=threads, stages=stages,
-                             elem_bytes=b),
+        "tile": tile,
     }
 
 
@@ -304,17 +330,26 @@ def format_report(report: dict[str, Any]) -> str:
         out.append(f"    {name:<6} {nbytes:>10,} B")
     out.append(f"    {'total':<6} {t['smem_total_bytes']:>10,} B = {t['smem_total_kib']:,.1f} KiB "
                "(lifetime-sum upper bound, no buffer reuse)")
+    for v in t.get("smem_verdicts", {}).values():
+        out.append(f"  {v['verdict'].upper().split(':')[0]}: {v['verdict'].split(': ', 1)[1]}")
     return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------- CLI
 def add_cli(subparsers) -> None:
+    from mla_conformance.cli import DEFAULT_PRESET, preset_help
+
     p = subparsers.add_parser(
-        "budget", help="KV-cache bytes, decode arithmetic intensity and MLA tile account of a preset",
-        description="KV-cache bytes (MHA/GQA/MLA latent/expanded), decode arithmetic intensity, balance "
-                    "points and the MLA decode tile's registers and shared memory.")
-    p.add_argument("--preset", default="deepseek-v3.2", help="MLAConfig preset (default: deepseek-v3.2)")
+        "budget", help="the KV budget: cache bytes, decode arithmetic intensity, MLA tile account and a "
+                       "fits / does-not-fit verdict",
+        description="The KV budget (seed 004): KV-cache bytes (MHA/GQA/MLA latent/expanded/codecs), decode "
+                    "arithmetic intensity, balance points, and the MLA decode tile's registers and shared "
+                    "memory with a fits / does-not-fit verdict against the stated device's per-block limit.")
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=preset_help() + "; seed 004's figures: deepseek-v3.2")
     p.add_argument("--seq", type=int, default=8192, help="sequence length for the one-sequence bytes (default: 8192)")
+    p.add_argument("--capability", action="append", metavar="X.Y", default=None,
+                   help="judge the tile's shared memory against this compute capability's per-block limit "
+                        f"(repeatable; known: {', '.join(SMEM_PER_BLOCK)}; default: 9.0, the H100/H200 rows)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="cache dtype (default: bfloat16)")
     p.add_argument("--elem-bytes", type=float, default=None, help="bytes per element (default: from --dtype)")
     p.add_argument("--mha-heads", type=int, default=None, help="heads of the MHA/GQA reference (default: preset's heads)")
@@ -358,9 +393,23 @@ def run_cli(args) -> int:
     if elem_bytes is not None and float(elem_bytes).is_integer():
         elem_bytes = int(elem_bytes)
     config = MLAConfig.preset(args.preset)  # unknown name -> MLAInputError naming it -> exit 2
+    caps = []
+    for cap in args.capability or DEFAULT_SMEM_DEVICES:
+        cap = cap.strip().lower().removeprefix("sm_").removeprefix("sm")
+        if "." not in cap and cap.isdigit() and len(cap) >= 2:
+            cap = f"{cap[:-1]}.{cap[-1]}"
+        if cap not in SMEM_PER_BLOCK:
+            raise UserError(f"--capability {cap}: no shared-memory limit known; known: {', '.join(SMEM_PER_BLOCK)}")
+        caps.append(cap)
+    for name in ("block_h", "block_n", "threads", "stages", "mha_heads", "mha_head_dim"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.elem_bytes is not None and not args.elem_bytes > 0:
+        raise UserError(f"--elem-bytes must be positive, got {args.elem_bytes}")
     report = budget(config, args.seq, dtype=args.dtype, elem_bytes=elem_bytes, mha_heads=args.mha_heads,
                     mha_head_dim=args.mha_head_dim, block_h=args.block_h, block_n=args.block_n,
                     threads=args.threads, stages=args.stages, preset=args.preset,
-                    extra_codecs=codec_rows(config, args.dtype))
+                    extra_codecs=codec_rows(config, args.dtype), capabilities=caps)
     print(to_json(report) if args.json else format_report(report))
     return 0
