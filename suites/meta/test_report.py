@@ -1,55 +1,215 @@
-"""`mla-conformance run` writes deterministic reports atomically; `merge` builds the cross-host matrix."""
+"""Reports: verdicts (failed / error / NOT TESTED), the error table with tolerance and margin, slot
+overhead, skips grouped, determinism, and `merge` keeping every row.
+
+Most tests build reports from hand-made results dicts in-process; one real `mla-conformance run` (on
+a small subset, the two reference backends) runs twice -- once plain, once with `-n 2` -- and must
+give byte-identical conformance.json.
+"""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from mla_conformance import report as R
 
 pytestmark = pytest.mark.meta
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = "seed_table or seed_figures or (test_against_float64 and tiny and float32 and prefill and not decode)"
+ENV = {"suite_version": "0", "python": "3", "torch": "2", "transformers": "5", "platform": "p", "machine": "m",
+       "device": "cpu", "device_name": "x", "capability": None, "cuda": None}
 
 
-def _run(*args):
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    return subprocess.run([sys.executable, "-m", "mla_conformance.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, env=env)
+def _t(nodeid, outcome, backend=None, reason=None, figures=None, **params):
+    t = {"nodeid": nodeid, "outcome": outcome, "device": "cpu"}
+    if backend:
+        params["backend"] = backend
+    if params:
+        t["params"] = params
+    if reason:
+        t["reason"] = reason
+    if figures:
+        t["figures"] = figures
+    return t
 
 
-def test_run_twice_is_byte_identical_and_merges(tmp_path):
+def _numerics(backend, outcome, rel_fro, max_rel, **extra):
+    fig = {"rel_fro": rel_fro, "max_rel": max_rel, "max_abs": 1e-3, "mean_abs": 1e-4, "p99_abs": 5e-4,
+           "exact_fraction": 0.0, "cosine_diff": 1.234567e-13, "ref_rms": 1.0, **extra}
+    return _t(f"suites/test_numerics.py::test_against_float64[{backend}-float32-prefill-tiny]", outcome, backend,
+              reason="rel_fro 3e-4 > 1e-5" if outcome == "failed" else None, figures=fig,
+              dtype="float32", preset="tiny", scenario="prefill")
+
+
+def results():
+    return {"backends": ["good", "wrong", "crashy", "decliner"], "exitstatus": 1, "device": "cpu", "tests": [
+        _numerics("good", "passed", 5.0e-7, 2.0e-6),
+        _numerics("wrong", "failed", 3.0e-4, 2.0e-3, tolerance_rel_fro=1e-5, tolerance_max_rel=1e-4,
+                  likely_cause="matches the reference without YaRN mscale^2 to 3e-7"),
+        _t("suites/test_numerics.py::test_against_float64[crashy-float32-prefill-tiny]", "error", "crashy",
+           reason="BackendError: crashy.attend raised RuntimeError: boom", dtype="float32", preset="tiny",
+           scenario="prefill"),
+        _t("suites/test_cache_bytes.py::test_seed_table[good]", "passed", "good", figures={
+            "cache_format": "latent", "per_token_bytes": 1152, "bytes_per_token": 1152, "format_bytes_per_token": 1152,
+            "active_nbytes": 29952, "allocated_nbytes": 4719616, "tensors": {"kv": 4719616},
+            "requested_slots": 32, "allocated_slots": 4097, "slot_overhead": 128.03125}),
+        _t("suites/test_cache_bytes.py::test_seed_table[decliner]", "skipped", "decliner",
+           reason="decliner: no latent cache here"),
+        _t("suites/test_numerics.py::test_against_float64[decliner-float32-prefill-tiny]", "skipped", "decliner",
+           reason="decliner: no latent cache here", dtype="float32", preset="tiny", scenario="prefill"),
+        _t("suites/test_numerics.py::test_against_float64[decliner-bfloat16-prefill-tiny]", "skipped", "decliner",
+           reason="decliner: no bf16", dtype="bfloat16", preset="tiny", scenario="prefill"),
+        _t("suites/test_budget.py::test_cli_json", "passed"),
+    ]}
+
+
+def test_verdicts_failed_error_and_not_tested():
+    rep = R.build_report(results(), name="h", env=ENV)
+    v = {b: x["verdict"] for b, x in rep["verdicts"].items()}
+    assert v == {"good": "CONFORMS", "wrong": "DOES NOT CONFORM", "crashy": "DOES NOT CONFORM",
+                 "decliner": "NOT TESTED"}
+    assert rep["summary"]["wrong"]["failed"] == 1 and rep["summary"]["wrong"]["error"] == 0
+    assert rep["summary"]["crashy"]["error"] == 1 and rep["summary"]["crashy"]["failed"] == 0
+    assert rep["verdicts"]["decliner"]["skip_reasons"] == [
+        {"reason": "decliner: no latent cache here", "count": 2}, {"reason": "decliner: no bf16", "count": 1}]
+    md = R.render_markdown(rep)
+    assert "| decliner | **NOT TESTED** |" in md and "**decliner: NOT TESTED**" in md
+    assert "- decliner: no latent cache here (2 tests)" in md
+    assert "| crashy | **DOES NOT CONFORM** | 0 | 0 | 1 |" in md
+
+
+def test_a_backend_not_selected_at_all_is_not_tested():
+    res = {"backends": ["a", "b"], "tests": [_numerics("a", "passed", 1e-7, 1e-6)]}
+    assert R.build_report(res, name="h", env=ENV)["verdicts"]["b"]["verdict"] == "NOT TESTED"
+
+
+def test_error_table_keeps_failing_rows_with_tolerance_and_margin():
+    md = R.render_markdown(R.build_report(results(), name="h", env=ENV))
+    table = md[md.index("## Numerical error"):]
+    rows = [line for line in table.splitlines() if line.startswith("| **FAIL** |") or line.startswith("| ok |")]
+    assert rows[0].startswith("| **FAIL** | wrong |"), "failing rows first"
+    assert "3.000e-04 | 1.000e-05 | 2.000e-03 | 1.000e-04 | 0.0333x" in rows[0]  # tolerance / measured
+    assert rows[1].startswith("| ok | good |") and "| 1.000e-05 |" in rows[1] and "| 20x |" in rows[1]
+    assert "likely cause: matches the reference without YaRN mscale^2" in table
+    assert "exact" not in table.split("\n\n", 2)[2].splitlines()[0], "the unexplained exact column is gone"
+
+
+def test_failures_come_first_and_skips_are_grouped_with_counts():
+    md = R.render_markdown(R.build_report(results(), name="h", env=ENV))
+    assert md.index("## Failures") < md.index("## Cache bytes") < md.index("## Skipped")
+    fails = md[md.index("## Failures"):md.index("## Cache bytes")]
+    assert "| error | `suites/test_numerics.py::test_against_float64[crashy-" in fails
+    assert "| failed | `suites/test_numerics.py::test_against_float64[wrong-" in fails and "Likely cause" in fails
+    skips = md[md.index("## Skipped"):]
+    assert "| 2 | decliner: no latent cache here |" in skips and "| 1 | decliner: no bf16 |" in skips
+
+
+def test_slot_overhead_is_a_figure():
+    md = R.render_markdown(R.build_report(results(), name="h", env=ENV))
+    assert "| ok | good | latent | 1,152 | 1,152 | 29,952 | 4,719,616 | 4,097 / 32 (128x) |" in md
+    assert "### Slot overhead (a figure, not a failure)" in md and "| 32 | 4,097 | 128x |" in md
+
+
+def test_sections_render_only_what_was_measured():
+    rep = R.build_report(results(), name="h", env=ENV)
+    md = R.render_markdown(rep)
+    for absent in ("naive / absorbed", "reference-naive active bytes", "## KV codecs", "## Generation",
+                   "on the given checkpoint", "## Plots"):
+        assert absent not in md
+    fixture_probe = _t("suites/test_checkpoint.py::test_prefill_decode_on_checkpoint[fixture-good-float32]", "passed",
+                       "good", figures={"source": "fixture", "tokens": 26, "dtype": "float32", "active_nbytes": 1,
+                                        "allocated_nbytes": 1, "decode": {"max_abs": 0, "mean_abs": 0, "p99_abs": 0}},
+                       probe="fixture", dtype="float32")
+    res = results()
+    res["tests"].append(fixture_probe)
+    assert "checkpoint" not in R.render_markdown(R.build_report(res, name="h", env=ENV)).split("## Kernel")[0].lower()
+    assert "[Attention" in R.render_markdown(rep, plots=["attention_error.png"])
+
+
+def test_floats_rounded_and_report_deterministic():
+    a = R.build_report(results(), name="h", env=ENV)
+    res = results()
+    res["tests"].reverse()
+    res["tests"][0]["figures"] = {**res["tests"][0].get("figures", {})}
+    b = R.build_report(res, name="h", env=ENV)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert R.render_markdown(a) == R.render_markdown(b)
+    fig = next(t for t in a["tests"] if "[good-float32" in t["nodeid"])["figures"]
+    assert fig["cosine_diff"] == 1.23e-13 and R.round_floats(1.2345678e-7) == 1.235e-7
+    assert R.round_floats({"cosine_diff": 2.540190280342358e-13}) == R.round_floats({"cosine_diff": 2.539080057317733e-13})
+
+
+# --------------------------------------------------------------------------- merge
+
+
+def test_merge_keeps_same_named_reports_apart_in_any_order(capsys):
+    a = R.build_report(results(), name="host", env=ENV)
+    res = results()
+    res["tests"][0]["outcome"] = "failed"  # a modified copy of the same host's report
+    b = R.build_report(res, name="host", env=ENV)
+    assert a["run_id"] != b["run_id"]
+    m1, md1 = R.merge_reports([("a.json", a), ("b.json", b)])
+    err = capsys.readouterr().err
+    m2, md2 = R.merge_reports([("b.json", b), ("a.json", a)])
+    assert (m1, md1) == (m2, md2)
+    assert "2 different reports are named 'host'" in err and "a.json" in err and "b.json" in err
+    cols = [c for c in m1["columns"] if c.endswith("/ good")]
+    assert cols == sorted([f"host [{a['run_id']}] / good", f"host [{b['run_id']}] / good"])
+    row = m1["rows"]["suites/test_numerics.py::test_against_float64[dtype=float32, preset=tiny, scenario=prefill]"]
+    assert {row[c]["outcome"] for c in cols} == {"passed", "failed"}
+    assert md1.count("**FAIL**") == 2 + 1  # wrong in both, good in the modified copy
+
+
+def test_merge_counts_an_identical_report_once(capsys):
+    a = R.build_report(results(), name="host", env=ENV)
+    m, _ = R.merge_reports([("a.json", a), ("copy.json", json.loads(json.dumps(a)))])
+    assert "same report" in capsys.readouterr().err
+    assert len(m["hosts"]) == 1 and "host / good" in m["columns"]
+    assert m["verdicts"]["host / decliner"] == "NOT TESTED"
+
+
+def test_merge_rejects_non_reports(tmp_path, capsys):
+    from mla_conformance.cli import main
+
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"schema": "something-else"}))
+    assert main(["merge", str(bad), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "not an mla-conformance report" in err and "Traceback" not in err
+    assert not (tmp_path / "m").exists()
+
+
+# --------------------------------------------------------------------------- one real run, twice
+
+
+def test_run_plain_and_xdist_are_byte_identical_and_merge(tmp_path, capsys):
+    from mla_conformance.cli import main
+
     outs = []
-    for name in ("a", "b"):
+    for name, mode in (("a", ["-p", "no:xdist"]), ("b", ["-n", "2"])):
         out = tmp_path / name
-        r = _run("run", "--out", str(out), "--name", "host", "--", "-q", "-p", "no:xdist", "-k", SUBSET)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        rc = main(["run", "--out", str(out), "--name", "host", "--backend", "reference-naive", "--backend",
+                   "reference-absorbed", "--", "-q", *mode, "-k", SUBSET])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.out[-3000:] + captured.err[-2000:]
         outs.append(out)
     a, b = (o / "conformance.json" for o in outs)
-    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() == b.read_bytes(), "conformance.json differs between a plain run and -n 2"
     report = json.loads(a.read_text())
     assert report["schema"] == "mla-conformance/report" and report["schema_version"] == 1
     assert report["summary"]["reference-absorbed"]["passed"] >= 2
+    assert report["verdicts"]["reference-naive"]["verdict"] == "CONFORMS"
     md = (outs[0] / "conformance.md").read_text()
     assert "29,952" in md and "266,240" in md and "8.888889" in md
+    assert "(bytes_per_token.png)" in md and "(attention_error.png)" in md
     assert (outs[0] / "bytes_per_token.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (outs[0] / "attention_error.png").exists() and (outs[0] / "timings.json").exists()
+    assert (outs[0] / "timings.json").exists() and (outs[0] / R.MARKER).exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directories left behind"
 
-    r = _run("merge", str(a), str(b), "--out", str(tmp_path / "matrix"))
-    assert r.returncode == 0, r.stderr
+    assert main(["merge", str(a), str(b), "--out", str(tmp_path / "matrix")]) == 0
     matrix = json.loads((tmp_path / "matrix" / "matrix.json").read_text())
-    assert "host / reference-absorbed" in matrix["columns"]
+    assert "host / reference-absorbed" in matrix["columns"] and len(matrix["hosts"]) == 1
     row = matrix["rows"]["suites/test_cache_bytes.py::test_seed_table"]
-    assert row["host / hf-transformers"]["outcome"] == "passed"
+    assert row["host / reference-naive"]["outcome"] == "passed"
     assert "| check |" in (tmp_path / "matrix" / "matrix.md").read_text()
-
-
-def test_merge_rejects_non_reports(tmp_path):
-    bad = tmp_path / "x.json"
-    bad.write_text(json.dumps({"schema": "something-else"}))
-    r = _run("merge", str(bad), "--out", str(tmp_path / "m"))
-    assert r.returncode == 2 and str(bad) in r.stderr and "not an mla-conformance report" in r.stderr
-    assert not (tmp_path / "m").exists()
