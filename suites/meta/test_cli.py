@@ -1,0 +1,320 @@
+"""The CLI never deletes what it did not write, survives Ctrl-C, and answers bad input in one line.
+
+Everything runs in-process through ``mla_conformance.cli.main`` (pytest itself replaced by a stub that
+writes a results file where ``run`` would have started pytest), so these tests take milliseconds.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mla_conformance import bench, report as R
+from mla_conformance.cli import main
+
+pytestmark = pytest.mark.meta
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "fixtures" / "models" / "tiny-mla"
+
+
+def _main(argv, capsys):
+    """(exit code, stdout, stderr) of the CLI, argparse's own exits included."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, out, err
+
+
+def _results(outcome="passed"):
+    return {"backends": ["reference-absorbed"], "exitstatus": 0, "device": "cpu", "tests": [
+        {"nodeid": "suites/test_cache_bytes.py::test_seed_table[reference-absorbed]", "outcome": outcome,
+         "params": {"backend": "reference-absorbed"}, "device": "cpu",
+         **({"reason": "reference-absorbed: declined"} if outcome == "skipped" else {})}]}
+
+
+@pytest.fixture
+def fake_pytest(monkeypatch):
+    """`run` with pytest replaced: writes the given results (or raises), records the command."""
+    calls = []
+    state = {"results": _results(), "raise": None}
+    real_run = subprocess.run
+
+    def fake_run(cmd, *a, **kw):
+        if "--mla-results" not in cmd:  # not pytest (platform's uname, ...)
+            return real_run(cmd, *a, **kw)
+        calls.append(cmd)
+        if state["raise"] is not None:
+            raise state["raise"]
+        path = Path(cmd[cmd.index("--mla-results") + 1])
+        path.write_text(json.dumps(state["results"]))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(R.subprocess, "run", fake_run)
+    state["calls"] = calls
+    return state
+
+
+def _tree(path: Path) -> dict:
+    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None) for p in sorted(path.rglob("*"))}
+
+
+def _scratch(tmp_path: Path) -> Path:
+    d = tmp_path / "scratch"
+    (d / "sub").mkdir(parents=True)
+    (d / "notes.txt").write_text("mine")
+    (d / "README.md").write_text("tracked")
+    (d / "sub" / "bench.json").write_text("{}")
+    return d
+
+
+# --------------------------------------------------------------------------- writes are owned
+
+
+@pytest.mark.parametrize("command", ["run", "merge"])
+def test_out_directory_with_foreign_files_is_refused_untouched(tmp_path, capsys, fake_pytest, command):
+    d = _scratch(tmp_path)
+    before = _tree(d)
+    argv = ["run", "--out", str(d)] if command == "run" else ["merge", str(tmp_path / "x.json"), "--out", str(d)]
+    rc, _, err = _main(argv, capsys)
+    assert rc == 2 and "did not write" in err and "README.md" in err and "notes.txt" in err
+    assert _tree(d) == before and not fake_pytest["calls"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scratch"]
+
+
+@pytest.mark.parametrize("command", ["run", "merge"])
+def test_out_dot_in_a_scratch_dir_is_refused(tmp_path, capsys, monkeypatch, fake_pytest, command):
+    d = _scratch(tmp_path)
+    before = _tree(d)
+    monkeypatch.chdir(d)
+    argv = ["run", "--out", "."] if command == "run" else ["merge", "a.json", "--out", "."]
+    rc, _, err = _main(argv, capsys)
+    assert rc == 2 and "current directory" in err
+    assert _tree(d) == before and not fake_pytest["calls"]
+
+
+@pytest.mark.parametrize("command", ["run", "merge"])
+def test_out_naming_an_existing_file_is_refused(tmp_path, capsys, fake_pytest, command):
+    f = tmp_path / "existing.txt"
+    f.write_text("keep me")
+    argv = ["run", "--out", str(f)] if command == "run" else ["merge", "a.json", "--out", str(f)]
+    rc, _, err = _main(argv, capsys)
+    assert rc == 2 and "not a directory" in err
+    assert f.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["existing.txt"]
+
+
+def test_run_writes_its_report_and_replaces_only_its_own(tmp_path, capsys, fake_pytest):
+    out = tmp_path / "reports" / "host"
+    old = os.umask(0o002)
+    try:
+        rc, stdout, _ = _main(["run", "--out", str(out), "--name", "host"], capsys)
+    finally:
+        os.umask(old)
+    assert rc == 0 and (out / "conformance.json").exists() and (out / R.MARKER).exists()
+    assert (out.stat().st_mode & 0o777) == 0o775 and ((out / "conformance.md").stat().st_mode & 0o777) == 0o664
+    cmd = fake_pytest["calls"][0]
+    assert "-ra" in cmd and "-rs" not in cmd
+    storage = cmd[cmd.index("--benchmark-storage") + 1]  # no stray .benchmarks/ in the cwd
+    assert storage.startswith("file://") and "mla-conformance-run-" in storage
+    first = (out / "conformance.json").read_bytes()
+    rc, _, _ = _main(["run", "--out", str(out), "--name", "host"], capsys)  # over its own report: fine
+    assert rc == 0 and (out / "conformance.json").read_bytes() == first
+    (out / "mine.txt").write_text("x")  # a foreign file turns up: refused, nothing touched
+    rc, _, err = _main(["run", "--out", str(out), "--name", "host"], capsys)
+    assert rc == 2 and "mine.txt" in err and (out / "conformance.json").read_bytes() == first
+    assert sorted(p.name for p in out.parent.iterdir()) == ["host"], "temporary siblings left behind"
+
+
+def test_interrupted_run_leaves_the_previous_report(tmp_path, capsys, fake_pytest, monkeypatch):
+    out = tmp_path / "rep"
+    assert _main(["run", "--out", str(out)], capsys)[0] == 0
+    before = _tree(out)
+    fake_pytest["raise"] = KeyboardInterrupt()  # Ctrl-C while pytest runs
+    rc, _, err = _main(["run", "--out", str(out)], capsys)
+    assert rc == 130 and "interrupted" in err and _tree(out) == before
+    fake_pytest["raise"] = None
+
+    def ctrl_c_while_writing(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(R, "write_plots", ctrl_c_while_writing)
+    rc, _, _ = _main(["run", "--out", str(out)], capsys)
+    assert rc == 130 and _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"], "temporary directories left behind"
+
+
+def test_not_tested_backend_fails_the_run(tmp_path, capsys, fake_pytest):
+    fake_pytest["results"] = _results("skipped")
+    rc, stdout, err = _main(["run", "--out", str(tmp_path / "r")], capsys)
+    assert rc != 0 and "NOT TESTED: reference-absorbed" in err
+    data = json.loads((tmp_path / "r" / "conformance.json").read_text())
+    assert data["verdicts"]["reference-absorbed"]["verdict"] == "NOT TESTED"
+
+
+def test_merge_writes_owned_matrix_and_refuses_foreign(tmp_path, capsys):
+    rep = R.build_report(_results(), name="h", env={"suite_version": "0", "python": "3", "torch": "2",
+                                                    "device": "cpu"})
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps(rep))
+    out = tmp_path / "m"
+    assert _main(["merge", str(src), "--out", str(out)], capsys)[0] == 0
+    assert _main(["merge", str(src), "--out", str(out)], capsys)[0] == 0  # its own matrix: replaced
+    (out / "notes.txt").write_text("x")
+    rc, _, err = _main(["merge", str(src), "--out", str(out)], capsys)
+    assert rc == 2 and "notes.txt" in err and (out / "notes.txt").read_text() == "x"
+    rc, _, err = _main(["merge", str(tmp_path), "--out", str(tmp_path / "m3")], capsys)
+    assert rc == 2 and "is a directory" in err
+
+
+# --------------------------------------------------------------------------- bench --out, before measuring
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    def boom(*a, **kw):
+        raise AssertionError("bench measured before checking --out")
+
+    monkeypatch.setattr(bench, "run_bench", boom)
+
+
+@pytest.mark.parametrize("target", ["dir", "dot", "foreign-file", "proc"])
+def test_bench_out_checked_before_measuring(tmp_path, capsys, monkeypatch, no_measuring, target):
+    d = _scratch(tmp_path)
+    before = _tree(d)
+    monkeypatch.chdir(d)
+    out = {"dir": str(d / "sub"), "dot": ".", "foreign-file": str(d / "notes.txt"), "proc": "/proc/x/bench.json"}[target]
+    rc, _, err = _main(["bench", "--context", "64", "--out", out], capsys)
+    assert rc == 2 and "--out" in err
+    assert _tree(d) == before
+
+
+def test_bench_out_writes_and_overwrites_only_its_own(tmp_path, capsys, monkeypatch):
+    fake = {"schema": bench.BENCH_SCHEMA, "schema_version": 1, "results": [], "measured_bandwidth_gb_per_s": 1.0,
+            "device": {"device": "cpu"}, "naive_over_absorbed": {}}
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: fake)
+    out = tmp_path / "b.json"
+    assert _main(["bench", "--context", "64", "--json", "--out", str(out)], capsys)[0] == 0
+    assert json.loads(out.read_text())["schema"] == bench.BENCH_SCHEMA
+    assert _main(["bench", "--context", "64", "--json", "--out", str(out)], capsys)[0] == 0
+
+
+# --------------------------------------------------------------------------- bad input, one line
+
+
+def _checkpoint(tmp_path, breakage):
+    d = tmp_path / "ckpt"
+    if breakage == "empty":
+        d.mkdir()
+        return d, ["config", "weights", "tokenizer"]
+    shutil.copytree(TINY, d)
+    if breakage == "truncated-weights":
+        f = d / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        return d, ["weights corrupt", "truncated", str(f)]
+    if breakage == "no-tokenizer":
+        (d / "tokenizer.json").unlink()
+        return d, ["tokenizer missing"]
+    (d / "config.json").write_text("{not json")
+    return d, ["config corrupt"]
+
+
+@pytest.mark.parametrize("breakage", ["empty", "truncated-weights", "no-tokenizer", "corrupt-config"])
+def test_run_checkpoint_validated_before_any_test(tmp_path, capsys, fake_pytest, breakage):
+    d, words = _checkpoint(tmp_path, breakage)
+    rc, _, err = _main(["run", "--out", str(tmp_path / "r"), "--checkpoint", str(d)], capsys)
+    assert rc == 2 and not fake_pytest["calls"] and len(err.strip().splitlines()) == 1
+    for w in words:
+        assert w in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_pytest_checkpoint_validated_in_configure(tmp_path):
+    from mla_conformance.checkpoint import validate_checkpoint
+    from mla_conformance.errors import CheckpointError
+
+    validate_checkpoint(TINY)
+    d, words = _checkpoint(tmp_path, "empty")
+    with pytest.raises(CheckpointError, match="config missing.*weights missing.*tokenizer missing"):
+        validate_checkpoint(d)
+    src = (ROOT / "mla_conformance" / "plugin.py").read_text()
+    assert "validate_checkpoint(ckpt)" in src.split("def pytest_configure", 1)[1].split("\ndef ", 1)[0]
+
+
+CASES = [
+    (["generate", "--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    (["generate", "--max-new-tokens", "0"], "integer >= 1"),
+    (["generate", "--max-new-tokens", "-1"], "integer >= 1"),
+    (["generate", "--model", "/nonexistent-model"], "no such model directory"),
+    (["generate", "--kv-codec", "int9"], "unknown kv_codec"),
+    (["generate", "--dtype", "float8"], "--dtype 'float8'"),
+    (["run", "--device", "tpu", "--out", "/tmp/mla-conformance-never"], "expected cpu, cuda or cuda:N"),
+    (["run", "--backend", "reference-absorbd", "--out", "/tmp/mla-conformance-never"], "'reference-absorbd'"),
+    (["run", "--name", "a/b"], "--name"),
+    (["bench", "--context", "0"], "integer >= 1"),
+    (["bench", "--context", "64", "--device", "tpu"], "expected cpu"),
+    (["bench", "--context", "64", "--preset", "nope"], "unknown MLA preset"),
+    (["bench", "--context", "64", "--backend", "nope"], "'nope'"),
+    (["budget", "--seq", "0"], "--seq"),
+    (["budget", "--block-h", "0"], "--block-h"),
+    (["budget", "--capability", "7.2"], "--capability 7.2"),
+    (["matrix", "--capability", "banana"], "compute capability"),
+    (["merge", "/nonexistent.json", "--out", "/tmp/mla-conformance-never"], "no such report file"),
+]
+
+
+@pytest.mark.parametrize("argv,words", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
+def test_bad_input_is_one_line_exit_2(argv, words, capsys, no_measuring):
+    rc, _, err = _main(argv, capsys)
+    assert rc == 2, err
+    assert words in err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
+    assert not Path("/tmp/mla-conformance-never").exists()
+
+
+def test_cuda_device_on_a_cpu_build(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    for argv in (["generate", "--device", "cuda"], ["bench", "--context", "64", "--device", "cuda"],
+                 ["run", "--device", "cuda:1", "--out", "/tmp/mla-conformance-never"]):
+        rc, _, err = _main(argv, capsys)
+        assert rc == 2 and "torch sees no CUDA device" in err
+
+
+# --------------------------------------------------------------------------- words: presets, budget, matrix
+
+
+def test_presets_and_one_default_in_help(capsys):
+    from mla_conformance.cli import DEFAULT_PRESET, build_parser
+    from mla_conformance.config import PRESETS
+
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for cmd in ("budget", "bench"):
+        text = sub[cmd].format_help()
+        assert f"(default: {DEFAULT_PRESET})" in text
+        for name in PRESETS:
+            assert name in text
+    readme = (ROOT / "README.md").read_text()
+    for name in PRESETS:
+        assert f"`{name}`" in readme
+
+
+def test_budget_gives_a_fit_verdict(capsys):
+    rc, out, _ = _main(["budget", "--preset", "deepseek-v3.2", "--capability", "9.0", "--capability", "8.0"], capsys)
+    assert rc == 0 and "DOES NOT FIT: 288.0 KiB > 227 KiB per block on compute capability 9.0" in out
+    rc, out, _ = _main(["budget", "--preset", "tiny", "--block-h", "16", "--block-n", "16", "--json"], capsys)
+    assert json.loads(out)["tile"]["smem_verdicts"]["9.0"]["fits"] is True
+
+
+def test_matrix_names_what_runs(capsys):
+    rc, out, _ = _main(["matrix", "--capability", "8.0"], capsys)
+    assert rc == 0 and "On SM80 (8.0): none of FlashMLA's; none of FlashInfer's; FlashInfer's FA2 MLA" in out
+    rc, out, _ = _main(["matrix", "--capability", "9.0"], capsys)
+    assert "FlashMLA's flashmla/dense_decode" in out
