@@ -226,7 +226,7 @@ def pytest_runtest_makereport(item, call):
     if rep.failed and call.when == "call" and _is_failure(call.excinfo) and not hasattr(rep, "wasxfail"):
         # a conformance verdict: the message says it all; show it with short frames (the suite's own
         # helpers hide themselves with __tracebackhide__), not pages of suite source
-        rep.longrepr = call.excinfo.getrepr(style="short", tbfilter=True, chain=False)
+        rep.longrepr = item._repr_failure_py(call.excinfo, style="short")
     results = item.config.stash.get(_RESULTS_KEY, None)
     if results is None:
         return

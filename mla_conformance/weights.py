@@ -100,8 +100,9 @@ class MLAWeights(Mapping):
     # ------------------------------------------------------------------ constructors
     @classmethod
     def random(cls, config: MLAConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> "MLAWeights":
-        """Deterministic, well-scaled random weights (drawn in float64 on CPU, then cast).
+               device: torch.device | str = "cpu", draw_dtype: torch.dtype = torch.float64) -> "MLAWeights":
+        """Deterministic, well-scaled random weights (drawn in ``draw_dtype``, float64 by default, on CPU,
+        then cast).
 
         Linear layers have std 1/sqrt(fan_in) so projections of an RMS-normalised input stay of order
         one; the query gets a gain so attention is peaked rather than uniform (uniform attention would
@@ -113,9 +114,9 @@ class MLAWeights(Mapping):
         gains = {"q_proj.weight": 2.0, "q_b_proj.weight": 2.0, "o_proj.weight": 3.0}
         for name, shape in expected_shapes(config).items():
             if len(shape) == 1:
-                t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
+                t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=draw_dtype)
             else:
-                t = torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[1])
+                t = torch.randn(shape, generator=gen, dtype=draw_dtype) / math.sqrt(shape[1])
                 t = t * gains.get(name, 1.0)
             tensors[name] = t.to(device=device, dtype=dtype)
         return cls(config, tensors, source=f"random(seed={seed})")

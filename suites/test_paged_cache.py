@@ -201,8 +201,12 @@ def test_paged_cache_bytes(backend, mla_device, figures):
     active, allocated = int(cache.active_nbytes()), int(cache.allocated_nbytes())
     tensors = {k: t.numel() * t.element_size() for k, t in cache.tensors().items()}
     figures.update(active_nbytes=active, allocated_nbytes=allocated, tensors=tensors)
-    assert active == sum(TOTALS) * 576 * 2
-    assert allocated == sum(tensors.values()) >= active
+    where = f"{backend.name} paged (64) dims-576 bfloat16, {sum(TOTALS)} tokens"
+    assert active == sum(TOTALS) * 576 * 2, (f"{where}: active_nbytes() = {active:,} B, but {sum(TOTALS)} tokens x "
+                                              f"576 x 2 B = {sum(TOTALS) * 576 * 2:,} B")
+    assert allocated == sum(tensors.values()), (f"{where}: allocated_nbytes() = {allocated:,} B but the tensors() "
+                                                f"it lists hold {sum(tensors.values()):,} B ({tensors})")
+    assert allocated >= active, f"{where}: allocated_nbytes() {allocated:,} B < active {active:,} B"
 
 
 # --------------------------------------------------------------------------- skip for the base contract

@@ -95,7 +95,6 @@ class LatentCache:
         self.batch_size, self.capacity = int(batch_size), int(capacity)
         self.kv_lora_rank = config.kv_lora_rank
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        # Zero-initialised so that masked (never written) slots can never inject NaN/inf.
         self.kv = torch.zeros(batch_size, capacity, width, dtype=dtype, device=device)
         self.seq_lens = torch.zeros(batch_size, dtype=torch.int64, device=device)
 
@@ -189,7 +188,10 @@ class IndependentMLA:
         cd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         sd = torch.float64 if dtype == torch.float64 else torch.float32
         T = int(cache.seq_lens.max())
-        stored = cache.kv[:, :T].to(cd)
+        # slots past a row's length were never written by this row: select zeros there (whatever the
+        # allocation left in them, NaN included, must not reach a product)
+        written = torch.arange(T, device=dev)[None, :, None] < cache.seq_lens[:, None, None]
+        stored = torch.where(written, cache.kv[:, :T], torch.zeros((), dtype=cache.kv.dtype, device=dev)).to(cd)
         c_all, kpe_all = stored[..., :kv_lora], stored[..., kv_lora:]
         w_kvb = weights["kv_b_proj.weight"].view(H, nope + v_dim, kv_lora).to(cd)
         w_uk, w_uv = w_kvb[:, :nope], w_kvb[:, nope:]                        # [H,nope,L],[H,v,L]

@@ -12,7 +12,10 @@ import torch
 
 from mla_conformance import checks
 
-from .broken_backends import CAUGHT_BY
+from mla_conformance.errors import BackendError
+
+from . import broken_caches as bc
+from .broken_backends import CAUGHT_BY, ERRORS_BY
 from .independent_backend import IndependentMLA
 
 pytestmark = pytest.mark.meta
@@ -28,21 +31,67 @@ CHECKS = {
     "numerics-fp32-lite-prefill_decode": lambda b: checks.numerics(b, "deepseek-v2-lite", "prefill_decode", F32),
     "numerics-bf16-lite-varlen_batch": lambda b: checks.numerics(b, "deepseek-v2-lite", "varlen_batch", BF16),
     "incremental-fp32-tiny": lambda b: checks.incremental_equals_prefill(b, "tiny", F32),
-    "bytes-bf16-lite": lambda b: checks.seed_byte_table(b),
+    "bytes-bf16-lite": lambda b: checks.v2_lite_cache_probe(b),
+    "bytes-f32-tiny-batch3": lambda b: checks.cache_bytes(b, "tiny", F32, prefill=6, decode=2, batch=3, capacity=16),
+    "codec-bytes-int8-g32": lambda b: checks.cache_bytes(b, "tiny", BF16, prefill=4, decode=1, batch=2, capacity=12,
+                                                         kv_codec="int8-g32"),
 }
+
+#: broken backends of suites/meta/broken_caches.py -> (check, a phrase its failure must say)
+CACHE_BUGS = {
+    bc.ExpandedUint8ClaimsLatent: ("bytes-bf16-lite", r"'pool' \(327680,\) uint8: 10,240 B/token.*the format is wrong"),
+    bc.ShortAllocation: ("bytes-bf16-lite", r"room for 28 tokens.*the slot count is wrong"),
+    bc.CopiesTensors: ("bytes-bf16-lite", r"tensors\(\) must return the cache's own buffers, not copies"),
+    bc.MasksByMultiply: ("numerics-fp32-tiny-varlen_batch", r"NaN at row 1, position 0.*multiplying with 0"),
+    bc.MutatesWeights: ("numerics-fp32-tiny-prefill_decode", r"changed the weights tensor\(s\) \['o_proj.weight'\]"),
+    bc.ScalesNotCounted: ("codec-bytes-int8-g32", r"active_nbytes\(\) says 960 B .* 1,040 B"),
+}
+
+
+def _fails(check, backend) -> AssertionError:
+    """The check's verdict on the backend: an AssertionError that is not a crash (BackendError)."""
+    try:
+        CHECKS[check](backend)
+    except BackendError as exc:
+        raise AssertionError(f"{check} on {backend.name}: the backend crashed ({exc}) instead of being failed "
+                             "by the check") from exc
+    except AssertionError as exc:
+        return exc
+    raise AssertionError(f"{check} passed {backend.name}")
 
 
 @pytest.mark.parametrize("broken", list(CAUGHT_BY), ids=lambda cls: cls.name)
 def test_broken_backend_is_caught(broken):
     backend = broken()
     for check in CAUGHT_BY[broken]:
-        with pytest.raises(AssertionError) as info:
-            CHECKS[check](backend)
-        assert backend.name in str(info.value), f"{check}'s failure message does not name the backend"
+        info = _fails(check, backend)
+        assert backend.name in str(info), f"{check}'s failure message does not name the backend"
+
+
+@pytest.mark.parametrize("broken", list(CACHE_BUGS), ids=lambda cls: cls.name)
+def test_cache_bug_is_failed_with_its_cause(broken):
+    check, phrase = CACHE_BUGS[broken]
+    info = _fails(check, broken())
+    assert re.search(phrase, str(info)), str(info)
+
+
+@pytest.mark.parametrize("broken", list(ERRORS_BY), ids=lambda cls: cls.name)
+def test_crash_is_an_error_not_a_failure(broken):
+    for check in ERRORS_BY[broken]:
+        with pytest.raises(BackendError):
+            CHECKS[check](broken())
+
+
+def test_overallocating_backend_passes_and_reports_overhead():
+    """4x the requested slots is an allocation policy: every byte check passes, the overhead is a figure."""
+    for check in ("bytes-bf16-lite", "bytes-f32-tiny-batch3"):
+        got = CHECKS[check](bc.OverAllocating())
+        assert got["slot_overhead"] == 4.0 and got["allocated_slots"] == 4 * got["requested_slots"], got
+        assert got["bytes_per_token"] == got["format_bytes_per_token"]
 
 
 def test_every_check_catches_something():
-    used = {c for names in CAUGHT_BY.values() for c in names}
+    used = {c for names in CAUGHT_BY.values() for c in names} | {c for c, _ in CACHE_BUGS.values()}
     assert used <= set(CHECKS)
     unused = set(CHECKS) - used
     assert not unused, f"checks no broken backend fails: {sorted(unused)}"
@@ -70,7 +119,7 @@ def test_contract_violations_are_named(broken, message):
 
     check = "numerics-bf16-lite-varlen_batch" if broken == "WrongDtype" else (
         "numerics-fp32-tiny-prefill_decode" if broken == "RaisesOnDecode" else "numerics-fp32-tiny-prefill")
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(BackendError, match=message):
         CHECKS[check](getattr(broken_backends, broken)())
 
 
@@ -90,14 +139,6 @@ def test_independent_backend_through_pytest():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", tail).group(1))
     assert passed >= 20, tail
-
-
-def test_broken_backend_through_pytest_fails_not_errors():
-    """A broken backend makes pytest exit 1 (test failures), never a collection or usage error."""
-    r = _pytest("suites/test_numerics.py", "-k", "test_against_float64 and tiny and float32 and prefill",
-                "--mla-backend", "suites/meta/broken_backends.py:MissingMscale")
-    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "broken-missing-mscale" in r.stdout
 
 
 def test_independent_backend_generates_the_golden_tokens():

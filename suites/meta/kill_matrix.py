@@ -1,0 +1,58 @@
+"""The kill matrix: every conformance test (a test function of suites/ that takes the ``backend``
+fixture) and a broken backend that must make it *fail* -- an AssertionError verdict, recorded as
+outcome "failed", not a crash ("error"), a skip or a pass.
+
+Data only; suites/meta/test_kill_matrix.py runs every cell in one pytest subprocess and checks the
+outcomes, and that no conformance test is missing from the matrix.
+"""
+
+HERE = "suites/meta"
+
+#: backend spec -> the name it reports (test ids carry the name)
+BROKEN = {
+    "rope-layout": (f"{HERE}/broken_backends.py:RopeLayoutMixup", "broken-rope-layout"),
+    "kv-b-swapped": (f"{HERE}/broken_backends.py:KvBSwapped", "broken-kv-b-swapped"),
+    "decode-position": (f"{HERE}/broken_backends.py:ShiftedDecodePosition", "broken-decode-position"),
+    "lying-bytes": (f"{HERE}/broken_backends.py:LyingBytes", "broken-lying-bytes"),
+    "expanded-uint8": (f"{HERE}/broken_caches.py:ExpandedUint8ClaimsLatent", "broken-expanded-uint8-pool"),
+    "scales-not-counted": (f"{HERE}/broken_caches.py:ScalesNotCounted", "broken-scales-not-counted"),
+    "int8-codec": (f"{HERE}/broken_caches.py:BadInt8Codec", "broken-int8-codec"),
+    "leaky-pages": (f"{HERE}/broken_caches.py:LeakyPages", "broken-leaky-pages"),
+    "paged-bytes": (f"{HERE}/broken_caches.py:PagedBytesUncounted", "broken-paged-bytes"),
+}
+
+#: conformance test (file::function) -> [(broken key, the parametrisation after the backend name)]
+KILL_MATRIX = {
+    "suites/test_cache_bytes.py::test_seed_table": [("expanded-uint8", "")],
+    "suites/test_cache_bytes.py::test_bytes_formula": [("lying-bytes", "-6-2-3-float32-tiny")],
+    "suites/test_cache_bytes.py::test_bytes_formula_v3_dims": [("lying-bytes", "-deepseek-v3")],
+    "suites/test_numerics.py::test_against_float64": [("decode-position", "-float32-prefill_decode-tiny"),
+                                                      ("rope-layout", "-bfloat16-varlen_batch-v3-mini")],
+    "suites/test_numerics.py::test_float16": [("kv-b-swapped", "-tiny")],
+    "suites/test_numerics.py::test_incremental_equals_prefill": [("decode-position", "-float32-tiny")],
+    "suites/test_checkpoint.py::test_prefill_decode_on_checkpoint": [("kv-b-swapped", "fixture-{b}-float32")],
+    "suites/test_conventions.py::test_yarn_rope_attention_factor_convention": [("rope-layout", "")],
+    "suites/test_generation_golden.py::test_golden_generation": [("kv-b-swapped", "-tiny-short")],
+    "suites/test_generation_golden.py::test_golden_generation_per_codec": [("int8-codec", "-int8-g32")],
+    "suites/test_paged_cache.py::test_paged_equals_contiguous": [("leaky-pages", "-tiny-float32-16")],
+    "suites/test_paged_cache.py::test_nan_in_unused_pages_never_reaches_outputs": [("leaky-pages", "")],
+    "suites/test_paged_cache.py::test_paged_cache_bytes": [("paged-bytes", "")],
+    "suites/test_quantized_kv.py::test_codec_bytes": [("scales-not-counted", "-int8-g32-tiny-bfloat16")],
+    "suites/test_quantized_kv.py::test_attention_error": [("int8-codec", "-int8-g32")],
+}
+
+#: conformance-looking tests that are not verdicts, with the reason
+EXEMPT = {
+    "suites/test_decode_bench.py::test_decode_step": "a timing (benchmark marker): figures, not a verdict",
+}
+
+
+def node_ids() -> list[tuple[str, str, str]]:
+    """(test, broken key, node id) of every cell."""
+    out = []
+    for test, cells in KILL_MATRIX.items():
+        for key, params in cells:
+            name = BROKEN[key][1]
+            inside = params.replace("{b}", name) if "{b}" in params else name + params
+            out.append((test, key, f"{test}[{inside}]"))
+    return out

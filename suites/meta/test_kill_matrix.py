@@ -1,0 +1,63 @@
+"""Every conformance test can fail: each cell of suites/meta/kill_matrix.py runs a conformance test on a
+broken backend (all cells in one pytest subprocess) and must come out *failed* -- an AssertionError verdict
+naming the backend, not an error, a skip or a pass; and every conformance test of suites/ has a cell."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .kill_matrix import BROKEN, EXEMPT, KILL_MATRIX, node_ids
+
+pytestmark = pytest.mark.meta
+ROOT = Path(__file__).resolve().parent.parent.parent
+CELLS = node_ids()
+
+
+def conformance_tests() -> set[str]:
+    """file::function of every test function in suites/test_*.py that takes the backend fixture."""
+    found = set()
+    for path in sorted((ROOT / "suites").glob("test_*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and \
+                    "backend" in [a.arg for a in node.args.args]:
+                found.add(f"suites/{path.name}::{node.name}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, dict]:
+    results = tmp_path_factory.mktemp("kill") / "results.json"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
+           "--mla-results", str(results), "--mla-device", "cpu", *[n for _, _, n in CELLS]]
+    for spec, _ in BROKEN.values():
+        cmd += ["--mla-backend", spec]
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert results.is_file(), f"the kill-matrix run wrote no results (exit {r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-2000:]}"
+    assert r.returncode == 1, f"expected exit 1 (test failures), got {r.returncode}:\n{r.stdout[-3000:]}{r.stderr[-2000:]}"
+    return {t["nodeid"]: t for t in json.loads(results.read_text())["tests"]}
+
+
+def test_every_conformance_test_has_a_cell():
+    tests = conformance_tests()
+    missing = sorted(tests - set(KILL_MATRIX) - set(EXEMPT))
+    assert not missing, f"conformance tests that no broken backend is shown to fail: {missing}"
+    stale = sorted((set(KILL_MATRIX) | set(EXEMPT)) - tests)
+    assert not stale, f"kill-matrix rows for tests that do not exist (or take no backend): {stale}"
+
+
+@pytest.mark.parametrize("test,broken,nodeid", CELLS, ids=[f"{t.split('::')[1]}<-{b}" for t, b, _ in CELLS])
+def test_cell_fails(outcomes, test, broken, nodeid):
+    got = outcomes.get(nodeid)
+    assert got is not None, f"{nodeid} did not run"
+    assert got["outcome"] == "failed", (f"{nodeid}: expected the check to fail {BROKEN[broken][1]}, got "
+                                        f"{got['outcome']}: {got.get('reason', '')}")
+    reason = got.get("reason", "")
+    assert reason, f"{nodeid}: the failure says nothing"
+    if "golden" not in test:  # a golden mismatch is syrupy's diff; every other verdict names the backend
+        assert BROKEN[broken][1] in reason, f"{nodeid}: the failure does not name the backend: {reason}"
