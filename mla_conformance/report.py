@@ -322,8 +322,9 @@ def _bytes_lines(report) -> list[str]:
             and t["figures"]["allocated_slots"] != t["figures"]["requested_slots"]]
     if over:
         out += ["", "### Slot overhead (a figure, not a failure)", "",
-                "Slots beyond the requested capacity are the engine's allocation policy (pools, max_seq_len), "
-                "not its format: bytes per slot are judged against the format, slot counts only reported.", "",
+                "Slot counts that differ from the requested capacity are the engine's allocation policy (pools, "
+                "max_seq_len, growth on demand), not its format: bytes per slot are judged against the format, "
+                "slot counts only reported.", "",
                 "| | test | requested slots | allocated slots | allocated / requested | bytes/token measured | "
                 "format bytes/token |", "|---|---|---:|---:|---:|---:|---:|"]
         for t in over:
@@ -601,6 +602,7 @@ def _codec_plots(report, directory, plt, meta) -> list[str]:
         ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
         ax.set_yscale("log")
         low = min(v for v in values.values() if v) if any(values.values()) else 1e-3
+        ax.set_xlim(-0.8, len(names) - 0.2)
         ax.text(0, low, "0\n(baseline)", ha="center", va="bottom", fontsize=7)
         ax.set_ylabel("rel. error vs codec none")
         ax.set_title("Attention output error by KV codec (V2-Lite, BF16)")
