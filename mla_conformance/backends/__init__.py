@@ -16,7 +16,34 @@ returns the output after ``o_proj``, [B, S, hidden_size], in hidden_states' dtyp
 
 A cache has ``batch_size``, ``capacity``, ``seq_lens`` (int64 tensor [B]), ``active_nbytes()`` (bytes
 holding the stored tokens, payload plus metadata such as scales), ``allocated_nbytes()`` (every
-buffer it allocated) and ``tensors() -> dict[str, Tensor]`` (every buffer, by name).
+buffer it allocated) and ``tensors() -> dict[str, Tensor]`` (every buffer, by name: the cache's own
+tensors, never copies).
+
+What the suite does around a backend (the rules of :mod:`mla_conformance.cache.measure`):
+
+* **Bytes are measured, not believed.** Every buffer in ``tensors()`` counts, of any dtype. A buffer is
+  *bookkeeping* (block table, lengths, page map, a per-cache scale) only by structure: at most
+  2 x batch_size x pages + 16 elements, pages = ceil(capacity / page_block_size) (16-token pages when
+  the cache declares no ``page_block_size``). Everything else is token storage. Bytes per stored token
+  are measured from the tensors (the token storage that no longer holds the suite's poison, below) and
+  must equal the declared format's; ``active_nbytes()`` must equal stored tokens x that (plus at most
+  the bookkeeping bytes); ``allocated_nbytes()`` must equal the bytes of ``tensors()``.
+* **Slots are policy, bytes per token are format.** A cache may allocate more slots than
+  ``batch_size x capacity`` (a pool, ``max_seq_len``): reported as ``allocated_slots`` /
+  ``slot_overhead``, never a failure. One that preallocates fewer fails. A cache that grows as tokens
+  arrive (transformers' DynamicCache) is reported as growing.
+* **Unwritten slots are poison.** Right after ``new_cache`` the suite fills every token-storage buffer
+  with NaN (integer, uint8 and float8 storage with 0xFF bytes: NaN once read as e4m3, bfloat16 or
+  float32) and checks it landed. A backend must never let a slot no token was written to reach its
+  output: select (``torch.where``) or read only written slots; 0 x NaN is NaN.
+* **Inputs are the backend's own, read-only.** Each run gets its own copy of the weights; changing them,
+  or the ``hidden_states`` of a call, in place fails, naming the tensor.
+* **Failed vs error.** A check that finds wrong outputs or bytes *fails* the test (AssertionError). A
+  backend that raises, or returns something that is not a Tensor of the right shape and dtype, is an
+  *error* (:class:`mla_conformance.errors.BackendError`). Both fail the run; reports count them apart.
+* **Conventions are reported, not imposed.** Where correct implementations differ (YaRN's cos/sin
+  factor when ``mscale != mscale_all_dim``: transformers / DeepSeek-V2 vs DeepSeek-V3's reference),
+  the presets avoid the difference and one named test reports which convention a backend follows.
 
 Optional parts, detected and never assumed:
 
