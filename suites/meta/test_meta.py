@@ -153,3 +153,27 @@ def test_independent_backend_generates_the_golden_tokens():
         result = run_generation(DEFAULT_MODEL, IndependentMLA(), prompt_sets=[prompt_set], model=model)
         assert result["accuracy"] >= 0.99
         assert [o["tokens"] for o in result["outputs"]] == [o["tokens"] for o in golden["outputs"]]
+
+
+@pytest.mark.parametrize("broken,check,phrase", [
+    ("MissingMscaleSquared", "numerics-fp32-tiny-prefill", r"likely cause: matches the reference without YaRN mscale²"),
+    ("RopeLayoutMixup", "numerics-fp32-tiny-prefill", r"likely cause: matches the reference with rotate-half RoPE"),
+    ("ChunkMaskTopLeft", "numerics-fp32-tiny-long_context",
+     r"likely cause: matches the reference with each call's mask aligned top-left"),
+    ("ShiftedDecodePosition", "numerics-fp32-tiny-prefill_decode",
+     r"likely cause: matches the reference with one-token \(decode\) calls rotated at position - 1"),
+])
+def test_failure_names_the_likely_cause(broken, check, phrase):
+    """The numerics check itself (not only mla_conformance.diagnose) says which bug the output matches."""
+    from . import broken_backends
+
+    info = _fails(check, getattr(broken_backends, broken)())
+    assert re.search(phrase, str(info)), str(info)
+
+
+def test_correct_failure_message_has_no_cause_for_an_unknown_bug():
+    """A bug of no known class (a row reading row 0's cache) fails without a made-up cause."""
+    from .broken_backends import RowsShareCache
+
+    info = _fails("numerics-fp32-tiny-varlen_batch", RowsShareCache())
+    assert "likely cause" not in str(info), str(info)
