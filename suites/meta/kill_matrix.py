@@ -21,6 +21,23 @@ BROKEN = {
     "paged-bytes": (f"{HERE}/broken_caches.py:PagedBytesUncounted", "broken-paged-bytes"),
 }
 
+#: correct backends written independently of the reference: on their cells (every cell's first
+#: parametrisation, or the tests named) they must pass, or skip where they do not implement an optional
+#: part (paging, quantized codecs)
+CORRECT = {
+    "independent": (f"{HERE}/independent_backend.py:IndependentMLA", "independent-absorbed"),
+    "overallocating": (f"{HERE}/broken_caches.py:OverAllocating", "independent-overallocating"),
+    "v3-style": (f"{HERE}/v3_reference_backend.py:DeepSeekV3StyleMLA", "deepseek-v3-style"),
+}
+CORRECT_TESTS = {
+    "independent": None,  # every cell
+    "overallocating": ("suites/test_cache_bytes.py::test_seed_table", "suites/test_cache_bytes.py::test_bytes_formula"),
+    "v3-style": ("suites/test_numerics.py::test_against_float64", "suites/test_numerics.py::test_incremental_equals_prefill",
+                 "suites/test_conventions.py::test_yarn_rope_attention_factor_convention",
+                 "suites/test_checkpoint.py::test_prefill_decode_on_checkpoint",
+                 "suites/test_generation_golden.py::test_golden_generation", "suites/test_cache_bytes.py::test_seed_table"),
+}
+
 #: conformance test (file::function) -> [(broken key, the parametrisation after the backend name)]
 KILL_MATRIX = {
     "suites/test_cache_bytes.py::test_seed_table": [("expanded-uint8", "")],
@@ -47,12 +64,19 @@ EXEMPT = {
 }
 
 
+def _node(test: str, name: str, params: str) -> str:
+    inside = params.replace("{b}", name) if "{b}" in params else name + params
+    return f"{test}[{inside}]"
+
+
 def node_ids() -> list[tuple[str, str, str]]:
     """(test, broken key, node id) of every cell."""
-    out = []
-    for test, cells in KILL_MATRIX.items():
-        for key, params in cells:
-            name = BROKEN[key][1]
-            inside = params.replace("{b}", name) if "{b}" in params else name + params
-            out.append((test, key, f"{test}[{inside}]"))
-    return out
+    return [(test, key, _node(test, BROKEN[key][1], params))
+            for test, cells in KILL_MATRIX.items() for key, params in cells]
+
+
+def correct_node_ids() -> list[tuple[str, str, str]]:
+    """(test, correct key, node id): every cell's parametrisation on every correct backend."""
+    return [(test, key, _node(test, CORRECT[key][1], params))
+            for test, cells in KILL_MATRIX.items() for key in CORRECT for _, params in cells[:1]
+            if CORRECT_TESTS[key] is None or test in CORRECT_TESTS[key]]

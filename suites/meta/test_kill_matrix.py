@@ -1,6 +1,8 @@
-"""Every conformance test can fail: each cell of suites/meta/kill_matrix.py runs a conformance test on a
-broken backend (all cells in one pytest subprocess) and must come out *failed* -- an AssertionError verdict
-naming the backend, not an error, a skip or a pass; and every conformance test of suites/ has a cell."""
+"""Every conformance test can fail, and correct code passes it: each cell of suites/meta/kill_matrix.py
+runs a conformance test on a broken backend and must come out *failed* -- an AssertionError verdict naming
+the backend, not an error, a skip or a pass; the same tests on the correct backends written independently
+of the reference must pass (or skip an optional part they do not implement). All of it in one pytest
+subprocess, through the plugin as a user runs it; and every conformance test of suites/ has a cell."""
 
 import ast
 import json
@@ -11,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from .kill_matrix import BROKEN, EXEMPT, KILL_MATRIX, node_ids
+from .kill_matrix import BROKEN, CORRECT, CORRECT_TESTS, EXEMPT, KILL_MATRIX, correct_node_ids, node_ids
 
 pytestmark = pytest.mark.meta
 ROOT = Path(__file__).resolve().parent.parent.parent
 CELLS = node_ids()
+PASSING = correct_node_ids()
 
 
 def conformance_tests() -> set[str]:
@@ -33,8 +36,8 @@ def conformance_tests() -> set[str]:
 def outcomes(tmp_path_factory) -> dict[str, dict]:
     results = tmp_path_factory.mktemp("kill") / "results.json"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
-           "--mla-results", str(results), "--mla-device", "cpu", *[n for _, _, n in CELLS]]
-    for spec, _ in BROKEN.values():
+           "--mla-results", str(results), "--mla-device", "cpu", *[n for _, _, n in CELLS + PASSING]]
+    for spec, _ in [*BROKEN.values(), *CORRECT.values()]:
         cmd += ["--mla-backend", spec]
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
@@ -61,3 +64,21 @@ def test_cell_fails(outcomes, test, broken, nodeid):
     assert reason, f"{nodeid}: the failure says nothing"
     if "golden" not in test:  # a golden mismatch is syrupy's diff; every other verdict names the backend
         assert BROKEN[broken][1] in reason, f"{nodeid}: the failure does not name the backend: {reason}"
+
+
+@pytest.mark.parametrize("test,correct,nodeid", PASSING, ids=[f"{t.split('::')[1]}<-{c}" for t, c, _ in PASSING])
+def test_correct_backend_passes(outcomes, test, correct, nodeid):
+    got = outcomes.get(nodeid)
+    assert got is not None, f"{nodeid} did not run"
+    if got["outcome"] == "skipped":  # only an optional part the backend does not implement
+        assert CORRECT[correct][1] in got.get("reason", "") and any(
+            w in got["reason"] for w in ("paged-cache extension", "kv_codec")), f"{nodeid}: skipped: {got['reason']}"
+    else:
+        assert got["outcome"] == "passed", f"{nodeid}: {got['outcome']}: {got.get('reason', '')}"
+
+
+def test_correct_backends_pass_most_cells(outcomes):
+    for key, (_, name) in CORRECT.items():
+        passed = [n for t, c, n in PASSING if c == key and outcomes.get(n, {}).get("outcome") == "passed"]
+        expected = len(CORRECT_TESTS[key]) if CORRECT_TESTS[key] else 8
+        assert len(passed) >= expected, f"{name}: only {len(passed)} cells passed"
