@@ -37,11 +37,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(config: MLAConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, S, rope/2] in float64 for integer positions, times YaRN's attention factor."""
+#: The YaRN RoPE conventions the oracle implements. They differ only when a config's ``mscale`` !=
+#: ``mscale_all_dim`` (every published DeepSeek config has the two equal, so the factor is 1 there); the
+#: softmax scale, 1/sqrt(qk_head_dim) x mscale(factor, mscale_all_dim)^2, is the same in both.
+ROPE_CONVENTIONS: dict[str, str] = {
+    "transformers": "transformers / DeepSeek-V2 modeling: cos/sin x mscale(factor, mscale) / "
+                    "mscale(factor, mscale_all_dim)",
+    "deepseek-v3": "DeepSeek-V3 reference inference/model.py: no cos/sin factor",
+}
+
+
+def rope_factor(config: MLAConfig, rope_convention: str = "transformers") -> float:
+    """The factor cos/sin carry under ``rope_convention`` (see ROPE_CONVENTIONS)."""
+    if rope_convention == "transformers":
+        return config.rope_attention_factor
+    if rope_convention == "deepseek-v3":
+        return 1.0
+    raise ValueError(f"unknown rope_convention {rope_convention!r}; known: {', '.join(ROPE_CONVENTIONS)}")
+
+
+def rope_cos_sin(config: MLAConfig, positions: torch.Tensor, *,
+                 rope_convention: str = "transformers") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, rope/2] in float64 for integer positions, times the convention's YaRN factor."""
+    m = rope_factor(config, rope_convention)
     inv_freq = rope_inv_freq(config, torch.float64).to(positions.device)
     angles = positions.to(torch.float64)[..., None] * inv_freq
-    m = config.rope_attention_factor
     return torch.cos(angles) * m, torch.sin(angles) * m
 
 
@@ -57,8 +77,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
-def project(weights: MLAWeights, x: torch.Tensor, positions: torch.Tensor):
-    """The per-token projections both paths share.
+def project(weights: MLAWeights, x: torch.Tensor, positions: torch.Tensor, *,
+            rope_convention: str = "transformers"):
+    """The per-token projections both paths share (RoPE under ``rope_convention``, ROPE_CONVENTIONS).
 
     Returns q_nope [B,S,H,nope], q_pe [B,S,H,rope] (rotated), c [B,S,kv_lora] (normed latent) and
     k_pe [B,S,rope] (rotated) -- the last two are what a latent cache stores.
@@ -74,7 +95,7 @@ def project(weights: MLAWeights, x: torch.Tensor, positions: torch.Tensor):
     kv = x @ weights["kv_a_proj_with_mqa.weight"].T
     c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     c = rms_norm(c, weights["kv_a_layernorm.weight"], cfg.rms_norm_eps)
-    cos, sin = rope_cos_sin(cfg, positions)
+    cos, sin = rope_cos_sin(cfg, positions, rope_convention=rope_convention)
     return q_nope, apply_rope(q_pe, cos, sin), c, apply_rope(k_pe, cos, sin)
 
 
@@ -142,18 +163,21 @@ def expand_kv(weights: MLAWeights, c: torch.Tensor, k_pe: torch.Tensor):
 
 
 def reference_attention_f64(weights: MLAWeights, hidden_states: torch.Tensor,
-                            lengths: torch.Tensor | None = None) -> torch.Tensor:
+                            lengths: torch.Tensor | None = None, *,
+                            rope_convention: str = "transformers") -> torch.Tensor:
     """One-shot float64 expanded attention of each row's whole sequence (positions 0..L-1).
 
     hidden_states [B, T, hidden]; lengths [B] valid tokens per row (right padding). Returns float64
-    [B, T, hidden]; rows beyond their length are zero.
+    [B, T, hidden]; rows beyond their length are zero. ``rope_convention`` (a key of ROPE_CONVENTIONS)
+    picks YaRN's cos/sin factor; the two agree whenever mscale == mscale_all_dim.
     """
+    rope_factor(weights.config, rope_convention)  # reject an unknown name before any work
     w = weights.to(torch.float64, device="cpu")
     x = hidden_states.to(device="cpu", dtype=torch.float64)
     B, T, _ = x.shape
     lengths = torch.full((B,), T) if lengths is None else lengths.to("cpu")
     positions = torch.arange(T).expand(B, T)
-    q_nope, q_pe, c, k_pe = project(w, x, positions)
+    q_nope, q_pe, c, k_pe = project(w, x, positions, rope_convention=rope_convention)
     k, v = expand_kv(w, c, k_pe)
     t = torch.arange(T)
     allowed = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] < lengths[:, None, None])
