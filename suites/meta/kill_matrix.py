@@ -58,6 +58,14 @@ KILL_MATRIX = {
     "suites/test_quantized_kv.py::test_attention_error": [("int8-codec", "-int8-g32")],
 }
 
+#: crashes are errors, not verdicts: (broken spec, name, node id) that must come out "error"
+ERROR_CELLS = [
+    (f"{HERE}/broken_backends.py:RaisesOnDecode", "broken-raises",
+     "suites/test_numerics.py::test_against_float64[broken-raises-float32-prefill_decode-tiny]"),
+    (f"{HERE}/broken_backends.py:WrongShape", "broken-wrong-shape",
+     "suites/test_cache_bytes.py::test_seed_table[broken-wrong-shape]"),
+]
+
 #: conformance-looking tests that are not verdicts, with the reason
 EXEMPT = {
     "suites/test_decode_bench.py::test_decode_step": "a timing (benchmark marker): figures, not a verdict",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .kill_matrix import BROKEN, CORRECT, CORRECT_TESTS, EXEMPT, KILL_MATRIX, correct_node_ids, node_ids
+from .kill_matrix import BROKEN, CORRECT, CORRECT_TESTS, ERROR_CELLS, EXEMPT, KILL_MATRIX, correct_node_ids, node_ids
 
 pytestmark = pytest.mark.meta
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -36,8 +36,8 @@ def conformance_tests() -> set[str]:
 def outcomes(tmp_path_factory) -> dict[str, dict]:
     results = tmp_path_factory.mktemp("kill") / "results.json"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
-           "--mla-results", str(results), "--mla-device", "cpu", *[n for _, _, n in CELLS + PASSING]]
-    for spec, _ in [*BROKEN.values(), *CORRECT.values()]:
+           "--mla-results", str(results), "--mla-device", "cpu", *[n for _, _, n in CELLS + PASSING + ERROR_CELLS]]
+    for spec, _ in [*BROKEN.values(), *CORRECT.values(), *[(s, n) for s, n, _ in ERROR_CELLS]]:
         cmd += ["--mla-backend", spec]
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
@@ -82,3 +82,12 @@ def test_correct_backends_pass_most_cells(outcomes):
         passed = [n for t, c, n in PASSING if c == key and outcomes.get(n, {}).get("outcome") == "passed"]
         expected = len(CORRECT_TESTS[key]) if CORRECT_TESTS[key] else 8
         assert len(passed) >= expected, f"{name}: only {len(passed)} cells passed"
+
+
+@pytest.mark.parametrize("spec,name,nodeid", ERROR_CELLS, ids=[n for _, n, _ in ERROR_CELLS])
+def test_crash_is_recorded_as_error(outcomes, spec, name, nodeid):
+    """A backend that raises or returns the wrong shape is an *error* in the results, not a failure."""
+    got = outcomes.get(nodeid)
+    assert got is not None, f"{nodeid} did not run"
+    assert got["outcome"] == "error", f"{nodeid}: {got['outcome']}: {got.get('reason', '')}"
+    assert "BackendError" in got.get("reason", "") or "BackendOutputError" in got.get("reason", ""), got
