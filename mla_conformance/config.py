@@ -246,9 +246,18 @@ _V2_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings
 _V3_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
-#: Published config.json values (attention fields) of each model, plus ``tiny``: the attention of
-#: the trained fixture model in fixtures/models/tiny-mla (q_lora on, YaRN with mscale != mscale_all_dim
-#: so both the softmax mscale^2 and the cos/sin attention factor are exercised).
+#: Published config.json values (attention fields) of each model, plus two small numerics presets:
+#:
+#: * ``tiny``: the attention of the trained fixture model in fixtures/models/tiny-mla (q_lora on, YaRN
+#:   from 64 positions; softmax mscale(factor, mscale_all_dim)^2 != 1);
+#: * ``v3-mini``: DeepSeek-V3 head dims (kv_lora 512, nope 128, rope 64, v 128) with q_lora (rank 96),
+#:   2 heads, hidden 256 and YaRN from 128 positions, so checks.SCENARIOS' long_context crosses
+#:   original_max_position_embeddings.
+#:
+#: Every preset has mscale == mscale_all_dim, as every published DeepSeek config does: YaRN's cos/sin
+#: factor mscale(mscale)/mscale(mscale_all_dim) is then 1, a point on which transformers / DeepSeek-V2
+#: modeling and DeepSeek-V3's reference inference/model.py agree. Where they differ (mscale !=
+#: mscale_all_dim) is a stated convention, tested by suites/test_conventions.py, not imposed here.
 PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v2-lite": dict(hidden_size=2048, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
@@ -270,6 +279,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rms_norm_eps=1e-6,
                  rope_theta=10000.0,
                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+                               "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.8},
                  max_position_embeddings=256, num_hidden_layers=2),
+    "v3-mini": dict(hidden_size=256, num_attention_heads=2, q_lora_rank=96, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+                    rope_theta=10000.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
+                                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                    max_position_embeddings=1024, num_hidden_layers=2),
 }

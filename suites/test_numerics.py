@@ -1,14 +1,16 @@
 """Every backend against a float64 expanded reference of the same weights and inputs.
 
-Presets: ``tiny`` (q_lora, YaRN from 64 positions, so long_context crosses original_max_position_embeddings)
-and ``deepseek-v2-lite`` (plain q_proj, YaRN). Tolerances: mla_conformance.checks.TOLERANCES (markers.md).
+Presets: ``tiny`` (q_lora, YaRN from 64 positions, so long_context crosses original_max_position_embeddings),
+``deepseek-v2-lite`` (plain q_proj, YaRN) and ``v3-mini`` (V3 head dims, q_lora, 2 heads, YaRN from 128
+positions, so a backend that refuses ``tiny``'s small dims still gets q_lora and past-original coverage).
+Tolerances: mla_conformance.checks.TOLERANCES (markers.md).
 """
 
 import pytest
 
 from mla_conformance import checks
 
-PRESETS = ["tiny", "deepseek-v2-lite"]
+PRESETS = ["tiny", "deepseek-v2-lite", "v3-mini"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
