@@ -41,8 +41,9 @@ def test_bad_specs_name_the_spec(spec, message):
 
 
 @pytest.mark.parametrize("spec", ["no_such_module:X", "suites/meta/missing_file.py:X", "reference-absorbd"])
-def test_pytest_reports_bad_spec_without_traceback(spec):
-    r = subprocess.run([sys.executable, "-m", "pytest", "suites/test_cache_bytes.py", "-p", "no:cacheprovider",
-                        "-p", "no:xdist", "--mla-backend", spec], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 4, r.stdout + r.stderr
-    assert spec in r.stderr and "Traceback" not in r.stderr + r.stdout
+def test_pytest_reports_bad_spec_without_traceback(spec, capsys, monkeypatch):
+    from .test_inputs import pytest_inprocess
+
+    code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_cache_bytes.py", "--mla-backend", spec)
+    assert code == 4, out + err
+    assert spec in err and "Traceback" not in err + out

@@ -21,7 +21,16 @@ def _run(*args, **kw):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
 
 
-def test_expectation_file(tmp_path):
+def pytest_inprocess(capsys, monkeypatch, *args) -> tuple[int, str, str]:
+    """Run pytest in this process (no second torch import): (exit code, stdout, stderr)."""
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    code = pytest.main(["-p", "no:cacheprovider", "-p", "no:xdist", *args])
+    out = capsys.readouterr()
+    return int(code), out.out, out.err
+
+
+def test_expectation_file(tmp_path, capsys, monkeypatch):
     """Listed failures become xfail; a listed passing test is reported XPASS; an unmatched line warns."""
     expect = tmp_path / "expect.txt"
     expect.write_text(
@@ -29,23 +38,23 @@ def test_expectation_file(tmp_path):
         "suites/test_numerics.py::test_against_float64[broken-missing-mscale-float32-prefill-tiny]  mscale^2 missing\n"
         "suites/test_cache_bytes.py::test_seed_table[broken-missing-mscale]  listed but passes\n"
         "suites/test_numerics.py::test_nothing_like_this  stale entry\n")
-    r = _run("-m", "pytest", "suites/test_numerics.py", "suites/test_cache_bytes.py", "-p", "no:cacheprovider",
-             "-p", "no:xdist", "-rxXs", "-k", "(float64 and tiny and prefill and not decode and float32) or seed_table",
-             "--mla-backend", "suites/meta/broken_backends.py:MissingMscale", "--mla-expect", str(expect))
-    out = r.stdout
-    assert r.returncode == 0, out[-3000:]
+    code, out, err = pytest_inprocess(
+        capsys, monkeypatch, "suites/test_numerics.py", "suites/test_cache_bytes.py", "-rxXs", "-k",
+        "(float64 and tiny and prefill and not decode and float32) or seed_table",
+        "--mla-backend", "suites/meta/broken_backends.py:MissingMscale", "--mla-expect", str(expect))
+    assert code == 0, out[-3000:] + err[-2000:]
     assert "1 xfailed" in out and "1 xpassed" in out
     assert "XPASS" in out and "listed but passes" in out
     assert "matches no collected test" in out and "test_nothing_like_this" in out
 
 
-def test_expectation_file_errors(tmp_path):
+def test_expectation_file_errors(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "expect.txt"
     bad.write_text("suites/test_numerics.py::test_against_float64[x\n")
-    r = _run("-m", "pytest", "suites/test_numerics.py", "-p", "no:cacheprovider", "-p", "no:xdist",
-             "--mla-expect", str(bad), "--co", "-q")
-    assert r.returncode == 4 and f"{bad}:1" in r.stderr and "gives no reason" in r.stderr
-    assert "Traceback" not in r.stderr
+    code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_numerics.py", "--mla-expect", str(bad),
+                                      "--co", "-q")
+    assert code == 4 and f"{bad}:1" in err and "gives no reason" in err
+    assert "Traceback" not in err + out
 
 
 def test_unwritable_report_dir(tmp_path, capsys):
@@ -86,8 +95,8 @@ def test_cli_unknown_preset_and_dtype(capsys):
     assert "--dtype 'float8'" in err and "Traceback" not in err
 
 
-def test_plugin_rejects_bad_device():
-    r = _run("-m", "pytest", "suites/test_cache_bytes.py", "-p", "no:cacheprovider", "-p", "no:xdist",
-             "--mla-device", "tpu", "--co", "-q")
-    assert r.returncode == 4 and "--mla-device 'tpu'" in r.stderr and "Traceback" not in r.stderr
+def test_plugin_rejects_bad_device(capsys, monkeypatch):
+    code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_cache_bytes.py", "--mla-device", "tpu",
+                                      "--co", "-q")
+    assert code == 4 and "--mla-device 'tpu'" in err and "Traceback" not in err + out
 

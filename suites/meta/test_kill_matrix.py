@@ -5,10 +5,9 @@ of the reference must pass (or skip an optional part they do not implement). All
 subprocess, through the plugin as a user runs it; and every conformance test of suites/ has a cell."""
 
 import ast
+import contextlib
+import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,15 +33,19 @@ def conformance_tests() -> set[str]:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, dict]:
+    """Every cell in one pytest session, in this process (the torch import and the session's caches are
+    shared), through the plugin and its --mla-results exactly as a user's run."""
     results = tmp_path_factory.mktemp("kill") / "results.json"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
-           "--mla-results", str(results), "--mla-device", "cpu", *[n for _, _, n in CELLS + PASSING + ERROR_CELLS]]
+    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-s", "-o", "addopts=", "--rootdir", str(ROOT),
+            "--mla-results", str(results), "--mla-device", "cpu",
+            *[str(ROOT / n.split("::")[0]) + "::" + n.split("::", 1)[1] for _, _, n in CELLS + PASSING + ERROR_CELLS]]
     for spec, _ in [*BROKEN.values(), *CORRECT.values(), *[(s, n) for s, n, _ in ERROR_CELLS]]:
-        cmd += ["--mla-backend", spec]
-    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert results.is_file(), f"the kill-matrix run wrote no results (exit {r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-2000:]}"
-    assert r.returncode == 1, f"expected exit 1 (test failures), got {r.returncode}:\n{r.stdout[-3000:]}{r.stderr[-2000:]}"
+        args += ["--mla-backend", str(ROOT / spec.split(":")[0]) + ":" + spec.split(":")[1]]
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        code = pytest.main(args)
+    assert results.is_file(), f"the kill-matrix run wrote no results (exit {code}):\n{log.getvalue()[-4000:]}"
+    assert code == 1, f"expected exit 1 (test failures), got {code}:\n{log.getvalue()[-4000:]}"
     return {t["nodeid"]: t for t in json.loads(results.read_text())["tests"]}
 
 
