@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "mla_conformance.arch",       # matrix
     "mla_conformance.budget",     # budget
     "mla_conformance.bench",      # bench
+    "mla_conformance.docs",       # docs
 )
 
 

@@ -472,12 +472,13 @@ class ErrorBound:
     reason: str
 
 
-#: The one table of codec error bounds (mirrored in markers.md); tests/test_quantized_kv.py holds every
-#: codec to it. Measured (relative Frobenius) on N(0, 1) latents [2 x 128 x 512] in BF16, on the attention
-#: output of V2-Lite random weights in BF16 (varlen prefill 13/6 + 1 decode step), and on both layers of
-#: the tiny trained model (fixtures/models/tiny-mla, float32, its pinned prompts); each bound is about 2x
-#: the worst of those. Uniform rounding with step s has rms error s / sqrt(12); the bounds follow the
-#: step each layout gives a group of values.
+#: The one table of codec error bounds (markers.md's codec table is generated from it and CODECS:
+#: `mla-conformance docs`); tests/test_quantized_kv.py holds every codec to it. Measured (relative Frobenius)
+#: on N(0, 1) latents [2 x 128 x 512] in BF16, on the attention output of V2-Lite random weights in BF16
+#: (varlen prefill 13/6 + 1 decode step), and on both layers of the tiny trained model
+#: (fixtures/models/tiny-mla, float32, its pinned prompts); each bound is about 2x the worst of those. Uniform
+#: rounding with step s has rms error s / sqrt(12); the bounds follow the step each layout gives a group of
+#: values.
 ERROR_BOUNDS: dict[str, ErrorBound] = {
     "none": ErrorBound(0.0, 0.0, "the cache stores the values it is given: exact"),
     "int8-tensor": ErrorBound(
