@@ -1,8 +1,19 @@
 """mla-conformance: a pytest conformance suite for DeepSeek Multi-head Latent Attention."""
 
-from mla_conformance.config import MLAConfig
-from mla_conformance.weights import MLAWeights
-
 __version__ = "0.1.0"
 
 __all__ = ["MLAConfig", "MLAWeights", "__version__"]
+
+
+def __getattr__(name):
+    # lazy: the pytest plugin (mla_conformance.plugin) loads in every pytest run of the environment, and
+    # importing the package must not import torch there
+    if name == "MLAConfig":
+        from mla_conformance.config import MLAConfig
+
+        return MLAConfig
+    if name == "MLAWeights":
+        from mla_conformance.weights import MLAWeights
+
+        return MLAWeights
+    raise AttributeError(f"module 'mla_conformance' has no attribute {name!r}")

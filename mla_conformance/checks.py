@@ -250,6 +250,7 @@ def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenar
     done = torch.zeros(B, dtype=torch.int64)
 
     def attend(h, positions, lengths, where):
+        __tracebackhide__ = True
         kept = h.clone()
         o = call_backend(backend, "attend", mine, h, positions, cache, lengths.to(device))
         if not torch.equal(h, kept):
@@ -509,6 +510,7 @@ def incremental_equals_prefill(backend, preset: str, dtype: torch.dtype, device=
 def v2_lite_cache_probe(backend, device="cpu", figures: dict | None = None) -> dict[str, Any]:
     """The V2-Lite cache probe (seed 000's measurement): V2-Lite dims, bf16, 25-token prefill + 1 decode,
     batch 1, capacity 32."""
+    __tracebackhide__ = True
     return cache_bytes(backend, "deepseek-v2-lite", torch.bfloat16, prefill=25, decode=1, batch=1,
                        capacity=32, device=device, figures=figures)
 

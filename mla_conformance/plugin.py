@@ -7,8 +7,15 @@ Options::
     --mla-checkpoint DIR   a real DeepSeek checkpoint for the needs_checkpoint tests
     --mla-results FILE     write every test's outcome and measured figures as JSON (used by `run`)
 
-Any test that takes the ``backend`` fixture runs once per backend, and the backend's name is the
-test id's parameter, e.g. ``test_cache_bytes.py::test_seed_table[reference-absorbed]``.
+Any test that takes the ``mla_backend`` fixture runs once per backend, and the backend's name is the
+test id's parameter, e.g. ``test_cache_bytes.py::test_seed_table[reference-absorbed]``. The fixtures are
+namespaced (``mla_backend``, ``mla_figures``, ``mla_device``, ``mla_checkpoint``).
+
+The plugin loads in every pytest run of the environment it is installed in, so it stays out of the way of
+other projects: it parametrises only tests that request ``mla_backend``, and it imports torch and resolves
+backends and the device only when an ``--mla-*`` option is given, the run's paths cover this suite, or a
+test requesting one of its fixtures is collected. Another project's own ``backend`` fixture, ``benchmark``
+tests and failure tracebacks are left alone.
 """
 
 from __future__ import annotations
@@ -21,7 +28,14 @@ from pathlib import Path
 import pytest
 
 _BACKENDS_KEY = pytest.StashKey[list]()
+_DEVICE_KEY = pytest.StashKey[str]()
 _RESULTS_KEY = pytest.StashKey[dict]()
+_ENGAGED_KEY = pytest.StashKey[dict]()  # "header": header printed; "items": suite tests collected; counts
+
+#: the plugin's fixtures: a test requesting any of them is a test of this suite
+FIXTURES = ("mla_backend", "mla_figures", "mla_device", "mla_checkpoint")
+_OPTIONS = ("--mla-backend", "--mla-device", "--mla-checkpoint", "--mla-results", "--mla-expect")
+BENCHMARK_HINT = "pytest -m benchmark --benchmark-only -p no:xdist"
 
 
 def pytest_addoption(parser):
@@ -38,6 +52,78 @@ def pytest_addoption(parser):
     group.addoption("--mla-expect", action="append", default=None, metavar="FILE",
                     help="expectation file: known failures, one node-id prefix and its reason per line; listed "
                          "tests become xfail, a listed test that passes is reported (XPASS), an unmatched line warns")
+
+
+def _options_given(config) -> bool:
+    return any(config.getoption(opt) for opt in _OPTIONS)
+
+
+def _suite_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return [d for d in (here.parent / "suites", here / "suites") if d.is_dir()]
+
+
+def _covers_suite(config) -> bool:
+    """The run's paths (arguments, or testpaths) are or contain one of this suite's directories."""
+    dirs = _suite_dirs()
+    for arg in config.args:
+        path = Path(str(arg).split("::")[0])
+        if not path.is_absolute():
+            path = Path(config.invocation_params.dir) / path
+        try:
+            path = path.resolve()
+        except OSError:
+            continue
+        if any(path == d or d in path.parents or path in d.parents for d in dirs):
+            return True
+    return False
+
+
+def is_suite_item(item) -> bool:
+    """A test of this suite: it requests one of the plugin's fixtures."""
+    names = getattr(item, "fixturenames", ())
+    return any(n in names for n in FIXTURES)
+
+
+def _engaged(config) -> dict:
+    return config.stash.setdefault(_ENGAGED_KEY, {})
+
+
+def _backends(config) -> list:
+    """The backends under test, resolved once per session (and only when something needs them)."""
+    backends = config.stash.get(_BACKENDS_KEY, None)
+    if backends is not None:
+        return backends
+    from mla_conformance.backends import DEFAULT_BACKENDS, get_backend
+    from mla_conformance.errors import MLAInputError
+
+    specs = config.getoption("--mla-backend") or list(DEFAULT_BACKENDS)
+    backends = []
+    try:
+        for spec in specs:
+            backends.append(get_backend(spec))
+    except MLAInputError as exc:
+        raise pytest.UsageError(f"--mla-backend: {exc}") from None
+    names = [b.name for b in backends]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise pytest.UsageError(f"--mla-backend: two backends share the name(s) {sorted(dupes)}; test ids need "
+                                "unique names")
+    config.stash[_BACKENDS_KEY] = backends
+    return backends
+
+
+def device_of(config) -> str:
+    """The device the checks run on (--mla-device, else cuda when available, else cpu); resolved once."""
+    dev = config.stash.get(_DEVICE_KEY, None)
+    if dev is None:
+        dev = config.stash[_DEVICE_KEY] = _device(config)
+        if os.environ.get("PYTEST_XDIST_WORKER") and dev == "cpu":
+            import torch  # N workers on N cores: one intra-op thread each, or they oversubscribe the CPU
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) //
+                                      int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    return dev
 
 
 def _device(config) -> str:
@@ -59,28 +145,14 @@ def _device(config) -> str:
 
 
 def pytest_configure(config):
-    from mla_conformance.backends import DEFAULT_BACKENDS, get_backend
-    from mla_conformance.errors import MLAInputError
-
-    specs = config.getoption("--mla-backend") or list(DEFAULT_BACKENDS)
-    backends = []
-    try:
-        for spec in specs:
-            backends.append(get_backend(spec))
-    except MLAInputError as exc:
-        raise pytest.UsageError(f"--mla-backend: {exc}") from None
-    names = [b.name for b in backends]
-    dupes = {n for n in names if names.count(n) > 1}
-    if dupes:
-        raise pytest.UsageError(f"--mla-backend: two backends share the name(s) {sorted(dupes)}; test ids need "
-                                "unique names")
-    config.stash[_BACKENDS_KEY] = backends
-    config.stash[_RESULTS_KEY] = {}
-    config.mla_device = _device(config)
-    if os.environ.get("PYTEST_XDIST_WORKER") and config.mla_device == "cpu":
-        import torch  # N workers on N cores: one intra-op thread each, or they oversubscribe the CPU
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    # nothing is imported or resolved here unless an --mla option asks for it: bad options are a usage
+    # error before any test runs; everything else waits until a test of the suite is collected
+    if config.getoption("--mla-backend"):
+        _backends(config)
+    if config.getoption("--mla-device"):
+        device_of(config)
+    if config.getoption("--mla-results"):
+        config.stash[_RESULTS_KEY] = {}
     ckpt = config.getoption("--mla-checkpoint")
     if ckpt:  # checked once, before any test: config, weights, tokenizer named as missing/corrupt
         from mla_conformance.checkpoint import validate_checkpoint
@@ -92,12 +164,26 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    if not (_options_given(config) or _covers_suite(config)):
+        return None  # another project's run (or not yet known): see pytest_report_collectionfinish
+    _engaged(config)["header"] = True
+    return _header_lines(config)
+
+
+def pytest_report_collectionfinish(config, items):
+    if _engaged(config).get("header") or not any(is_suite_item(i) for i in items):
+        return None
+    _engaged(config)["header"] = True
+    return _header_lines(config)
+
+
+def _header_lines(config) -> list[str]:
     import torch
 
     from mla_conformance import __version__
 
-    lines = [f"mla-conformance {__version__}: backends {', '.join(b.name for b in config.stash[_BACKENDS_KEY])}"]
-    dev = config.mla_device
+    lines = [f"mla-conformance {__version__}: backends {', '.join(b.name for b in _backends(config))}"]
+    dev = device_of(config)
     if dev.startswith("cuda"):
         idx = torch.device(dev).index or 0
         cap = torch.cuda.get_device_capability(idx)
@@ -119,9 +205,10 @@ def pytest_report_header(config):
 
 
 def pytest_generate_tests(metafunc):
-    if "backend" in metafunc.fixturenames:
-        backends = metafunc.config.stash[_BACKENDS_KEY]
-        metafunc.parametrize("backend", backends, ids=[b.name for b in backends])
+    if "mla_backend" in metafunc.fixturenames:
+        backends = _backends(metafunc.config)
+        device_of(metafunc.config)
+        metafunc.parametrize("mla_backend", backends, ids=[b.name for b in backends])
 
 
 def _benchmark_selected(config) -> bool:
@@ -167,12 +254,19 @@ def _apply_expectations(config, items):
 
 def pytest_collection_modifyitems(config, items):
     _apply_expectations(config, items)
+    suite = [item for item in items if is_suite_item(item)]
+    if not suite:
+        return
+    _engaged(config)["items"] = True
     if _benchmark_selected(config):
         return
-    skip = pytest.mark.skip(reason="decode benchmark: run with `pytest -m benchmark --benchmark-only -p no:xdist`")
-    for item in items:
-        if "benchmark" in item.keywords and item.get_closest_marker("benchmark"):
-            item.add_marker(skip)
+    # the suite's decode benchmarks are deselected, not skipped one by one; the summary says how to run them
+    bench = [item for item in suite if item.get_closest_marker("benchmark")]
+    if bench:
+        ids = {id(item) for item in bench}
+        items[:] = [item for item in items if id(item) not in ids]
+        config.hook.pytest_deselected(items=bench)
+        _engaged(config)["benchmarks_deselected"] = len(bench)
 
 
 def pytest_runtest_setup(item):
@@ -181,17 +275,17 @@ def pytest_runtest_setup(item):
         from mla_conformance.arch import kernel_skip_reason
 
         kernel = marker.args[0] if marker.args else marker.kwargs["kernel_id"]
-        reason = kernel_skip_reason(kernel, item.config.mla_device)
+        reason = kernel_skip_reason(kernel, device_of(item.config))
         if reason:
             pytest.skip(reason)
     if item.get_closest_marker("needs_checkpoint") and not item.config.getoption("--mla-checkpoint"):
         pytest.skip("needs a real checkpoint: pass --mla-checkpoint DIR (e.g. a local DeepSeek-V2-Lite)")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mla_device(request) -> str:
     """The device the checks run on (--mla-device)."""
-    return request.config.mla_device
+    return device_of(request.config)
 
 
 @pytest.fixture
@@ -201,7 +295,7 @@ def mla_checkpoint(request) -> Path | None:
 
 
 @pytest.fixture
-def figures(request):
+def mla_figures(request):
     """A dict the test fills with measured figures; they go into the --mla-results JSON and reports --
     failing tests' too (the checks fill it before they raise)."""
     data: dict = {}
@@ -223,7 +317,8 @@ def _is_failure(excinfo) -> bool:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
-    if rep.failed and call.when == "call" and _is_failure(call.excinfo) and not hasattr(rep, "wasxfail"):
+    if rep.failed and call.when == "call" and is_suite_item(item) and _is_failure(call.excinfo) and \
+            not hasattr(rep, "wasxfail"):
         # a conformance verdict: the message says it all; show it with short frames (the suite's own
         # helpers hide themselves with __tracebackhide__), not pages of suite source
         rep.longrepr = item._repr_failure_py(call.excinfo, style="short")
@@ -233,8 +328,10 @@ def pytest_runtest_makereport(item, call):
     entry = results.setdefault(item.nodeid, {"nodeid": item.nodeid, "outcome": "passed"})
     params = getattr(item, "callspec", None)
     if params is not None:
-        entry["params"] = {k: (getattr(v, "name", None) or str(v)) for k, v in params.params.items()}
-    entry["device"] = item.config.mla_device
+        # the results' parameter names are the report's: the backend is "backend", not the fixture's name
+        entry["params"] = {("backend" if k == "mla_backend" else k): (getattr(v, "name", None) or str(v))
+                           for k, v in params.params.items()}
+    entry["device"] = device_of(item.config)
     if rep.passed and hasattr(rep, "wasxfail"):
         entry["outcome"] = "xpassed"
         entry["reason"] = rep.wasxfail
@@ -266,6 +363,39 @@ def pytest_testnodedown(node, error):  # xdist: collect workers' results
         results.update(json.loads(extra))
 
 
+_SKIP_LINES = 12
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Once: how to run the deselected benchmarks; the skips grouped by reason, one line each with its count."""
+    engaged = _engaged(config)
+    if not (engaged.get("header") or engaged.get("items") or _options_given(config)):
+        return
+    tr = terminalreporter
+    counts: dict[str, int] = {}
+    for rep in tr.stats.get("skipped", []):
+        if hasattr(rep, "wasxfail"):
+            continue
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = (reason.removeprefix("Skipped: ").strip().splitlines() or ["(no reason)"])[0]
+        reason = reason if len(reason) <= 200 else reason[:199] + "…"
+        counts[reason] = counts.get(reason, 0) + 1
+    deselected = engaged.get("benchmarks_deselected", 0)
+    if not counts and not deselected:
+        return
+    tr.write_sep("=", "mla-conformance skips by reason" if counts else "mla-conformance")
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    width = len(str(ranked[0][1])) if ranked else 1
+    for reason, n in ranked[:_SKIP_LINES]:
+        tr.write_line(f"{n:>{width}} {reason}")
+    if len(ranked) > _SKIP_LINES:
+        rest = ranked[_SKIP_LINES:]
+        tr.write_line(f"… {len(rest)} more reasons ({sum(n for _, n in rest)} skips); -rs lists every one")
+    if deselected:
+        tr.write_line(f"{deselected} decode benchmarks deselected: run them with `{BENCHMARK_HINT}`")
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     results = config.stash.get(_RESULTS_KEY, None)
@@ -277,8 +407,8 @@ def pytest_sessionfinish(session, exitstatus):
         return
     path = config.getoption("--mla-results")
     if path:
-        payload = {"exitstatus": int(exitstatus), "device": config.mla_device,
-                   "backends": [b.name for b in config.stash[_BACKENDS_KEY]],
+        payload = {"exitstatus": int(exitstatus), "device": device_of(config),
+                   "backends": [b.name for b in _backends(config)],
                    "tests": [results[k] for k in sorted(results)]}
         tmp = Path(path).with_suffix(".tmp")
         tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str))

@@ -18,20 +18,20 @@ from mla_conformance import MLAConfig, checks
 from mla_conformance.backends import get_backend
 
 
-def test_seed_table(backend, mla_device, figures):
+def test_seed_table(mla_backend, mla_device, mla_figures):
     """The V2-Lite cache probe through the contract: bytes per stored token follow the declared format."""
-    got = checks.v2_lite_cache_probe(backend, device=mla_device, figures=figures)
+    got = checks.v2_lite_cache_probe(mla_backend, device=mla_device, figures=mla_figures)
     per_token = 576 * 2 if got["cache_format"] == "latent" else 5120 * 2
     assert got["bytes_per_token"] == per_token
     assert got["tokens"] * per_token <= got["active_nbytes"]
 
 
-def test_seed_figures_reproduced(mla_device, figures):
+def test_seed_figures_reproduced(mla_device, mla_figures):
     """The seed's exact figures, from the two reference backends' cache objects."""
     absorbed = checks.v2_lite_cache_probe(get_backend("reference-absorbed"), device=mla_device)
     naive = checks.v2_lite_cache_probe(get_backend("reference-naive"), device=mla_device)
     t_abs, t_naive = absorbed["tensors"], naive["tensors"]
-    figures.update(absorbed_active=absorbed["active_nbytes"], naive_active=naive["active_nbytes"],
+    mla_figures.update(absorbed_active=absorbed["active_nbytes"], naive_active=naive["active_nbytes"],
                    absorbed_allocated=absorbed["allocated_nbytes"], naive_allocated=naive["allocated_nbytes"])
     def active_slice(buffer_bytes: int, capacity: int = 32, tokens: int = 26) -> int:
         """Bytes of the first `tokens` slots of a [1, capacity, ...] buffer, from its measured size."""
@@ -47,25 +47,25 @@ def test_seed_figures_reproduced(mla_device, figures):
     ratio = naive["active_nbytes"] / absorbed["active_nbytes"]
     assert ratio == pytest.approx(8.888888888888889, abs=1e-12)
     assert 1 - absorbed["active_nbytes"] / naive["active_nbytes"] == pytest.approx(0.8875, abs=1e-12)
-    figures.update(ratio=ratio, reduction=1 - absorbed["active_nbytes"] / naive["active_nbytes"])
+    mla_figures.update(ratio=ratio, reduction=1 - absorbed["active_nbytes"] / naive["active_nbytes"])
 
 
 @pytest.mark.parametrize("preset", ["tiny", "deepseek-v2-lite"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("prefill,decode,batch", [(1, 0, 1), (9, 3, 1), (6, 2, 3)])
-def test_bytes_formula(backend, preset, dtype, prefill, decode, batch, mla_device, figures):
+def test_bytes_formula(mla_backend, preset, dtype, prefill, decode, batch, mla_device, mla_figures):
     """Bytes per stored token == the format's; enough slots; allocated == tensors() bytes; active == tokens x
     measured bytes per token."""
-    checks.cache_bytes(backend, preset, checks.DTYPES[dtype], prefill=prefill, decode=decode, batch=batch,
-                       capacity=16, device=mla_device, figures=figures)
+    checks.cache_bytes(mla_backend, preset, checks.DTYPES[dtype], prefill=prefill, decode=decode, batch=batch,
+                       capacity=16, device=mla_device, figures=mla_figures)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["deepseek-v3"])
-def test_bytes_formula_v3_dims(backend, preset, mla_device, figures):
+def test_bytes_formula_v3_dims(mla_backend, preset, mla_device, mla_figures):
     """At DeepSeek-V3 dims (128 heads, q_lora 1536): 1,152 B/token latent, 81,920 expanded."""
-    got = checks.cache_bytes(backend, preset, torch.bfloat16, prefill=4, decode=1, batch=1, capacity=8,
-                             device=mla_device, figures=figures)
+    got = checks.cache_bytes(mla_backend, preset, torch.bfloat16, prefill=4, decode=1, batch=1, capacity=8,
+                             device=mla_device, figures=mla_figures)
     assert got["per_token_bytes"] == (1_152 if got["cache_format"] == "latent" else 81_920)
 
 

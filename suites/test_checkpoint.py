@@ -40,26 +40,26 @@ def probe(request):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_prefill_decode_on_checkpoint(backend, probe, dtype, mla_device, figures):
+def test_prefill_decode_on_checkpoint(mla_backend, probe, dtype, mla_device, mla_figures):
     source, directory = probe
     ids, x, w = probe_inputs(directory, source)
     dt = checks.DTYPES[dtype]
-    checks.require_support(backend, w.config, dtype=dt, device=mla_device)
+    checks.require_support(mla_backend, w.config, dtype=dt, device=mla_device)
     T = len(ids)
     scenario = checks.Scenario("seed000", (T - 1,), decode_steps=1)
-    out, cache = checks.run_scenario(backend, w.to(dt, device=mla_device), x.to(torch.float64), scenario,
+    out, cache = checks.run_scenario(mla_backend, w.to(dt, device=mla_device), x.to(torch.float64), scenario,
                                      device=mla_device, capacity=32)
     ref = reference_attention_f64(w, x.to(dt).to(torch.float64))
     m_all = checks.error_metrics(out[0], ref[0])
     m_decode = checks.error_metrics(out[0, -1], ref[0, -1])
-    figures.update(source=source, tokens=T, dtype=dtype, active_nbytes=int(cache.active_nbytes()),
+    mla_figures.update(source=source, tokens=T, dtype=dtype, active_nbytes=int(cache.active_nbytes()),
                    allocated_nbytes=int(cache.allocated_nbytes()), decode=m_decode, all_tokens=m_all)
     tol = checks.TOLERANCES[dtype]
     assert m_all["rel_fro"] <= tol.rel_fro and m_all["max_rel"] <= tol.max_rel, (
-        f"{backend.name} on {source} layer 1, {dtype}: {checks.format_metrics(m_all)}")
+        f"{mla_backend.name} on {source} layer 1, {dtype}: {checks.format_metrics(m_all)}")
 
 
-def test_naive_vs_absorbed_on_checkpoint(probe, mla_device, figures):
+def test_naive_vs_absorbed_on_checkpoint(probe, mla_device, mla_figures):
     """Seed 000 section 5.2 / 5.3: the two reference paths on the same input, BF16 and the FP32 audit."""
     from mla_conformance.backends import get_backend
 
@@ -71,7 +71,7 @@ def test_naive_vs_absorbed_on_checkpoint(probe, mla_device, figures):
                                     x.to(torch.float64), scenario, device=mla_device, capacity=32)[0][0, -1]
                 for n in ("reference-naive", "reference-absorbed")]
         m = checks.error_metrics(outs[1], outs[0])
-        figures[dtype] = m
+        mla_figures[dtype] = m
         assert m["rel_fro"] <= checks.TOLERANCES[dtype].rel_fro, f"{dtype}: {checks.format_metrics(m)}"
 
 

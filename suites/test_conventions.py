@@ -24,14 +24,14 @@ MSCALE_SPLIT = MLAConfig(hidden_size=64, num_attention_heads=2, q_lora_rank=32, 
 SCENARIO = checks.Scenario("mscale_split", (34, 19), decode_steps=6)
 
 
-def test_yarn_rope_attention_factor_convention(backend, mla_device, figures):
+def test_yarn_rope_attention_factor_convention(mla_backend, mla_device, mla_figures):
     dtype = torch.float32
     tol = checks.TOLERANCES["float32"]
     w64 = MLAWeights.random(MSCALE_SPLIT, seed=3, dtype=torch.float64)
     w = w64.to(dtype, device=mla_device)
     x = checks.inputs_for(MSCALE_SPLIT, SCENARIO, seed=4)
-    checks.require_support(backend, MSCALE_SPLIT, dtype=dtype, device=mla_device)
-    out, _ = checks.run_scenario(backend, w, x, SCENARIO, device=mla_device)
+    checks.require_support(mla_backend, MSCALE_SPLIT, dtype=dtype, device=mla_device)
+    out, _ = checks.run_scenario(mla_backend, w, x, SCENARIO, device=mla_device)
     lengths = checks.scenario_lengths(SCENARIO)
     x_in = x.to(dtype).to(torch.float64)
 
@@ -41,8 +41,8 @@ def test_yarn_rope_attention_factor_convention(backend, mla_device, figures):
         refs[convention] = ref = reference_attention_f64(w64, x_in, lengths, rope_convention=convention)
         rows = [checks.error_metrics(out[b, : lengths[b]], ref[b, : lengths[b]]) for b in range(SCENARIO.batch)]
         errors[convention] = (max(m["rel_fro"] for m in rows), max(m["max_rel"] for m in rows))
-    figures["rel_fro_transformers"] = errors["transformers"][0]
-    figures["rel_fro_deepseek_v3"] = errors["deepseek-v3"][0]
+    mla_figures["rel_fro_transformers"] = errors["transformers"][0]
+    mla_figures["rel_fro_deepseek_v3"] = errors["deepseek-v3"][0]
 
     # the two oracles must be far apart on this config, or the verdict below would mean nothing
     valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
@@ -51,13 +51,13 @@ def test_yarn_rope_attention_factor_convention(backend, mla_device, figures):
 
     matches = [c for c, (fro, mx) in errors.items() if fro <= tol.rel_fro and mx <= tol.max_rel]
     if matches:
-        figures["rope_convention"] = min(matches, key=lambda c: errors[c][0])
+        mla_figures["rope_convention"] = min(matches, key=lambda c: errors[c][0])
         return
-    figures["rope_convention"] = "neither"
+    mla_figures["rope_convention"] = "neither"
     raise AssertionError(
-        f"{backend.name}: on a YaRN config with mscale != mscale_all_dim (cos/sin factor "
+        f"{mla_backend.name}: on a YaRN config with mscale != mscale_all_dim (cos/sin factor "
         f"{MSCALE_SPLIT.rope_attention_factor:.4f} under transformers' convention) the output matches neither "
         f"RoPE convention within the float32 tolerance (rel_fro <= {tol.rel_fro:g}, max_abs/rms <= "
         f"{tol.max_rel:g}): transformers / DeepSeek-V2 modeling rel_fro={errors['transformers'][0]:.3e} "
         f"max_rel={errors['transformers'][1]:.3e}; DeepSeek-V3 reference rel_fro={errors['deepseek-v3'][0]:.3e} "
-        f"max_rel={errors['deepseek-v3'][1]:.3e}{checks.diagnosis(backend, w)}")
+        f"max_rel={errors['deepseek-v3'][1]:.3e}{checks.diagnosis(mla_backend, w)}")

@@ -4,7 +4,7 @@ Run with::
 
     pytest suites/test_decode_bench.py -m benchmark --benchmark-only -p no:xdist
 
-Everything here is marked ``benchmark`` and skipped in a default run (the plugin adds the skip unless
+Everything here is marked ``benchmark`` and deselected in a default run (the plugin deselects it unless
 ``-m benchmark`` or ``--benchmark-only`` is given). pytest-xdist disables pytest-benchmark (its
 fixture then runs the target once and records no statistics), hence ``-p no:xdist``; timings are
 only meaningful one test at a time anyway.
@@ -62,12 +62,12 @@ def _ctx_id(ctx: int) -> str:
 
 @pytest.mark.parametrize("kv_codec", KV_CODECS)
 @pytest.mark.parametrize("context,batch", CASES, ids=[f"{_ctx_id(c)}-b{b}" for c, b in CASES])
-def test_decode_step(benchmark, backend, kv_codec, context, batch, mla_device, figures):
+def test_decode_step(benchmark, mla_backend, kv_codec, context, batch, mla_device, mla_figures):
     """One decode step over ``context`` cached tokens, timed by pytest-benchmark."""
     config = MLAConfig.preset(PRESET)
-    checks.require_support(backend, config, dtype=DTYPE, device=mla_device, kv_codec=kv_codec)
+    checks.require_support(mla_backend, config, dtype=DTYPE, device=mla_device, kv_codec=kv_codec)
     rounds = ROUNDS[context]
-    prepared = bench.prepare(backend, PRESET, DTYPE, context, batch, mla_device, kv_codec,
+    prepared = bench.prepare(mla_backend, PRESET, DTYPE, context, batch, mla_device, kv_codec,
                              steps=rounds + WARMUP + 1)
     benchmark.group = f"decode {PRESET} bf16 {_ctx_id(context)} batch {batch}"
     benchmark.pedantic(prepared.step, setup=prepared.setup, rounds=rounds, warmup_rounds=WARMUP, iterations=1)
@@ -82,19 +82,19 @@ def test_decode_step(benchmark, backend, kv_codec, context, batch, mla_device, f
                                 "resets_context")}
     info["measured_bandwidth_gb_per_s"] = bench.measure_bandwidth(mla_device) / 1e9
     benchmark.extra_info.update(info)
-    figures.update(info)
+    mla_figures.update(info)
     # properties of the measurement, not of the clock: each timed step saw `context` tokens per row
     if prepared.resets:
         prepared.reset()
         out = prepared.step()
         seen = prepared.cache.seq_lens.tolist()
         assert seen == [context + 1] * batch, (
-            f"{backend.name}: a rewound decode step left {seen} tokens per row, expected {context + 1}: the timed "
+            f"{mla_backend.name}: a rewound decode step left {seen} tokens per row, expected {context + 1}: the timed "
             f"steps did not see exactly {context} cached tokens")
         assert tuple(out.shape) == (batch, 1, prepared.config.hidden_size) and bool(torch.isfinite(out).all()), (
-            f"{backend.name}: decode step output {tuple(out.shape)}, finite={bool(torch.isfinite(out).all())}")
+            f"{mla_backend.name}: decode step output {tuple(out.shape)}, finite={bool(torch.isfinite(out).all())}")
     assert info["bytes_per_step"] > info["weight_bytes"], (
-        f"{backend.name}: the cache holds no bytes at {context} tokens ({info['cache_bytes']} B)")
+        f"{mla_backend.name}: the cache holds no bytes at {context} tokens ({info['cache_bytes']} B)")
 
 
 #: The seed's claim at this context (recorded as a figure) and the floor the test holds it to.
@@ -106,7 +106,7 @@ CLAIM_FLOOR = 1.3
 RATIO_ROUNDS = {1024: 7, 4096: 5, 16384: 5, 32768: 3}
 
 
-def test_absorbed_faster_than_naive(benchmark, capsys, figures):
+def test_absorbed_faster_than_naive(benchmark, capsys, mla_figures):
     """reference-naive / reference-absorbed decode time per context (figures); 16k held to CLAIM_FLOOR."""
     naive, absorbed = get_backend("reference-naive"), get_backend("reference-absorbed")
     readings = [bench.measure_bandwidth("cpu", refresh=True)]
@@ -136,7 +136,7 @@ def test_absorbed_faster_than_naive(benchmark, capsys, figures):
                 bandwidth_fraction=fraction, floor=CLAIM_FLOOR, verdict=verdict,
                 seed_claim_2x_met=got >= SEED_CLAIM_RATIO, threads=torch.get_num_threads())
     benchmark.extra_info.update(info)
-    figures.update(info, rows={str(k): v for k, v in rows.items()})
+    mla_figures.update(info, rows={str(k): v for k, v in rows.items()})
     with capsys.disabled():
         print(f"\nreference-naive / reference-absorbed decode time, {PRESET} bf16, batch 1, cpu "
               f"({torch.get_num_threads()} threads), copy bandwidth {min(readings) / 1e9:.1f}-{max(readings) / 1e9:.1f} GB/s:")

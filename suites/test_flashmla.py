@@ -197,7 +197,7 @@ def fake_flash_mla(interface: str, calls: list | None = None):
 
 
 @pytest.mark.parametrize("interface", ["first", "new"])
-def test_glue_against_float64_at_v2_lite_dims(interface, figures):
+def test_glue_against_float64_at_v2_lite_dims(interface, mla_figures):
     """FlashMLA's pipeline with the stand-in kernel: within the bf16 tolerance of the float64 reference."""
     backend = FlashMLA(flash_mla_module=fake_flash_mla(interface))
     scenario = checks.SCENARIOS["varlen_batch"]  # prefill 23 / 16 / 7 in one padded call, then 4 decode steps
@@ -210,7 +210,7 @@ def test_glue_against_float64_at_v2_lite_dims(interface, figures):
     valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
     m = checks.error_metrics(out[valid], ref[valid])
     tol = checks.TOLERANCES["bfloat16"]
-    figures.update(interface=interface, **m)
+    mla_figures.update(interface=interface, **m)
     assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, checks.format_metrics(m)
     assert cache.seq_lens.tolist() == lengths.tolist()
 
@@ -228,7 +228,7 @@ def _paged_suite():
     return sys.modules[name]
 
 
-def test_glue_groups_rows_by_new_tokens_and_matches_reference_absorbed(figures):
+def test_glue_groups_rows_by_new_tokens_and_matches_reference_absorbed(mla_figures):
     """Padded calls become one kernel call per distinct token count; empty rows make none."""
     ps = _paged_suite()
     CALLS, TOTALS, drive = ps.CALLS, ps.TOTALS, ps.drive
@@ -243,7 +243,7 @@ def test_glue_groups_rows_by_new_tokens_and_matches_reference_absorbed(figures):
     ref, _ = drive(get_backend("reference-absorbed"), w, x, CALLS)
     valid = torch.arange(max(TOTALS))[None, :] < torch.tensor(TOTALS)[:, None]
     m = checks.error_metrics(out[valid], ref[valid])
-    figures.update(m)
+    mla_figures.update(m)
     tol = checks.TOLERANCES["bfloat16"]
     assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, checks.format_metrics(m)
     assert cache.seq_lens.tolist() == list(TOTALS)
@@ -254,7 +254,7 @@ def test_glue_groups_rows_by_new_tokens_and_matches_reference_absorbed(figures):
 
 @pytest.mark.requires_kernel("flashmla/dense_decode")
 @pytest.mark.parametrize("scenario", ["varlen_batch", "long_context"])
-def test_flashmla_kernel_matches_reference_absorbed(scenario, mla_device, figures):
+def test_flashmla_kernel_matches_reference_absorbed(scenario, mla_device, mla_figures):
     """FlashMLA dense decode on the GPU: within bf16 tolerance of float64, and of reference-absorbed."""
     backend = get_backend(SPEC)
     checks.require_support(backend, LITE, dtype=BF16, device=mla_device)
@@ -267,7 +267,7 @@ def test_flashmla_kernel_matches_reference_absorbed(scenario, mla_device, figure
     lengths = checks.scenario_lengths(sc)
     valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
     m = checks.error_metrics(out[valid], ref[valid])
-    figures.update(vs_float64=m64, vs_reference_absorbed=m)
+    mla_figures.update(vs_float64=m64, vs_reference_absorbed=m)
     tol = checks.TOLERANCES["bfloat16"]
     assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, (
         f"flashmla vs reference-absorbed, {scenario}: {checks.format_metrics(m)}")

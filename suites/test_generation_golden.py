@@ -21,12 +21,12 @@ def model_dtype(device: str) -> torch.dtype:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(request):
-    device = request.config.mla_device
-    return load_model(DEFAULT_MODEL, model_dtype(device), device)
+def tiny_model(mla_device):
+    return load_model(DEFAULT_MODEL, model_dtype(mla_device), mla_device)
 
 
 def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device, dtype):
+    __tracebackhide__ = True
     cls = numerics_class(device, dtype)
     path = golden_path(cls, prompt_set, kv_codec)
     payload = golden_payload(result, cls, prompt_set)
@@ -42,14 +42,14 @@ def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device
 
 
 @pytest.mark.parametrize("prompt_set", PROMPT_SETS)
-def test_golden_generation(backend, prompt_set, tiny_model, snapshot, request, mla_device, figures):
+def test_golden_generation(mla_backend, prompt_set, tiny_model, snapshot, request, mla_device, mla_figures):
     dtype = model_dtype(mla_device)
-    checks.require_support(backend, MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
+    checks.require_support(mla_backend, MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
                            device=mla_device)
-    result = run_generation(DEFAULT_MODEL, backend, prompt_sets=[prompt_set], dtype=dtype, device=mla_device,
+    result = run_generation(DEFAULT_MODEL, mla_backend, prompt_sets=[prompt_set], dtype=dtype, device=mla_device,
                             model=tiny_model)
-    figures.update(accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
-    assert result["accuracy"] >= 0.99, f"{backend.name}: accuracy {result['accuracy']:.4f} on {prompt_set}"
+    mla_figures.update(accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
+    assert result["accuracy"] >= 0.99, f"{mla_backend.name}: accuracy {result['accuracy']:.4f} on {prompt_set}"
     check_against_golden(request, snapshot, result, prompt_set, "none", mla_device, dtype)
 
 
@@ -86,21 +86,21 @@ ALL_SETS = "+".join(PROMPT_SETS)
 
 
 @pytest.mark.parametrize("kv_codec", list(CODEC_ACCURACY))
-def test_golden_generation_per_codec(backend, kv_codec, tiny_model, snapshot, request, mla_device, figures):
+def test_golden_generation_per_codec(mla_backend, kv_codec, tiny_model, snapshot, request, mla_device, mla_figures):
     """Generation under each quantized latent cache: accuracy measured and the tokens pinned per codec."""
     dtype = model_dtype(mla_device)
-    checks.require_support(backend, MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
+    checks.require_support(mla_backend, MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
                            device=mla_device, kv_codec=kv_codec)
-    result = run_generation(DEFAULT_MODEL, backend, kv_codec=kv_codec, prompt_sets=PROMPT_SETS, dtype=dtype,
+    result = run_generation(DEFAULT_MODEL, mla_backend, kv_codec=kv_codec, prompt_sets=PROMPT_SETS, dtype=dtype,
                             device=mla_device, model=tiny_model)
-    figures.update(kv_codec=kv_codec, accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
+    mla_figures.update(kv_codec=kv_codec, accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
     floor = CODEC_ACCURACY[kv_codec]
     if floor is not None:
-        assert result["accuracy"] >= floor, f"{backend.name} kv_codec {kv_codec}: accuracy {result['accuracy']:.4f}"
+        assert result["accuracy"] >= floor, f"{mla_backend.name} kv_codec {kv_codec}: accuracy {result['accuracy']:.4f}"
     check_against_golden(request, snapshot, result, ALL_SETS, kv_codec, mla_device, dtype)
 
 
-def test_int2_negative_control_collapses(tiny_model, mla_device, figures):
+def test_int2_negative_control_collapses(tiny_model, mla_device, mla_figures):
     """INT2 is the negative control: it must measurably hurt, or the accuracy check has no teeth."""
     from mla_conformance.backends import get_backend
 
@@ -110,6 +110,6 @@ def test_int2_negative_control_collapses(tiny_model, mla_device, figures):
         acc[codec] = run_generation(DEFAULT_MODEL, get_backend("reference-absorbed"), kv_codec=codec,
                                     prompt_sets=PROMPT_SETS, dtype=dtype, device=mla_device,
                                     model=tiny_model)["accuracy"]
-    figures.update(acc)
+    mla_figures.update(acc)
     print(f"measured accuracy: int8-g32 {acc['int8-g32']:.4f}, int2-asym-g32 {acc['int2-asym-g32']:.4f}")
     assert acc["int2-asym-g32"] < acc["int8-g32"] and acc["int2-asym-g32"] < 0.99, acc

@@ -16,16 +16,16 @@ PRESETS = ["tiny", "deepseek-v2-lite", "v3-mini"]
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("scenario", list(checks.SCENARIOS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_against_float64(backend, preset, scenario, dtype, mla_device, figures):
-    checks.numerics(backend, preset, scenario, checks.DTYPES[dtype], device=mla_device, figures=figures)
+def test_against_float64(mla_backend, preset, scenario, dtype, mla_device, mla_figures):
+    checks.numerics(mla_backend, preset, scenario, checks.DTYPES[dtype], device=mla_device, figures=mla_figures)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_float16(backend, preset, mla_device, figures):
-    checks.numerics(backend, preset, "varlen_batch", checks.DTYPES["float16"], device=mla_device, figures=figures)
+def test_float16(mla_backend, preset, mla_device, mla_figures):
+    checks.numerics(mla_backend, preset, "varlen_batch", checks.DTYPES["float16"], device=mla_device, figures=mla_figures)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_incremental_equals_prefill(backend, preset, dtype, mla_device, figures):
-    checks.incremental_equals_prefill(backend, preset, checks.DTYPES[dtype], device=mla_device, figures=figures)
+def test_incremental_equals_prefill(mla_backend, preset, dtype, mla_device, mla_figures):
+    checks.incremental_equals_prefill(mla_backend, preset, checks.DTYPES[dtype], device=mla_device, figures=mla_figures)

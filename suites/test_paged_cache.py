@@ -99,6 +99,7 @@ class Paged:
 
 def drive(backend, weights, x, calls, *, capacity=CAPACITY, device="cpu", kv_codec="none"):
     """Run attend() per ``calls`` (per-row new-token counts); outputs [B, T, hidden] float64 by position."""
+    __tracebackhide__ = True
     B = len(calls[0])
     cache = checks.call_backend(backend, "new_cache", weights.config, batch_size=B, capacity=capacity,
                                 dtype=weights.dtype, device=device, kv_codec=kv_codec)
@@ -145,63 +146,63 @@ def _valid():
 
 @pytest.mark.parametrize("page_block_size", PAGE_SIZES)
 @pytest.mark.parametrize("preset,dtype", CASES)
-def test_paged_equals_contiguous(backend, preset, dtype, page_block_size, mla_device, figures):
+def test_paged_equals_contiguous(mla_backend, preset, dtype, page_block_size, mla_device, mla_figures):
     """Shuffled pages, varlen batch with empty rows, decode steps: the same outputs as the contiguous cache."""
     w = _weights(preset, checks.DTYPES[dtype], str(mla_device))
-    checks.require_support(backend, w.config, dtype=w.dtype, device=mla_device)
-    require_paging(backend, page_block_size)
+    checks.require_support(mla_backend, w.config, dtype=w.dtype, device=mla_device)
+    require_paging(mla_backend, page_block_size)
     x = _inputs(w.config)
-    contiguous, _ = drive(backend, w, x, CALLS, device=mla_device)
-    paged, cache = drive(Paged(backend, page_block_size), w, x, CALLS, device=mla_device)
+    contiguous, _ = drive(mla_backend, w, x, CALLS, device=mla_device)
+    paged, cache = drive(Paged(mla_backend, page_block_size), w, x, CALLS, device=mla_device)
     valid = _valid()
     m = checks.error_metrics(paged[valid], contiguous[valid])
-    figures.update(page_block_size=page_block_size, **m)
+    mla_figures.update(page_block_size=page_block_size, **m)
     assert [int(v) for v in cache.seq_lens.tolist()] == list(TOTALS)
     # anchored, not only self-consistent: a backend that always pages compares two paged runs above
     tol = checks.TOLERANCES[dtype]
     oracle = _oracle(preset, dtype)
     for b in range(len(TOTALS)):
         mb = checks.error_metrics(paged[b, :TOTALS[b]], oracle[b, :TOTALS[b]])
-        figures[f"row{b}_vs_float64"] = mb["rel_fro"]
+        mla_figures[f"row{b}_vs_float64"] = mb["rel_fro"]
         assert mb["rel_fro"] <= tol.rel_fro and mb["max_rel"] <= tol.max_rel, (
-            f"{backend.name} {preset} {dtype} page {page_block_size}: row {b} of the paged run differs from the "
+            f"{mla_backend.name} {preset} {dtype} page {page_block_size}: row {b} of the paged run differs from the "
             f"float64 reference: rel_fro {mb['rel_fro']:.3e} (tolerance {tol.rel_fro:g}), max_abs/rms "
             f"{mb['max_rel']:.3e} (tolerance {tol.max_rel:g})")
-    if getattr(backend, "paged_bit_exact", True):
+    if getattr(mla_backend, "paged_bit_exact", True):
         assert torch.equal(paged, contiguous), (
-            f"{backend.name} {preset} {dtype} page {page_block_size}: the paged cache changes the outputs "
+            f"{mla_backend.name} {preset} {dtype} page {page_block_size}: the paged cache changes the outputs "
             f"({checks.format_metrics(m)}); storage in pages should not change the arithmetic")
     else:
         tol = checks.TOLERANCES[dtype]
         assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, checks.format_metrics(m)
 
 
-def test_nan_in_unused_pages_never_reaches_outputs(backend, mla_device, figures):
+def test_nan_in_unused_pages_never_reaches_outputs(mla_backend, mla_device, mla_figures):
     """Every slot of the paged cache starts as NaN; outputs stay finite and equal the contiguous run."""
     w = checks.weights_for("tiny", torch.float32, mla_device)
-    checks.require_support(backend, w.config, dtype=w.dtype, device=mla_device)
-    require_paging(backend, 16)
+    checks.require_support(mla_backend, w.config, dtype=w.dtype, device=mla_device)
+    require_paging(mla_backend, 16)
     x = _inputs(w.config, seed=7)
-    contiguous, _ = drive(backend, w, x, CALLS, device=mla_device)
-    paged, cache = drive(Paged(backend, 16), w, x, CALLS, device=mla_device)  # check_output: finite
+    contiguous, _ = drive(mla_backend, w, x, CALLS, device=mla_device)
+    paged, cache = drive(Paged(mla_backend, 16), w, x, CALLS, device=mla_device)  # check_output: finite
     assert bool(torch.isfinite(paged[_valid()]).all())
-    assert torch.equal(paged, contiguous) or not getattr(backend, "paged_bit_exact", True)
+    assert torch.equal(paged, contiguous) or not getattr(mla_backend, "paged_bit_exact", True)
     nan_slots = sum(int(torch.isnan(t).sum()) for t in cache.tensors().values() if t.is_floating_point())
-    figures.update(nan_elements_left_in_cache=nan_slots)
+    mla_figures.update(nan_elements_left_in_cache=nan_slots)
     if isinstance(cache, PagedLatentCache):  # the poison is really there: every slot but the stored tokens
         assert nan_slots == (cache.num_pages * cache.page_block_size - sum(TOTALS)) * cache.kv_pages.shape[-1]
 
 
-def test_paged_cache_bytes(backend, mla_device, figures):
+def test_paged_cache_bytes(mla_backend, mla_device, mla_figures):
     """active = stored tokens x 576 x element size; allocated = the bytes of tensors() (pool + block table)."""
     w = _weights("dims-576", torch.bfloat16, str(mla_device))
-    checks.require_support(backend, w.config, dtype=w.dtype, device=mla_device)
-    require_paging(backend, 64)
-    _, cache = drive(Paged(backend, 64, poison=False), w, _inputs(w.config), CALLS, device=mla_device)
+    checks.require_support(mla_backend, w.config, dtype=w.dtype, device=mla_device)
+    require_paging(mla_backend, 64)
+    _, cache = drive(Paged(mla_backend, 64, poison=False), w, _inputs(w.config), CALLS, device=mla_device)
     active, allocated = int(cache.active_nbytes()), int(cache.allocated_nbytes())
     tensors = {k: t.numel() * t.element_size() for k, t in cache.tensors().items()}
-    figures.update(active_nbytes=active, allocated_nbytes=allocated, tensors=tensors)
-    where = f"{backend.name} paged (64) dims-576 bfloat16, {sum(TOTALS)} tokens"
+    mla_figures.update(active_nbytes=active, allocated_nbytes=allocated, tensors=tensors)
+    where = f"{mla_backend.name} paged (64) dims-576 bfloat16, {sum(TOTALS)} tokens"
     assert active == sum(TOTALS) * 576 * 2, (f"{where}: active_nbytes() = {active:,} B, but {sum(TOTALS)} tokens x "
                                               f"576 x 2 B = {sum(TOTALS) * 576 * 2:,} B")
     assert allocated == sum(tensors.values()), (f"{where}: allocated_nbytes() = {allocated:,} B but the tensors() "

@@ -76,24 +76,24 @@ def test_layout_formula_matches_storage():
 
 
 @pytest.mark.parametrize("codec,preset,dtype", BYTES_CASES)
-def test_codec_bytes(backend, codec, preset, dtype, mla_device, figures):
+def test_codec_bytes(mla_backend, codec, preset, dtype, mla_device, mla_figures):
     """Write tokens through attend(); bytes per stored token measured from the cache == the codec's formula.
 
     The same rule as test_cache_bytes.py (checks.cache_bytes): written bytes from the poisoned tensors,
     slots reported, self-reports checked."""
     dt = checks.DTYPES[dtype]
     config = MLAConfig.preset(preset)
-    checks.require_support(backend, config, dtype=dt, device=mla_device, kv_codec=codec)
-    if cache_format_of(backend) != "latent":
-        pytest.skip(f"{backend.name}: an expanded cache is no latent codec layout (its bytes: test_cache_bytes.py)")
-    got = checks.cache_bytes(backend, preset, dt, prefill=4, decode=1, batch=2, capacity=12, device=mla_device,
-                             kv_codec=codec, figures=figures)
+    checks.require_support(mla_backend, config, dtype=dt, device=mla_device, kv_codec=codec)
+    if cache_format_of(mla_backend) != "latent":
+        pytest.skip(f"{mla_backend.name}: an expanded cache is no latent codec layout (its bytes: test_cache_bytes.py)")
+    got = checks.cache_bytes(mla_backend, preset, dt, prefill=4, decode=1, batch=2, capacity=12, device=mla_device,
+                             kv_codec=codec, figures=mla_figures)
     c = get_codec(codec)
     formula = c.bytes_per_token(config, dt)
     per_token, model = got["bytes_per_token"], formula["total"] * config.num_hidden_layers
     elem = torch.empty(0, dtype=dt).element_size()
-    where = f"{backend.name} kv_codec {codec} {preset} {dtype}"
-    figures.update(payload=formula["payload"], metadata=formula["metadata"], global_bytes=c.global_nbytes(config),
+    where = f"{mla_backend.name} kv_codec {codec} {preset} {dtype}"
+    mla_figures.update(payload=formula["payload"], metadata=formula["metadata"], global_bytes=c.global_nbytes(config),
                    model_bytes_per_token=model, kpe=c.kpe, ratio_vs_latent=config.latent_dim * elem / per_token,
                    ratio_vs_expanded=config.expanded_dim * elem / per_token)
     if preset == "deepseek-v2-lite":
@@ -106,7 +106,7 @@ def test_codec_bytes(backend, codec, preset, dtype, mla_device, figures):
         for scheme, info in SEED_001_SCHEMES.items():
             if "bytes_per_token_layer" in info and codec in (info["codec"], info["alt_codec"]):
                 seed_model = info["bytes_per_token_layer"] * 27
-                figures["seed_001"] = {"scheme": scheme, "reported": info["reported"],
+                mla_figures["seed_001"] = {"scheme": scheme, "reported": info["reported"],
                                        "seed_model_bytes_per_token": seed_model,
                                        "seed_ratio_vs_expanded": 276_480 / seed_model,
                                        "honest_model_bytes_per_token": model,
@@ -152,7 +152,7 @@ def test_int_packing_order():
         assert not c2.any() and not k2.any(), name
 
 
-def test_per_tensor_scale_is_calibrated_once(figures):
+def test_per_tensor_scale_is_calibrated_once(mla_figures):
     """int8-tensor: the first write fixes the scale (a (1,) float32 buffer); later larger values clip."""
     backend = get_backend("reference-absorbed")
     config = MLAConfig.preset("tiny")
@@ -173,7 +173,7 @@ def test_per_tensor_scale_is_calibrated_once(figures):
     assert float(c[0, 1].abs().max()) == pytest.approx(1.0, abs=1e-6)  # 3.0 clipped to the first write's amax
     assert cache.active_nbytes() == 2 * (64 + 16 * 4) + 4
     assert cache.allocated_nbytes() == 4 * (64 + 16 * 4) + 4
-    figures.update(scale=float(scale), clipped_to=float(c[0, 1].abs().max()))
+    mla_figures.update(scale=float(scale), clipped_to=float(c[0, 1].abs().max()))
 
 
 def _flashmla_bytes(c: torch.Tensor, k_pe: torch.Tensor) -> bytes:
@@ -191,7 +191,7 @@ def _flashmla_bytes(c: torch.Tensor, k_pe: torch.Tensor) -> bytes:
     return bytes(out)
 
 
-def test_fp8_flashmla_layout_byte_exact(mla_device, figures):
+def test_fp8_flashmla_layout_byte_exact(mla_device, mla_figures):
     """fp8-e4m3-flashmla: 656 bytes per token exactly as FlashMLA lays them out, in a real cache."""
     backend = get_backend("reference-absorbed")
     w = checks.weights_for("deepseek-v2-lite", torch.bfloat16, mla_device)
@@ -223,7 +223,7 @@ def test_fp8_flashmla_layout_byte_exact(mla_device, figures):
     assert scales[0] == 2.0 ** -13 and all(math.frexp(s)[0] == 0.5 for s in scales)
     c_back, k_back = codec.decode({"kv": got[None]}, torch.bfloat16)
     assert torch.equal(k_back[0], k) and torch.equal(c_back[0, :128], c[:128])
-    figures.update(tokens_checked=checked + 1, special_tile_scales=list(scales))
+    mla_figures.update(tokens_checked=checked + 1, special_tile_scales=list(scales))
 
 
 # --------------------------------------------------------------------------- errors
@@ -244,6 +244,7 @@ def _gaussian_latent_errors() -> dict[str, dict[str, dict[str, float]]]:
 
 @functools.cache
 def _attention_run(backend, codec: str, device: str) -> torch.Tensor:
+    __tracebackhide__ = True
     w = checks.weights_for("deepseek-v2-lite", torch.bfloat16, device)
     return checks.run_scenario(backend, w, ATTENTION_X(), ATTENTION_SCENARIO, device=device, kv_codec=codec)[0]
 
@@ -251,6 +252,7 @@ def _attention_run(backend, codec: str, device: str) -> torch.Tensor:
 def _attention_error(backend, codec: str, device: str) -> dict[str, float]:
     """V2-Lite random weights in BF16, varlen batch: the codec's output vs the same backend's kv_codec none
     output, so only the cache's rounding differs (test_attention_error anchors that baseline to float64)."""
+    __tracebackhide__ = True
     base, o = _attention_run(backend, "none", device), _attention_run(backend, codec, device)
     valid = torch.arange(base.shape[1])[None, :] < checks.scenario_lengths(ATTENTION_SCENARIO)[:, None]
     return _err(o[valid], base[valid])
@@ -266,17 +268,19 @@ def _reference_attention_errors(device: str) -> dict[str, dict[str, float]]:
 
 
 def _check_bound(name: str, what: str, err: dict[str, float], bound: float, where: str):
+    __tracebackhide__ = True
     reason = ERROR_BOUNDS[name].reason
-    assert err["rel_fro"] <= bound, (f"kv_codec {name} {where}: {what} relative error {err['rel_fro']:.3e} exceeds "
-                                     f"its bound {bound:g} ({reason}); max_abs {err['max_abs']:.3e}")
+    if not err["rel_fro"] <= bound:
+        raise AssertionError(f"kv_codec {name} {where}: {what} relative error {err['rel_fro']:.3e} exceeds "
+                             f"its bound {bound:g} ({reason}); max_abs {err['max_abs']:.3e}")
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
-def test_latent_roundtrip_gaussian(codec, figures):
+def test_latent_roundtrip_gaussian(codec, mla_figures):
     """decode(encode(c)) on N(0, 1) latents at V2-Lite dims within the codec's latent bound."""
     e = _gaussian_latent_errors()[codec]
     bound = ERROR_BOUNDS[codec].latent
-    figures.update(latent=e["c"], k_pe=e["k_pe"], bound=bound, reason=ERROR_BOUNDS[codec].reason)
+    mla_figures.update(latent=e["c"], k_pe=e["k_pe"], bound=bound, reason=ERROR_BOUNDS[codec].reason)
     _check_bound(codec, "latent", e["c"], bound, "on N(0, 1) latents")
     _check_bound(codec, "k_pe", e["k_pe"], bound, "on N(0, 1) rope keys")
     if get_codec(codec).kpe.startswith("kept"):
@@ -284,30 +288,30 @@ def test_latent_roundtrip_gaussian(codec, figures):
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
-def test_attention_error(backend, codec, mla_device, figures):
+def test_attention_error(mla_backend, codec, mla_device, mla_figures):
     """The attention output with the codec (V2-Lite, BF16, varlen 13/6 + 1 decode).
 
     The backend's unquantized output is first held to the float64 reference (BF16 tolerance); the codec's
     output is then compared with that anchored baseline, so the figure is the cache's rounding alone."""
     w = checks.weights_for("deepseek-v2-lite", torch.bfloat16, mla_device)
-    checks.require_support(backend, w.config, dtype=torch.bfloat16, device=mla_device, kv_codec=codec)
-    checks.require_support(backend, w.config, dtype=torch.bfloat16, device=mla_device, kv_codec="none")
+    checks.require_support(mla_backend, w.config, dtype=torch.bfloat16, device=mla_device, kv_codec=codec)
+    checks.require_support(mla_backend, w.config, dtype=torch.bfloat16, device=mla_device, kv_codec="none")
     valid = torch.arange(ATTENTION_X().shape[1])[None, :] < checks.scenario_lengths(ATTENTION_SCENARIO)[:, None]
-    base = _attention_run(backend, "none", mla_device)
+    base = _attention_run(mla_backend, "none", mla_device)
     oracle = _attention_oracle()
     anchor = checks.error_metrics(base[valid], oracle[valid])
     tol = checks.TOLERANCES["bfloat16"]
-    figures.update(baseline_vs_float64=anchor["rel_fro"], **checks.tolerance_figures(tol))
+    mla_figures.update(baseline_vs_float64=anchor["rel_fro"], **checks.tolerance_figures(tol))
     assert anchor["rel_fro"] <= tol.rel_fro and anchor["max_rel"] <= tol.max_rel, (
-        f"{backend.name} V2-Lite BF16 kv_codec none: the unquantized output differs from the float64 reference: "
+        f"{mla_backend.name} V2-Lite BF16 kv_codec none: the unquantized output differs from the float64 reference: "
         f"rel_fro {anchor['rel_fro']:.3e} (tolerance {tol.rel_fro:g}), max_abs/rms {anchor['max_rel']:.3e} "
         f"(tolerance {tol.max_rel:g})")
     if codec == "none":
         return
-    e = _err(_attention_run(backend, codec, mla_device)[valid], base[valid])
+    e = _err(_attention_run(mla_backend, codec, mla_device)[valid], base[valid])
     bound = ERROR_BOUNDS[codec].attention
-    figures.update(attention=e, bound=bound, reason=ERROR_BOUNDS[codec].reason)
-    _check_bound(codec, "attention output", e, bound, f"{backend.name} V2-Lite BF16 varlen 13/6 + 1 decode")
+    mla_figures.update(attention=e, bound=bound, reason=ERROR_BOUNDS[codec].reason)
+    _check_bound(codec, "attention output", e, bound, f"{mla_backend.name} V2-Lite BF16 varlen 13/6 + 1 decode")
     if codec.startswith("int2"):  # the negative control must be caught by any INT8 bound, with room
         worst_int8 = max(ERROR_BOUNDS[n].attention for n in INT8)
         assert e["rel_fro"] > 5 * worst_int8, f"INT2 error {e['rel_fro']:.3e} is not far outside INT8's {worst_int8:g}"
@@ -392,12 +396,12 @@ def _trained_errors(codec: str) -> dict[str, dict[str, float]]:
 
 
 @pytest.mark.parametrize("codec", [n for n in CODECS if n != "fp8-e4m3-flashmla"])
-def test_trained_model_errors(codec, figures):
+def test_trained_model_errors(codec, mla_figures):
     """Latent round trip and attention output on the tiny trained model's own latents, every layer."""
     t = _trained_or_skip()
     errs = _trained_errors(codec)
     b = ERROR_BOUNDS[codec]
-    figures.update(errs, latent_bound=b.latent, attention_bound=b.attention, layers=len(t["layers"]))
+    mla_figures.update(errs, latent_bound=b.latent, attention_bound=b.attention, layers=len(t["layers"]))
     for i in range(len(t["layers"])):
         _check_bound(codec, "latent", errs[f"layer{i}_latent"], b.latent, f"tiny-mla layer {i}")
         _check_bound(codec, "k_pe", errs[f"layer{i}_k_pe"], b.latent, f"tiny-mla layer {i}")
@@ -421,7 +425,7 @@ def _rankings(errors: dict[str, float]) -> dict[str, object]:
     }
 
 
-def test_latent_quantization_rankings(mla_device, figures):
+def test_latent_quantization_rankings(mla_device, mla_figures):
     """The latent quantization study (the seed-001 experiment): its rankings, measured here, and the ones
     that hold by construction asserted.
 
@@ -434,16 +438,16 @@ def test_latent_quantization_rankings(mla_device, figures):
     asymmetric INT4 30% better)."""
     gauss = {n: e["c"]["rel_fro"] for n, e in _gaussian_latent_errors().items()}
     attn = {n: e["rel_fro"] for n, e in _reference_attention_errors(mla_device).items()}
-    figures["gaussian_latent"] = {"errors": gauss, **_rankings(gauss)}
-    figures["v2_lite_attention"] = {"errors": attn, **_rankings(attn)}
-    figures["seed_001_reported_mean_abs"] = {k: v["mean_err"] for k, v in SEED_001_SCHEMES.items()}
+    mla_figures["gaussian_latent"] = {"errors": gauss, **_rankings(gauss)}
+    mla_figures["v2_lite_attention"] = {"errors": attn, **_rankings(attn)}
+    mla_figures["seed_001_reported_mean_abs"] = {k: v["mean_err"] for k, v in SEED_001_SCHEMES.items()}
     if (MODEL_DIR / "config.json").is_file():
         t = _trained()
         for i in range(len(t["layers"])):
             lat = {n: _trained_errors(n)[f"layer{i}_latent"]["rel_fro"] for n in CODECS if n != "fp8-e4m3-flashmla"}
             att = {n: _trained_errors(n)[f"layer{i}_attention"]["rel_fro"] for n in lat}
-            figures[f"trained_layer{i}_latent"] = {"errors": lat, **_rankings(lat)}
-            figures[f"trained_layer{i}_attention"] = {"errors": att, **_rankings(att)}
+            mla_figures[f"trained_layer{i}_latent"] = {"errors": lat, **_rankings(lat)}
+            mla_figures[f"trained_layer{i}_attention"] = {"errors": att, **_rankings(att)}
     order = ["int8-g16", "int8-g32", "int8-token", "int8-tensor"]
     assert [gauss[n] for n in order] == sorted(gauss[n] for n in order), (
         f"INT8 latent errors on N(0, 1) do not grow with the scale's span: {[(n, gauss[n]) for n in order]}")

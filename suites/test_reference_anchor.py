@@ -43,7 +43,7 @@ def _weights64(name: str) -> MLAWeights:
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("name", list(checks.ANCHOR_TOLERANCES))
-def test_builtins_float64_against_oracle(name, preset, figures):
+def test_builtins_float64_against_oracle(name, preset, mla_figures):
     """Batch 2, varlen prefill then decode steps, YaRN presets with and without q_lora."""
     backend = get_backend(name)
     scenario = checks.Scenario("anchor", (19, 11), decode_steps=5)
@@ -54,7 +54,7 @@ def test_builtins_float64_against_oracle(name, preset, figures):
     ref = reference_attention_f64(w, x, lengths)
     for b in range(2):
         m = checks.error_metrics(out[b, : lengths[b]], ref[b, : lengths[b]])
-        figures[f"row{b}_rel_fro"] = m["rel_fro"]
+        mla_figures[f"row{b}_rel_fro"] = m["rel_fro"]
         assert m["rel_fro"] <= checks.ANCHOR_TOLERANCES[name], f"{name} {preset} row {b}: {checks.format_metrics(m)}"
 
 
@@ -79,17 +79,17 @@ def _transformers_attention(weights: MLAWeights, x: torch.Tensor):
 
 
 @pytest.mark.parametrize("preset", [*PRESETS, SPLIT])
-def test_oracle_against_transformers(preset, figures):
+def test_oracle_against_transformers(preset, mla_figures):
     w = _weights64(preset)
     T = 40 if preset == "deepseek-v2-lite" else 150  # tiny: positions well past original_max_position_embeddings (64)
     x = torch.randn(1, T, w.config.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     ours = reference_attention_f64(w, x)
     theirs, diagnosis = _transformers_attention(w, x)
     m = checks.error_metrics(ours, theirs)
-    figures.update(m)
+    mla_figures.update(m)
     assert m["rel_fro"] <= 1e-5, checks.format_metrics(m)
     v3 = checks.error_metrics(reference_attention_f64(w, x, rope_convention="deepseek-v3"), theirs)["rel_fro"]
-    figures["rel_fro_deepseek_v3_convention"] = v3
+    mla_figures["rel_fro_deepseek_v3_convention"] = v3
     if w.config.rope_attention_factor == 1.0:  # the conventions agree when mscale == mscale_all_dim
         assert v3 <= 1e-5, f"rope_convention='deepseek-v3' differs where the conventions agree: rel_fro={v3:.3e}"
     else:  # transformers applies the cos/sin factor: only the default convention is transformers'

@@ -1,4 +1,4 @@
-"""The kill matrix: every conformance test (a test function of suites/ that takes the ``backend``
+"""The kill matrix: every conformance test (a test function of suites/ that takes the ``mla_backend``
 fixture) and a broken backend that must make it *fail* -- an AssertionError verdict, recorded as
 outcome "failed", not a crash ("error"), a skip or a pass.
 

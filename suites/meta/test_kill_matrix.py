@@ -21,12 +21,12 @@ PASSING = correct_node_ids()
 
 
 def conformance_tests() -> set[str]:
-    """file::function of every test function in suites/test_*.py that takes the backend fixture."""
+    """file::function of every test function in suites/test_*.py that takes the ``mla_backend`` fixture."""
     found = set()
     for path in sorted((ROOT / "suites").glob("test_*.py")):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and \
-                    "backend" in [a.arg for a in node.args.args]:
+                    "mla_backend" in [a.arg for a in node.args.args]:
                 found.add(f"suites/{path.name}::{node.name}")
     return found
 
