@@ -92,8 +92,9 @@ def format_metrics(m: dict[str, float]) -> str:
 
 
 NAN_HINT = ("the suite fills every cache slot no token was written to with NaN (and 0xFF bytes in integer "
-            "storage): a backend that reads slots past seq_lens and masks them by multiplying with 0 gets NaN "
-            "(0 * NaN = NaN); select with torch.where or read only the written slots")
+            "storage), as a reused or torch.empty pool may hold: a backend that reads slots past seq_lens and "
+            "masks them by multiplying with 0 (0 * NaN = NaN) or by adding a large negative number to scores "
+            "computed from them (NaN + -inf = NaN) gets NaN; select with torch.where or read only the written slots")
 
 
 def check_output(backend, out: Any, hidden_states: torch.Tensor, lengths: torch.Tensor, where: str,
