@@ -144,9 +144,22 @@ def _device(config) -> str:
     return dev
 
 
+MARKERS = (
+    "mla_section(name): the report section a conformance test's results belong to (recorded in the results "
+    "JSON; the report finds its rows by section, never by test name)",
+    "requires_kernel(kernel_id): gate a test on a kernel of the support matrix (e.g. flashmla/dense_decode)",
+    "needs_checkpoint: needs --mla-checkpoint DIR (a real DeepSeek-V2/V3 checkpoint)",
+    "benchmark: decode timings with pytest-benchmark; deselected by default",
+    "slow: long-running conformance checks",
+)
+
+
 def pytest_configure(config):
     # nothing is imported or resolved here unless an --mla option asks for it: bad options are a usage
     # error before any test runs; everything else waits until a test of the suite is collected
+    # the suite's own markers, registered wherever the suites run (an installed wheel has no pyproject.toml)
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
     if config.getoption("--mla-backend"):
         _backends(config)
     if config.getoption("--mla-device"):
@@ -332,6 +345,9 @@ def pytest_runtest_makereport(item, call):
         entry["params"] = {("backend" if k == "mla_backend" else k): (getattr(v, "name", None) or str(v))
                            for k, v in params.params.items()}
     entry["device"] = device_of(item.config)
+    section = item.get_closest_marker("mla_section")
+    if section is not None and section.args:
+        entry["section"] = str(section.args[0])
     if rep.passed and hasattr(rep, "wasxfail"):
         entry["outcome"] = "xpassed"
         entry["reason"] = rep.wasxfail

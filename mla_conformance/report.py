@@ -114,14 +114,14 @@ def _backend_of(test: dict) -> str:
     return test.get("backend") or (test.get("params") or {}).get("backend") or ""
 
 
-def is_timing(nodeid: str) -> bool:
+def is_timing(test) -> bool:
     """Benchmarks' figures are clock readings: they go to timings.json, never into conformance.json."""
-    return "test_decode_bench.py" in nodeid
+    return isinstance(test, dict) and test.get("section") == "decode-timing"
 
 
 def timings_of(results: dict) -> list[dict[str, Any]]:
     return [{"nodeid": t["nodeid"], "params": t.get("params", {}), "figures": t["figures"]}
-            for t in sorted(results["tests"], key=lambda t: t["nodeid"]) if is_timing(t["nodeid"]) and t.get("figures")]
+            for t in sorted(results["tests"], key=lambda t: t["nodeid"]) if is_timing(t) and t.get("figures")]
 
 
 def round_floats(value: Any, digits: int = SIG_DIGITS, key: str | None = None) -> Any:
@@ -166,7 +166,9 @@ def build_report(results: dict, *, name: str, env: dict) -> dict[str, Any]:
             entry["reason"] = t["reason"]
         if t.get("device"):
             entry["device"] = t["device"]
-        if t.get("figures") and not is_timing(t["nodeid"]):
+        if t.get("section"):
+            entry["section"] = t["section"]
+        if t.get("figures") and not is_timing(t):
             entry["figures"] = round_floats(t["figures"])
         tests.append(entry)
     tests.sort(key=lambda e: e["nodeid"])
@@ -213,8 +215,10 @@ def _fmt_x(v) -> str:
     return f"{v:.3g}x"
 
 
-def _tests_named(report, fragment):
-    return [t for t in report["tests"] if fragment in t["nodeid"] and t.get("figures")]
+def _in_section(report, section: str) -> list[dict]:
+    """The report's rows of one section that carry figures (recorded from each test's ``mla_section``
+    marker), never found by test name: renaming a test changes no section."""
+    return [t for t in report["tests"] if t.get("section") == section and t.get("figures")]
 
 
 def _mark(t) -> str:
@@ -293,7 +297,7 @@ def _slots(f) -> str:
 
 
 def _bytes_lines(report) -> list[str]:
-    seed = _tests_named(report, "test_seed_table[")
+    seed = _in_section(report, "v2-lite-cache-probe")
     out: list[str] = []
     if seed:
         name, sentence = EXPERIMENTS["seed 000"]
@@ -310,12 +314,12 @@ def _bytes_lines(report) -> list[str]:
                        f"{_fmt_int(f.get('format_bytes_per_token', f.get('per_token_bytes', '')))} | "
                        f"{_fmt_int(f.get('active_nbytes', ''))} | {_fmt_int(f.get('allocated_nbytes', ''))} | "
                        f"{_slots(f)} | {tens} |")
-        ratio = _tests_named(report, "test_seed_figures_reproduced")
-        if ratio and {"reference-naive", "reference-absorbed"} <= set(report.get("backends", [])):
-            f = ratio[0]["figures"]
+        probe = {t.get("backend"): t["figures"] for t in seed if t.get("outcome") == "passed"}
+        if {"reference-naive", "reference-absorbed"} <= set(probe):
+            naive, absorbed = probe["reference-naive"]["active_nbytes"], probe["reference-absorbed"]["active_nbytes"]
             out.append(f"\nreference-naive active bytes / reference-absorbed active bytes = "
-                       f"{_fmt_int(f['naive_active'])} / {_fmt_int(f['absorbed_active'])} = {f['naive_active'] / f['absorbed_active']:.6f} "
-                       f"(expanded over latent); the latent cache is {f['reduction'] * 100:.2f}% smaller "
+                       f"{_fmt_int(naive)} / {_fmt_int(absorbed)} = {naive / absorbed:.6f} "
+                       f"(expanded over latent); the latent cache is {(1 - absorbed / naive) * 100:.2f}% smaller "
                        "(seed 000 printed 8.888…, 88.75%)")
     over = [t for t in report["tests"] if t.get("figures") and t["figures"].get("allocated_slots") is not None
             and t["figures"].get("requested_slots") is not None
@@ -337,7 +341,7 @@ def _bytes_lines(report) -> list[str]:
 
 
 def _error_lines(report) -> list[str]:
-    errs = _tests_named(report, "test_numerics.py::test_against_float64")
+    errs = _in_section(report, "numerics")
     if not errs:
         return []
     out = ["## Numerical error against the float64 expanded reference", "",
@@ -397,14 +401,14 @@ def render_markdown(report: dict[str, Any], plots: list[str] | None = None) -> s
 
 
 def _codec_section(report) -> str | None:
-    rows = [t for t in report["tests"] if "test_quantized_kv.py::test_codec_bytes" in t["nodeid"] and t.get("figures")
-            and t.get("params", {}).get("preset") == "deepseek-v2-lite" and t["params"].get("dtype") == "bfloat16"]
+    rows = [t for t in _in_section(report, "codec-bytes")
+            if t.get("params", {}).get("preset") == "deepseek-v2-lite" and t["params"].get("dtype") == "bfloat16"]
     if not rows:
         return None
     attn = {(t.get("backend"), t["params"].get("codec")): t["figures"] for t in report["tests"]
-            if "test_quantized_kv.py::test_attention_error" in t["nodeid"] and t.get("figures")}
+            if t.get("section") == "codec-attention" and t.get("figures")}
     acc = {(t.get("backend"), t["params"].get("kv_codec")): t["figures"].get("accuracy") for t in report["tests"]
-           if "test_golden_generation_per_codec" in t["nodeid"] and t.get("figures")}
+           if t.get("section") == "golden-codec" and t.get("figures")}
     from mla_conformance.config import MLAConfig
 
     layers = MLAConfig.preset("deepseek-v2-lite").num_hidden_layers
@@ -451,7 +455,7 @@ def _codec_section(report) -> str | None:
 
 
 def _generation_section(report) -> str | None:
-    rows = [t for t in report["tests"] if "test_generation_golden.py::test_golden_generation[" in t["nodeid"]
+    rows = [t for t in report["tests"] if t.get("section") == "golden"
             and t.get("figures")]
     if not rows:
         return None
@@ -466,9 +470,9 @@ def _generation_section(report) -> str | None:
 
 
 def _checkpoint_section(report) -> str | None:
-    rows = [t for t in report["tests"] if "test_checkpoint.py::test_prefill_decode_on_checkpoint" in t["nodeid"]
+    rows = [t for t in report["tests"] if t.get("section") == "checkpoint"
             and t.get("figures") and t["figures"].get("source") == "checkpoint"]
-    pairs = [t for t in report["tests"] if "test_checkpoint.py::test_naive_vs_absorbed_on_checkpoint" in t["nodeid"]
+    pairs = [t for t in report["tests"] if t.get("section") == "checkpoint-naive-vs-absorbed"
              and t.get("figures") and (t.get("params") or {}).get("probe") == "checkpoint"]
     if not rows and not pairs:
         return None
@@ -535,9 +539,9 @@ def write_plots(report: dict[str, Any], directory: Path) -> list[str]:
 
     written = []
     meta = {"Software": None}
-    seed = sorted(_tests_named(report, "test_seed_table["), key=_backend_of)
-    codec_rows = [t for t in report["tests"] if "test_quantized_kv.py::test_codec_bytes" in t["nodeid"]
-                  and t.get("figures") and t.get("params", {}).get("preset") == "deepseek-v2-lite"
+    seed = sorted(_in_section(report, "v2-lite-cache-probe"), key=_backend_of)
+    codec_rows = [t for t in _in_section(report, "codec-bytes")
+                  if t.get("params", {}).get("preset") == "deepseek-v2-lite"
                   and t["params"].get("dtype", "bfloat16") == "bfloat16" and t["params"].get("codec") != "none"
                   and t.get("backend") == "reference-absorbed"]
     if seed or codec_rows:
@@ -558,7 +562,7 @@ def write_plots(report: dict[str, Any], directory: Path) -> list[str]:
         fig.savefig(directory / "bytes_per_token.png", dpi=100, metadata=meta)
         plt.close(fig)
         written.append("bytes_per_token.png")
-    errs = _tests_named(report, "test_numerics.py::test_against_float64")
+    errs = _in_section(report, "numerics")
     if errs:
         groups: dict[tuple, float] = {}
         for t in errs:
@@ -607,7 +611,7 @@ def _safe_plots(report: dict[str, Any], directory: Path) -> list[str]:
 def _codec_plots(report, directory, plt, meta) -> list[str]:
     written = []
     attn = sorted(((t["params"]["codec"], t["figures"]["attention"]["rel_fro"]) for t in report["tests"]
-                   if "test_quantized_kv.py::test_attention_error" in t["nodeid"] and t.get("figures")
+                   if t.get("section") == "codec-attention" and t.get("figures")
                    and t.get("backend") == "reference-absorbed" and isinstance(t["figures"].get("attention"), dict)))
     if attn:
         names = ["none"] + [k for k, _ in attn if k != "none"]
@@ -628,7 +632,7 @@ def _codec_plots(report, directory, plt, meta) -> list[str]:
         plt.close(fig)
         written.append("attention_error_by_codec.png")
     acc = sorted(((t["params"]["kv_codec"], t["figures"]["accuracy"]) for t in report["tests"]
-                  if "test_golden_generation_per_codec" in t["nodeid"] and t.get("figures")
+                  if t.get("section") == "golden-codec" and t.get("figures")
                   and t.get("backend") == "reference-absorbed"))
     if acc:
         fig, ax = plt.subplots(figsize=(max(6.5, 0.7 * len(acc) + 2), 5))

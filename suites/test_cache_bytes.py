@@ -18,6 +18,7 @@ from mla_conformance import MLAConfig, checks
 from mla_conformance.backends import get_backend
 
 
+@pytest.mark.mla_section("v2-lite-cache-probe")
 def test_seed_table(mla_backend, mla_device, mla_figures):
     """The V2-Lite cache probe through the contract: bytes per stored token follow the declared format."""
     got = checks.v2_lite_cache_probe(mla_backend, device=mla_device, figures=mla_figures)
@@ -50,6 +51,7 @@ def test_seed_figures_reproduced(mla_device, mla_figures):
     mla_figures.update(ratio=ratio, reduction=1 - absorbed["active_nbytes"] / naive["active_nbytes"])
 
 
+@pytest.mark.mla_section("cache-bytes")
 @pytest.mark.parametrize("preset", ["tiny", "deepseek-v2-lite"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("prefill,decode,batch", [(1, 0, 1), (9, 3, 1), (6, 2, 3)])
@@ -60,6 +62,7 @@ def test_bytes_formula(mla_backend, preset, dtype, prefill, decode, batch, mla_d
                        capacity=16, device=mla_device, figures=mla_figures)
 
 
+@pytest.mark.mla_section("cache-bytes")
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["deepseek-v3"])
 def test_bytes_formula_v3_dims(mla_backend, preset, mla_device, mla_figures):

@@ -39,6 +39,7 @@ def probe(request):
     return "checkpoint", str(request.config.getoption("--mla-checkpoint"))
 
 
+@pytest.mark.mla_section("checkpoint")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_prefill_decode_on_checkpoint(mla_backend, probe, dtype, mla_device, mla_figures):
     source, directory = probe
@@ -59,6 +60,7 @@ def test_prefill_decode_on_checkpoint(mla_backend, probe, dtype, mla_device, mla
         f"{mla_backend.name} on {source} layer 1, {dtype}: {checks.format_metrics(m_all)}")
 
 
+@pytest.mark.mla_section("checkpoint-naive-vs-absorbed")
 def test_naive_vs_absorbed_on_checkpoint(probe, mla_device, mla_figures):
     """Seed 000 section 5.2 / 5.3: the two reference paths on the same input, BF16 and the FP32 audit."""
     from mla_conformance.backends import get_backend

@@ -8,6 +8,7 @@ this test sees the difference: it passes when the backend matches either float64
 (``mla_conformance.reference.ROPE_CONVENTIONS``) and records which one in its figures.
 """
 
+import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
@@ -24,6 +25,7 @@ MSCALE_SPLIT = MLAConfig(hidden_size=64, num_attention_heads=2, q_lora_rank=32, 
 SCENARIO = checks.Scenario("mscale_split", (34, 19), decode_steps=6)
 
 
+@pytest.mark.mla_section("conventions")
 def test_yarn_rope_attention_factor_convention(mla_backend, mla_device, mla_figures):
     dtype = torch.float32
     tol = checks.TOLERANCES["float32"]

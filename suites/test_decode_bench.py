@@ -60,6 +60,7 @@ def _ctx_id(ctx: int) -> str:
     return f"ctx{ctx // 1024}k" if ctx % 1024 == 0 else f"ctx{ctx}"
 
 
+@pytest.mark.mla_section("decode-timing")
 @pytest.mark.parametrize("kv_codec", KV_CODECS)
 @pytest.mark.parametrize("context,batch", CASES, ids=[f"{_ctx_id(c)}-b{b}" for c, b in CASES])
 def test_decode_step(benchmark, mla_backend, kv_codec, context, batch, mla_device, mla_figures):
@@ -106,6 +107,7 @@ CLAIM_FLOOR = 1.3
 RATIO_ROUNDS = {1024: 7, 4096: 5, 16384: 5, 32768: 3}
 
 
+@pytest.mark.mla_section("decode-timing")
 def test_absorbed_faster_than_naive(benchmark, capsys, mla_figures):
     """reference-naive / reference-absorbed decode time per context (figures); 16k held to CLAIM_FLOOR."""
     naive, absorbed = get_backend("reference-naive"), get_backend("reference-absorbed")

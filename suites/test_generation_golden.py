@@ -41,6 +41,7 @@ def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device
     assert payload == snapshot(extension_class=golden_extension(cls, prompt_set, kv_codec))
 
 
+@pytest.mark.mla_section("golden")
 @pytest.mark.parametrize("prompt_set", PROMPT_SETS)
 def test_golden_generation(mla_backend, prompt_set, tiny_model, snapshot, request, mla_device, mla_figures):
     dtype = model_dtype(mla_device)
@@ -85,6 +86,7 @@ CODEC_ACCURACY = {
 ALL_SETS = "+".join(PROMPT_SETS)
 
 
+@pytest.mark.mla_section("golden-codec")
 @pytest.mark.parametrize("kv_codec", list(CODEC_ACCURACY))
 def test_golden_generation_per_codec(mla_backend, kv_codec, tiny_model, snapshot, request, mla_device, mla_figures):
     """Generation under each quantized latent cache: accuracy measured and the tokens pinned per codec."""

@@ -13,6 +13,7 @@ from mla_conformance import checks
 PRESETS = ["tiny", "deepseek-v2-lite", "v3-mini"]
 
 
+@pytest.mark.mla_section("numerics")
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("scenario", list(checks.SCENARIOS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -20,11 +21,13 @@ def test_against_float64(mla_backend, preset, scenario, dtype, mla_device, mla_f
     checks.numerics(mla_backend, preset, scenario, checks.DTYPES[dtype], device=mla_device, figures=mla_figures)
 
 
+@pytest.mark.mla_section("numerics-float16")
 @pytest.mark.parametrize("preset", PRESETS)
 def test_float16(mla_backend, preset, mla_device, mla_figures):
     checks.numerics(mla_backend, preset, "varlen_batch", checks.DTYPES["float16"], device=mla_device, figures=mla_figures)
 
 
+@pytest.mark.mla_section("incremental")
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_incremental_equals_prefill(mla_backend, preset, dtype, mla_device, mla_figures):

@@ -144,6 +144,7 @@ def _valid():
 # --------------------------------------------------------------------------- every backend under test
 
 
+@pytest.mark.mla_section("paged")
 @pytest.mark.parametrize("page_block_size", PAGE_SIZES)
 @pytest.mark.parametrize("preset,dtype", CASES)
 def test_paged_equals_contiguous(mla_backend, preset, dtype, page_block_size, mla_device, mla_figures):
@@ -177,6 +178,7 @@ def test_paged_equals_contiguous(mla_backend, preset, dtype, page_block_size, ml
         assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, checks.format_metrics(m)
 
 
+@pytest.mark.mla_section("paged")
 def test_nan_in_unused_pages_never_reaches_outputs(mla_backend, mla_device, mla_figures):
     """Every slot of the paged cache starts as NaN; outputs stay finite and equal the contiguous run."""
     w = checks.weights_for("tiny", torch.float32, mla_device)
@@ -193,6 +195,7 @@ def test_nan_in_unused_pages_never_reaches_outputs(mla_backend, mla_device, mla_
         assert nan_slots == (cache.num_pages * cache.page_block_size - sum(TOTALS)) * cache.kv_pages.shape[-1]
 
 
+@pytest.mark.mla_section("paged")
 def test_paged_cache_bytes(mla_backend, mla_device, mla_figures):
     """active = stored tokens x 576 x element size; allocated = the bytes of tensors() (pool + block table)."""
     w = _weights("dims-576", torch.bfloat16, str(mla_device))

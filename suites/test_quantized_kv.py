@@ -75,6 +75,7 @@ def test_layout_formula_matches_storage():
     assert got == V2_LITE_BF16
 
 
+@pytest.mark.mla_section("codec-bytes")
 @pytest.mark.parametrize("codec,preset,dtype", BYTES_CASES)
 def test_codec_bytes(mla_backend, codec, preset, dtype, mla_device, mla_figures):
     """Write tokens through attend(); bytes per stored token measured from the cache == the codec's formula.
@@ -287,6 +288,7 @@ def test_latent_roundtrip_gaussian(codec, mla_figures):
         assert e["k_pe"]["max_abs"] == 0, f"{codec} keeps k_pe but changed it"
 
 
+@pytest.mark.mla_section("codec-attention")
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_attention_error(mla_backend, codec, mla_device, mla_figures):
     """The attention output with the codec (V2-Lite, BF16, varlen 13/6 + 1 decode).

@@ -21,8 +21,17 @@ ENV = {"suite_version": "0", "python": "3", "torch": "2", "transformers": "5", "
        "device": "cpu", "device_name": "x", "capability": None, "cuda": None}
 
 
+#: the section each test function's rows belong to (the mla_section marker in suites/)
+SECTIONS = {"test_against_float64": "numerics", "test_seed_table": "v2-lite-cache-probe",
+            "test_bytes_formula": "cache-bytes", "test_codec_bytes": "codec-bytes",
+            "test_attention_error": "codec-attention", "test_golden_generation_per_codec": "golden-codec"}
+
+
 def _t(nodeid, outcome, backend=None, reason=None, figures=None, **params):
     t = {"nodeid": nodeid, "outcome": outcome, "device": "cpu"}
+    section = SECTIONS.get(nodeid.split("::")[-1].split("[")[0])
+    if section:
+        t["section"] = section
     if backend:
         params["backend"] = backend
     if params:
@@ -213,3 +222,17 @@ def test_run_plain_and_xdist_are_byte_identical_and_merge(tmp_path, capsys):
     row = matrix["rows"]["suites/test_cache_bytes.py::test_seed_table"]
     assert row["host / reference-naive"]["outcome"] == "passed"
     assert "| check |" in (tmp_path / "matrix" / "matrix.md").read_text()
+
+
+def test_sections_come_from_records_not_test_names():
+    """A renamed test keeps its report section: rows are found by their recorded section."""
+    renamed = results()
+    for t in renamed["tests"]:
+        t["nodeid"] = t["nodeid"].replace("test_against_float64", "test_output_vs_oracle").replace(
+            "test_seed_table", "test_probe_bytes")
+    md_a = R.render_markdown(R.build_report(results(), name="h", env=ENV))
+    md_b = R.render_markdown(R.build_report(renamed, name="h", env=ENV))
+    strip = lambda md: md.replace("test_output_vs_oracle", "test_against_float64").replace("test_probe_bytes",
+                                                                                           "test_seed_table")
+    assert strip(md_b) == md_a
+    assert "Cache bytes: the V2-Lite cache probe" in md_b
