@@ -95,6 +95,10 @@ def environment(device: str) -> dict[str, Any]:
                    cuda=torch.version.cuda)
     else:
         env.update(device_name=platform.processor() or platform.machine(), capability=None, cuda=None)
+    from mla_conformance.arch import kernel_ids, kernel_skip_reason
+
+    # judged when the run happens, on the device it ran on: rendering reads this, never the renderer's host
+    env["kernel_gating"] = {kid: kernel_skip_reason(kid, device) for kid in kernel_ids()}
     return env
 
 
@@ -498,19 +502,18 @@ def _checkpoint_section(report) -> str | None:
 
 
 def _gating_section(report) -> str | None:
-    try:
-        from mla_conformance.arch import detect, kernel_ids, why_not
-    except ImportError:
+    """From the environment recorded when the run happened (``kernel_gating``), never re-detected."""
+    env = report["environment"]
+    gating = env.get("kernel_gating")
+    if not gating:
         return None
-    dev = report["environment"]["device"]
-    if not dev.startswith("cuda"):
+    dev = env["device"]
+    if not dev.startswith("cuda") and all(r is not None for r in gating.values()):
         return ("## Kernel gating on this device\n\nNo CUDA device (`" + dev + "`): none of the "
-                f"{len(kernel_ids())} kernels of the support matrix runs here; their tests skip with the "
+                f"{len(gating)} kernels of the support matrix runs here; their tests skip with the "
                 "reason. `mla-conformance matrix --capability X.Y` says which run on a given GPU.")
-    info = detect(dev)
     out = ["## Kernel gating on this device", "", "| kernel | verdict |", "|---|---|"]
-    for kid in kernel_ids():
-        reason = why_not(kid, info)
+    for kid, reason in sorted(gating.items()):
         out.append(f"| {kid} | {'runs here' if reason is None else reason} |")
     return "\n".join(out)
 
