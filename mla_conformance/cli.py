@@ -14,6 +14,7 @@ import sys
 # (module, description) in the order they appear in --help.
 SUBCOMMAND_MODULES = (
     "mla_conformance.report",     # run, merge
+    "mla_conformance.testcmd",    # test
     "mla_conformance.generate",   # generate
     "mla_conformance.codec_table",  # codecs
     "mla_conformance.arch",       # matrix

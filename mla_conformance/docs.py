@@ -21,8 +21,10 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable
 
-#: markers.md of a source checkout (the package's parent directory).
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "markers.md"
+from mla_conformance.resources import source_checkout
+
+#: markers.md of the source checkout; None for an installed wheel (markers.md is not shipped: pass --path)
+DEFAULT_PATH = _checkout / "markers.md" if (_checkout := source_checkout()) else None
 
 REGENERATE = "mla-conformance docs"
 BEGIN = "<!-- generated: {name} (" + REGENERATE + ") -->"
@@ -155,6 +157,9 @@ def render(text: str) -> tuple[str, list[str]]:
 def _cmd_docs(args: argparse.Namespace) -> int:
     from mla_conformance.cli import UserError
 
+    if args.path is None:
+        raise UserError("--path FILE: markers.md belongs to a source checkout of mla-conformance, and this is an "
+                        "installed one")
     path = Path(args.path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -189,6 +194,6 @@ def add_cli(subparsers: Any) -> None:
                     "matrix; with --check, change nothing and exit 1 naming the stale sections.",
     )
     p.add_argument("--check", action="store_true", help="exit 1 when a generated section differs from the code")
-    p.add_argument("--path", default=str(DEFAULT_PATH), metavar="FILE",
+    p.add_argument("--path", default=str(DEFAULT_PATH) if DEFAULT_PATH else None, metavar="FILE",
                    help="the markdown file to rewrite (default: markers.md of this checkout)")
     p.set_defaults(func=_cmd_docs)

@@ -19,11 +19,12 @@ import torch
 from mla_conformance.checkpoint import SafetensorsCheckpoint
 from mla_conformance.config import MLAConfig
 from mla_conformance.errors import CheckpointError, MLAInputError
+from mla_conformance.resources import prompts_file, tiny_model_dir
 from mla_conformance.weights import MLAWeights, expected_shapes
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO / "fixtures" / "models" / "tiny-mla"
-DEFAULT_PROMPTS = REPO / "fixtures" / "prompts.json"
+#: the embedded tiny model and its prompts (package data; the checkout's fixtures/ in an editable install)
+DEFAULT_MODEL = tiny_model_dir()
+DEFAULT_PROMPTS = prompts_file()
 
 
 def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):

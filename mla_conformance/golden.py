@@ -4,6 +4,9 @@ A golden is keyed by numerics class (``cpu-float32``, ``cuda-sm90-bfloat16`` ...
 kv_codec -- never by backend: every backend under test must reproduce the same tokens. Files live in
 ``golden/generation/<class>/<prompt-set>.<kv_codec>.json``; ``pytest --snapshot-update`` writes them,
 and the diff is reviewed like code.
+
+Goldens are read from the package (``mla_conformance.goldens``: the checkout's ``golden/`` in an editable
+install) and written only in a source checkout; elsewhere ``--snapshot-update`` is an error saying so.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from typing import Any
 from syrupy.extensions.json import JSONSnapshotExtension
 
 from mla_conformance.errors import MLAInputError
+from mla_conformance.resources import check_goldens_writable, golden_root
 
-GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden" / "generation"
+GOLDEN_DIR = golden_root() / "generation"
 
 
 def golden_path(numerics_class: str, prompt_set: str, kv_codec: str) -> Path:
@@ -69,6 +73,11 @@ def golden_extension(numerics_class: str, prompt_set: str, kv_codec: str):
 
         def serialize(self, data, **kwargs) -> str:
             return dump_golden(data)
+
+        @classmethod
+        def write_snapshot_collection(cls, *, snapshot_collection, **kwargs) -> None:
+            check_goldens_writable()  # never into an installed package
+            super().write_snapshot_collection(snapshot_collection=snapshot_collection, **kwargs)
 
     return GoldenJSON
 

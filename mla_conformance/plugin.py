@@ -59,8 +59,13 @@ def _options_given(config) -> bool:
 
 
 def _suite_dirs() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return [d for d in (here.parent / "suites", here / "suites") if d.is_dir()]
+    from mla_conformance.errors import MLAInputError
+    from mla_conformance.resources import suites_dir
+
+    try:
+        return [suites_dir().resolve()]
+    except MLAInputError:
+        return []
 
 
 def _covers_suite(config) -> bool:
@@ -271,6 +276,14 @@ def pytest_collection_modifyitems(config, items):
     if not suite:
         return
     _engaged(config)["items"] = True
+    if getattr(config.option, "update_snapshots", False):  # syrupy's --snapshot-update: goldens of a checkout only
+        from mla_conformance.errors import MLAInputError
+        from mla_conformance.resources import check_goldens_writable
+
+        try:
+            check_goldens_writable()
+        except MLAInputError as exc:
+            raise pytest.UsageError(f"--snapshot-update: {exc}") from None
     if _benchmark_selected(config):
         return
     # the suite's decode benchmarks are deselected, not skipped one by one; the summary says how to run them

@@ -103,12 +103,14 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def find_suites() -> Path:
-    """The suites directory: ./suites in a checkout, else the one beside the installed package."""
-    for cand in (Path.cwd() / "suites", Path(__file__).resolve().parent.parent / "suites"):
-        if (cand / "test_cache_bytes.py").exists():
-            return cand
-    raise MLAInputError("cannot find the suites/ directory: run `mla-conformance run` from a checkout of "
-                        "mla-conformance (or pass --suites DIR)")
+    """The installed conformance suites, ``mla_conformance.suites`` (the checkout's suites/ when editable)."""
+    from mla_conformance.resources import suites_dir
+
+    suites = suites_dir()
+    if not (suites / "test_cache_bytes.py").is_file():
+        raise MLAInputError(f"{suites}: the installed suites lack test_cache_bytes.py; reinstall mla-conformance "
+                            "(or pass --suites DIR)")
+    return suites
 
 
 # --------------------------------------------------------------------------- building the report
@@ -890,9 +892,11 @@ def run_command(args) -> int:
 
     for spec in args.backend or []:
         get_backend(spec)  # fail fast, naming the spec
+    from mla_conformance.resources import pytest_location_args
+
     with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
         results_path = Path(tmpdir) / "results.json"
-        cmd = [sys.executable, "-m", "pytest", str(suites), "--ignore", str(suites / "meta"), "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", str(suites), *pytest_location_args(suites, tmpdir), "--ignore", str(suites / "meta"), "-p", "no:cacheprovider",
                "--mla-results", str(results_path), "-ra"]
         import importlib.util
 
@@ -1065,7 +1069,7 @@ def add_cli(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="output directory (default reports/<name>)")
     p.add_argument("--name", help="report name (default: this host's name)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--suites", metavar="DIR", help="suites directory (default: ./suites)")
+    p.add_argument("--suites", metavar="DIR", help="suites directory (default: the installed suites, mla_conformance.suites)")
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS")
     p.set_defaults(func=run_command)
     m = sub.add_parser("merge", help="merge conformance.json reports of several hosts into one matrix",
