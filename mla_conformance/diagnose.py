@@ -12,7 +12,7 @@ each ``attend()`` call in order, as (start position per row [B], new tokens per 
 no-causal-mask, top-left-chunk-mask and decode-off-by-one bugs only show within a multi-token call,
 after the first chunk, or on a call of one token.
 
-The decision rule (:func:`likely_cause`), with its margins measured by suites/meta/test_diagnose.py on
+The decision rule (:func:`likely_cause`), with its margins measured by tests/meta/test_diagnose.py on
 the suite's broken backends and the correct built-ins in float32 and bfloat16 (tiny and V2-Lite dims):
 
 * a bug class *matches* when (1) the output is within the dtype's tolerance of its oracle

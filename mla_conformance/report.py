@@ -896,7 +896,7 @@ def run_command(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
         results_path = Path(tmpdir) / "results.json"
-        cmd = [sys.executable, "-m", "pytest", str(suites), *pytest_location_args(suites, tmpdir), "--ignore", str(suites / "meta"), "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", str(suites), *pytest_location_args(suites, tmpdir), "-p", "no:cacheprovider",
                "--mla-results", str(results_path), "-ra"]
         import importlib.util
 

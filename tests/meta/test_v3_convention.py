@@ -13,7 +13,7 @@ from mla_conformance import checks
 from .v3_reference_backend import DeepSeekV3StyleMLA
 
 pytestmark = pytest.mark.meta
-SUITES = Path(__file__).resolve().parent.parent
+SUITES = Path(__file__).resolve().parents[2] / "suites"
 
 
 def _load(name: str):

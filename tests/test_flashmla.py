@@ -216,16 +216,12 @@ def test_glue_against_float64_at_v2_lite_dims(interface, mla_figures):
 
 
 def _paged_suite():
-    """suites/test_paged_cache.py as a helper module (its driver, call schedule and 576-wide config)."""
-    import importlib.util
+    """suites/test_paged_cache.py's helpers (its driver, call schedule and 576-wide config)."""
+    import types
 
-    name = "_mla_paged_suite_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_paged_cache.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
+    from tests._suite_modules import suite_namespace
+
+    return types.SimpleNamespace(**suite_namespace("test_paged_cache"))
 
 
 def test_glue_groups_rows_by_new_tokens_and_matches_reference_absorbed(mla_figures):

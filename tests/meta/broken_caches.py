@@ -1,7 +1,7 @@
 """Broken backends of the cache and the contract (bytes, slots, poison, isolation, codecs, paging), and
 correct backends whose legitimate differences the suite must report instead of failing.
 
-Each broken one has exactly one thing wrong; suites/meta/kill_matrix.py names the conformance test that
+Each broken one has exactly one thing wrong; tests/meta/kill_matrix.py names the conformance test that
 must *fail* on it (an AssertionError verdict, not a crash).
 """
 
@@ -16,7 +16,7 @@ from mla_conformance.codecs import IntCodec
 
 try:
     from .independent_backend import IndependentMLA, LatentCache
-except ImportError:  # loaded by path (--mla-backend suites/meta/broken_caches.py:NAME): no parent package
+except ImportError:  # loaded by path (--mla-backend tests/meta/broken_caches.py:NAME): no parent package
     import importlib.util
     import sys
     from pathlib import Path

@@ -2,11 +2,11 @@
 fixture) and a broken backend that must make it *fail* -- an AssertionError verdict, recorded as
 outcome "failed", not a crash ("error"), a skip or a pass.
 
-Data only; suites/meta/test_kill_matrix.py runs every cell in one pytest subprocess and checks the
+Data only; tests/meta/test_kill_matrix.py runs every cell in one pytest subprocess and checks the
 outcomes, and that no conformance test is missing from the matrix.
 """
 
-HERE = "suites/meta"
+HERE = "tests/meta"
 
 #: backend spec -> the name it reports (test ids carry the name)
 BROKEN = {

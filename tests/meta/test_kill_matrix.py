@@ -1,4 +1,4 @@
-"""Every conformance test can fail, and correct code passes it: each cell of suites/meta/kill_matrix.py
+"""Every conformance test can fail, and correct code passes it: each cell of tests/meta/kill_matrix.py
 runs a conformance test on a broken backend and must come out *failed* -- an AssertionError verdict naming
 the backend, not an error, a skip or a pass; the same tests on the correct backends written independently
 of the reference must pass (or skip an optional part they do not implement). All of it in one pytest
@@ -94,3 +94,14 @@ def test_crash_is_recorded_as_error(outcomes, spec, name, nodeid):
     assert got is not None, f"{nodeid} did not run"
     assert got["outcome"] == "error", f"{nodeid}: {got['outcome']}: {got.get('reason', '')}"
     assert "BackendError" in got.get("reason", "") or "BackendOutputError" in got.get("reason", ""), got
+
+
+def test_suites_hold_conformance_tests_only():
+    """Every test function in suites/ judges a backend (requests mla_backend); the tool's own tests are in tests/."""
+    tool = []
+    for path in sorted((ROOT / "suites").glob("test_*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and \
+                    "mla_backend" not in [a.arg for a in node.args.args]:
+                tool.append(f"suites/{path.name}::{node.name}")
+    assert not tool, f"tests in suites/ that judge no backend (move them to tests/): {tool}"

@@ -21,14 +21,14 @@ def test_builtins_resolve(spec):
 
 def test_module_and_file_specs():
     assert get_backend("mla_conformance.backends.reference:ReferenceAbsorbed").name == "reference-absorbed"
-    path = ROOT / "suites" / "meta" / "independent_backend.py"
+    path = ROOT / "tests" / "meta" / "independent_backend.py"
     assert get_backend(f"{path}:IndependentMLA").name == "independent-absorbed"
     assert get_backend(f"{path}:BACKEND").name == "independent-absorbed"  # an instance
 
 
 @pytest.mark.parametrize("spec,message", [
     ("no_such_module:X", "no module named 'no_such_module'"),
-    ("suites/meta/missing_file.py:X", "file 'suites/meta/missing_file.py' does not exist"),
+    ("tests/meta/missing_file.py:X", "file 'tests/meta/missing_file.py' does not exist"),
     ("reference-absorbd", "not a built-in backend (did you mean 'reference-absorbed'?)"),
     ("mla_conformance.backends.reference:Nope", "has no attribute 'Nope'"),
     ("mla_conformance.config:MLAConfig", "instantiating MLAConfig without arguments failed"),
@@ -40,7 +40,7 @@ def test_bad_specs_name_the_spec(spec, message):
     assert repr(spec) in str(info.value) and message in str(info.value)
 
 
-@pytest.mark.parametrize("spec", ["no_such_module:X", "suites/meta/missing_file.py:X", "reference-absorbd"])
+@pytest.mark.parametrize("spec", ["no_such_module:X", "tests/meta/missing_file.py:X", "reference-absorbd"])
 def test_pytest_reports_bad_spec_without_traceback(spec, capsys, monkeypatch):
     from .test_inputs import pytest_inprocess
 

@@ -1,9 +1,9 @@
 """The suite's own broken backends: one per bug class seen in real MLA implementations.
 
 Each is the reference backend with exactly one thing wrong, and ``CAUGHT_BY`` names the conformance
-check that must *fail* it (an AssertionError verdict; suites/meta/test_meta.py asserts it does);
+check that must *fail* it (an AssertionError verdict; tests/meta/test_meta.py asserts it does);
 ``ERRORS_BY`` the checks that must report a crash as an error. Cache, byte and contract bugs are in
-suites/meta/broken_caches.py; suites/meta/kill_matrix.py runs every conformance test on a backend
+tests/meta/broken_caches.py; tests/meta/kill_matrix.py runs every conformance test on a backend
 that must fail it.
 """
 

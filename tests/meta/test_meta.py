@@ -1,5 +1,5 @@
 """The suite testing itself: every broken backend is caught by the check named for it, and a correct
-backend written independently of the reference (suites/meta/independent_backend.py) passes."""
+backend written independently of the reference (tests/meta/independent_backend.py) passes."""
 
 import os
 import re
@@ -37,7 +37,7 @@ CHECKS = {
                                                          kv_codec="int8-g32"),
 }
 
-#: broken backends of suites/meta/broken_caches.py -> (check, a phrase its failure must say)
+#: broken backends of tests/meta/broken_caches.py -> (check, a phrase its failure must say)
 CACHE_BUGS = {
     bc.ExpandedUint8ClaimsLatent: ("bytes-bf16-lite", r"'pool' \(327680,\) uint8: 10,240 B/token.*the format is wrong"),
     bc.ShortAllocation: ("bytes-bf16-lite", r"room for 28 tokens.*the slot count is wrong"),

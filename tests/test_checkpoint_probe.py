@@ -1,0 +1,66 @@
+"""The tool's own tests of suites/test_checkpoint.py's machinery (no backend under test): moved out of the
+conformance suite, which keeps only tests that judge a backend."""
+
+import pytest
+
+from tests._suite_modules import suite_namespace
+
+globals().update(suite_namespace("test_checkpoint"))
+
+
+@pytest.mark.mla_section("checkpoint-naive-vs-absorbed")
+def test_naive_vs_absorbed_on_checkpoint(probe, mla_device, mla_figures):
+    """Seed 000 section 5.2 / 5.3: the two reference paths on the same input, BF16 and the FP32 audit."""
+    from mla_conformance.backends import get_backend
+
+    source, directory = probe
+    ids, x, w = probe_inputs(directory, source)
+    scenario = checks.Scenario("seed000", (len(ids) - 1,), decode_steps=1)
+    for dtype in ("bfloat16", "float32"):
+        outs = [checks.run_scenario(get_backend(n), w.to(checks.DTYPES[dtype], device=mla_device),
+                                    x.to(torch.float64), scenario, device=mla_device, capacity=32)[0][0, -1]
+                for n in ("reference-naive", "reference-absorbed")]
+        m = checks.error_metrics(outs[1], outs[0])
+        mla_figures[dtype] = m
+        assert m["rel_fro"] <= checks.TOLERANCES[dtype].rel_fro, f"{dtype}: {checks.format_metrics(m)}"
+
+
+def test_bad_checkpoint_gives_one_clear_error(tmp_path):
+    """A truncated model.safetensors: `generate` exits non-zero naming the file, no traceback."""
+    bad = tmp_path / "tiny-mla"
+    shutil.copytree(DEFAULT_MODEL, bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    r = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "generate", "--model", str(bad), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0
+    assert str(f) in r.stderr and "truncated" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("breakage", ["missing-tensor", "wrong-shape", "corrupt-header", "no-config"])
+def test_probe_errors_name_file_and_tensor(tmp_path, breakage):
+    from safetensors.torch import load_file, save_file
+
+    from mla_conformance.errors import CheckpointError
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(DEFAULT_MODEL, bad)
+    f = bad / "model.safetensors"
+    tensors = load_file(str(f))
+    if breakage == "missing-tensor":
+        del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+        save_file(tensors, str(f))
+        match = "kv_b_proj.weight"
+    elif breakage == "wrong-shape":
+        tensors["model.layers.1.self_attn.kv_b_proj.weight"] = tensors["model.layers.1.self_attn.kv_b_proj.weight"][:, :8].contiguous()
+        save_file(tensors, str(f))
+        match = "model.safetensors: tensor 'model.layers.1.self_attn.kv_b_proj.weight' has shape"
+    elif breakage == "corrupt-header":
+        f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + f.read_bytes()[24:])
+        match = "model.safetensors: corrupt safetensors header"
+    else:
+        (bad / "config.json").unlink()
+        match = "config.json"
+    with pytest.raises(CheckpointError, match=match):
+        layer1_weights(bad)
