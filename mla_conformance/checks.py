@@ -59,7 +59,7 @@ TOLERANCES: dict[str, Tolerance] = {
                                           "seed 000 measured naive vs absorbed max 0.0039 at V2-Lite dims"),
 }
 
-#: Tighter bounds the float64 anchor test holds each built-in to (Done-when of the foundation issue).
+#: Tighter bounds the float64 anchor test (tests/test_reference_anchor.py) holds each built-in to.
 ANCHOR_TOLERANCES = {"reference-naive": 1e-8, "reference-absorbed": 1e-8, "hf-transformers": 1e-5}
 
 
@@ -515,5 +515,3 @@ def v2_lite_cache_probe(backend, device="cpu", figures: dict | None = None) -> d
     return cache_bytes(backend, "deepseek-v2-lite", torch.bfloat16, prefill=25, decode=1, batch=1,
                        capacity=32, device=device, figures=figures)
 
-
-seed_byte_table = v2_lite_cache_probe

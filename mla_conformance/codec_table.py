@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mla_conformance.codecs import (CODECS, SEED_001_EXPANDED_BYTES, SEED_001_LAYERS, SEED_001_SCHEMES, _elem,
+from mla_conformance.codecs import (CODECS, QUANT_STUDY_EXPANDED_BYTES, QUANT_STUDY_LAYERS, QUANT_STUDY_SCHEMES, _elem,
                                     get_codec)
 from mla_conformance.config import MLAConfig
 
@@ -41,16 +41,16 @@ def measure_bytes(codec_name: str, config: MLAConfig, dtype: torch.dtype, *, bat
             "allocated_nbytes": int(cache.allocated_nbytes()), "tensor_bytes": tensor_bytes}
 
 
-def seed_001_figures(config: MLAConfig, dtype: torch.dtype) -> dict[str, Any]:
+def quant_study_figures(config: MLAConfig, dtype: torch.dtype) -> dict[str, Any]:
     """Seed 001's two headline sizes (metadata-free) next to the honest ones of the codecs it maps to."""
-    base = SEED_001_EXPANDED_BYTES
+    base = QUANT_STUDY_EXPANDED_BYTES
     out: dict[str, Any] = {"source": "seed 001 (DeepSeek-V2-Lite, 27 layers; ratio base 10,240 B/layer x 27 = "
                                      "276,480 B/token expanded BF16)",
-                           "expanded_bytes_per_token": base, "layers": SEED_001_LAYERS, "schemes": []}
+                           "expanded_bytes_per_token": base, "layers": QUANT_STUDY_LAYERS, "schemes": []}
     for scheme in ("production: absorbed + per-channel INT8", "extreme: absorbed + asymmetric INT4"):
-        info = SEED_001_SCHEMES[scheme]
+        info = QUANT_STUDY_SCHEMES[scheme]
         seed_layer = info["bytes_per_token_layer"]
-        seed_model = seed_layer * SEED_001_LAYERS
+        seed_model = seed_layer * QUANT_STUDY_LAYERS
         row = {"scheme": scheme, "reported": info["reported"], "seed_bytes_per_token_layer": seed_layer,
                "seed_model_bytes_per_token": seed_model, "seed_model_kib": round(seed_model / 1024, 4),
                "seed_ratio_vs_expanded": round(base / seed_model, 4), "honest": []}
@@ -74,7 +74,7 @@ def codec_table(preset: str, dtype: torch.dtype, device="cpu") -> dict[str, Any]
     rows = []
     for name, codec in CODECS.items():
         row: dict[str, Any] = {"name": name, "description": codec.description, "kpe": codec.kpe,
-                               "seed_001": codec.seed_001}
+                               "quant_study": codec.quant_study}
         reason = codec.unsupported_reason(config, dtype)
         if reason:
             row["unsupported"] = reason
@@ -96,9 +96,9 @@ def codec_table(preset: str, dtype: torch.dtype, device="cpu") -> dict[str, Any]
     out = {"preset": preset, "dtype": str(dtype).removeprefix("torch."), "layers": config.num_hidden_layers,
            "latent_bytes_per_token_layer": latent, "expanded_bytes_per_token_layer": expanded, "codecs": rows}
     if preset == "deepseek-v2-lite":
-        out["seed_001"] = seed_001_figures(config, dtype)
+        out["quant_study"] = quant_study_figures(config, dtype)
     else:
-        out["seed_001"] = {"applies": False, "reason": "seed 001 measured DeepSeek-V2-Lite; run with "
+        out["quant_study"] = {"applies": False, "reason": "seed 001 measured DeepSeek-V2-Lite; run with "
                                                        "--preset deepseek-v2-lite for its figures"}
     return out
 
@@ -139,7 +139,7 @@ def run_cli(args) -> int:
         print(f"{r['name']:24} {r['payload']:>8,} {r['metadata']:>6,} {r['total']:>6,} "
               f"{r['model_bytes_per_token']:>12,} {r['ratio_vs_latent']:>9.2f} {r['ratio_vs_expanded']:>10.2f}  "
               f"{r['kpe']}")
-    seed = table["seed_001"]
+    seed = table["quant_study"]
     if seed.get("schemes"):
         print(f"\nseed 001 (no scale/zero-point bytes counted; base {seed['expanded_bytes_per_token']:,} B/token):")
         for s in seed["schemes"]:

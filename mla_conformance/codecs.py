@@ -25,7 +25,7 @@ Seed 001 (DeepSeek-V2-Lite, L40S) counted 576 B/token/layer for its "per-channel
 scheme and 288 B for its "asymmetric INT4" one: all 576 values of c and k_pe at 8 or 4 bits, and no
 scale or zero-point bytes. Its "32 blocks" over the 512 latent channels reads literally as 32 groups
 of 16 channels (``-g16``); the common "group size 32" reading is ``-g32``; both are registered and
-measured (:data:`SEED_001_SCHEMES`). A third reading, per-channel scales over blocks of 32 *tokens*
+measured (:data:`QUANT_STUDY_SCHEMES`). A third reading, per-channel scales over blocks of 32 *tokens*
 (KIVI's key quantization), cannot be written one token at a time and is not implemented.
 """
 
@@ -123,7 +123,7 @@ class Codec:
     description: str = ""
     kpe: str = "kept in cache dtype"
     #: seed 001 scheme(s) this codec implements, for the markers table and the CLI.
-    seed_001: str = ""
+    quant_study: str = ""
 
     # ---- layout
     def storage(self, config: MLAConfig, cache_dtype: torch.dtype) -> Storage:
@@ -174,7 +174,7 @@ class Codec:
 class Unquantized(Codec):
     name = "none"
     description = "c and k_pe in the cache dtype (the plain absorbed cache)"
-    seed_001 = "absorbed MLA (30.4 KB/token)"
+    quant_study = "absorbed MLA (30.4 KB/token)"
 
     def storage(self, config, cache_dtype):
         return {"kv_latent": ((config.kv_lora_rank,), cache_dtype), "k_pe": ((config.qk_rope_head_dim,), cache_dtype)}
@@ -195,9 +195,9 @@ class IntCodec(Codec):
     k_pe kept in the cache dtype or quantized symmetrically in groups of ``kpe_group`` channels."""
 
     def __init__(self, name: str, *, bits: int, symmetric: bool, group: int | None,
-                 kpe_bits: int | None = None, kpe_group: int = 8, seed_001: str = ""):
+                 kpe_bits: int | None = None, kpe_group: int = 8, quant_study: str = ""):
         self.name, self.bits, self.symmetric, self.group = name, bits, symmetric, group
-        self.kpe_bits, self.kpe_group, self.seed_001 = kpe_bits, kpe_group, seed_001
+        self.kpe_bits, self.kpe_group, self.quant_study = kpe_bits, kpe_group, quant_study
         gran = "per token (one scale over all kv_lora channels)" if group is None else \
             f"per {group}-channel group of each token"
         zp = "symmetric, float32 scale" if symmetric else "asymmetric, float32 scale + float32 min (zero point)"
@@ -289,8 +289,8 @@ class PerTensorInt8(IntCodec):
     shape (1,) (``global_storage``), counted once in ``active_nbytes`` and ``allocated_nbytes``.
     """
 
-    def __init__(self, name="int8-tensor", seed_001="per-tensor INT8"):
-        super().__init__(name, bits=8, symmetric=True, group=None, seed_001=seed_001)
+    def __init__(self, name="int8-tensor", quant_study="per-tensor INT8"):
+        super().__init__(name, bits=8, symmetric=True, group=None, quant_study=quant_study)
         self.description = ("c INT8 with one float32 scale for the whole cache, calibrated on the first write "
                             "(amax / 127) and kept; later values beyond it clip")
 
@@ -345,7 +345,7 @@ class FlashMLAFP8(Codec):
     description = ("FlashMLA V3.2 FP8 layout: 512 x float8_e4m3fn + 4 x float32 tile scales (128 values each, "
                    "amax/448 rounded up to 2^k) + 64 x bf16 RoPE, one 656-byte row per token")
     kpe = "kept in bfloat16 (bytes 528..655, unquantized)"
-    seed_001 = ""
+    quant_study = ""
     TILE = 128
 
     def unsupported_reason(self, config, cache_dtype):
@@ -393,26 +393,26 @@ def _registry() -> dict[str, Codec]:
     codecs: list[Codec] = [
         Unquantized(),
         PerTensorInt8(),
-        IntCodec("int8-token", bits=8, symmetric=True, group=None, seed_001="per-token INT8"),
-        IntCodec("int8-g16", bits=8, symmetric=True, group=16, seed_001="per-channel INT8 (32 blocks)"),
+        IntCodec("int8-token", bits=8, symmetric=True, group=None, quant_study="per-token INT8"),
+        IntCodec("int8-g16", bits=8, symmetric=True, group=16, quant_study="per-channel INT8 (32 blocks)"),
         IntCodec("int8-g32", bits=8, symmetric=True, group=32,
-                 seed_001="per-channel INT8 (32 blocks), read as groups of 32"),
+                 quant_study="per-channel INT8 (32 blocks), read as groups of 32"),
         IntCodec("int8-g16-kpe-int8", bits=8, symmetric=True, group=16, kpe_bits=8,
-                 seed_001="production: absorbed + per-channel INT8 + k_pe INT8 (8 blocks) = 15.2 KB/token"),
+                 quant_study="production: absorbed + per-channel INT8 + k_pe INT8 (8 blocks) = 15.2 KB/token"),
         IntCodec("int8-g32-kpe-int8", bits=8, symmetric=True, group=32, kpe_bits=8,
-                 seed_001="production scheme, read as groups of 32"),
-        IntCodec("int4-sym-g16", bits=4, symmetric=True, group=16, seed_001="symmetric INT4 (32 blocks)"),
+                 quant_study="production scheme, read as groups of 32"),
+        IntCodec("int4-sym-g16", bits=4, symmetric=True, group=16, quant_study="symmetric INT4 (32 blocks)"),
         IntCodec("int4-sym-g32", bits=4, symmetric=True, group=32,
-                 seed_001="symmetric INT4 (32 blocks), read as groups of 32"),
-        IntCodec("int4-asym-g16", bits=4, symmetric=False, group=16, seed_001="asymmetric INT4 (32 blocks)"),
+                 quant_study="symmetric INT4 (32 blocks), read as groups of 32"),
+        IntCodec("int4-asym-g16", bits=4, symmetric=False, group=16, quant_study="asymmetric INT4 (32 blocks)"),
         IntCodec("int4-asym-g32", bits=4, symmetric=False, group=32,
-                 seed_001="asymmetric INT4 (32 blocks), read as groups of 32"),
+                 quant_study="asymmetric INT4 (32 blocks), read as groups of 32"),
         IntCodec("int4-asym-g16-kpe-int4", bits=4, symmetric=False, group=16, kpe_bits=4,
-                 seed_001="extreme: absorbed + asymmetric INT4 + k_pe symmetric INT4 (8 blocks) = 7.6 KB/token"),
+                 quant_study="extreme: absorbed + asymmetric INT4 + k_pe symmetric INT4 (8 blocks) = 7.6 KB/token"),
         IntCodec("int4-asym-g32-kpe-int4", bits=4, symmetric=False, group=32, kpe_bits=4,
-                 seed_001="extreme scheme, read as groups of 32"),
+                 quant_study="extreme scheme, read as groups of 32"),
         IntCodec("int2-asym-g32", bits=2, symmetric=False, group=32,
-                 seed_001="INT2 (error 0.496, 'precision collapse'): the negative control"),
+                 quant_study="INT2 (error 0.496, 'precision collapse'): the negative control"),
         FlashMLAFP8(),
     ]
     return {c.name: c for c in codecs}
@@ -433,7 +433,7 @@ def get_codec(name: str) -> Codec:
 
 #: Seed 001's schemes -> our codecs, with the errors it reported (mean / max abs of the latent round
 #: trip on real V2-Lite latents, as far as its table says) and, for its two headline schemes, its sizes.
-SEED_001_SCHEMES: dict[str, dict[str, Any]] = {
+QUANT_STUDY_SCHEMES: dict[str, dict[str, Any]] = {
     "per-tensor INT8": {"codec": "int8-tensor", "mean_err": 0.2979, "max_err": 0.7833},
     "per-channel INT8 (32 blocks)": {"codec": "int8-g16", "alt_codec": "int8-g32", "mean_err": 0.0109,
                                      "max_err": 0.0125},
@@ -451,11 +451,11 @@ SEED_001_SCHEMES: dict[str, dict[str, Any]] = {
                                             "reported": "7.6 KB/token (35.6x)"},
 }
 #: Short form: seed 001 scheme name -> codec name.
-CODEC_FOR_SEED_001: dict[str, str] = {k: v["codec"] for k, v in SEED_001_SCHEMES.items()}
+CODEC_FOR_QUANT_STUDY: dict[str, str] = {k: v["codec"] for k, v in QUANT_STUDY_SCHEMES.items()}
 
 #: Seed 001's ratio base: the expanded BF16 cache of V2-Lite, 10,240 B/layer x 27 layers.
-SEED_001_EXPANDED_BYTES = 276_480
-SEED_001_LAYERS = 27
+QUANT_STUDY_EXPANDED_BYTES = 276_480
+QUANT_STUDY_LAYERS = 27
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,7 +87,7 @@ def codecs_table() -> str:
         size = f"{b['payload']} + {b['metadata']} = {b['total']}" + (f" (+{per_cache} B per cache)"
                                                                     if per_cache else "")
         bound = ERROR_BOUNDS[name]
-        rows.append((f"`{name}`", codec.description, size, codec.kpe, codec.seed_001 or "-",
+        rows.append((f"`{name}`", codec.description, size, codec.kpe, codec.quant_study or "-",
                      f"{num(bound.latent)} / {num(bound.attention)}", bound.reason))
     return _table(("codec", "layout", "B/token/layer (payload + metadata)", "k_pe", "seed 001 scheme",
                    "bound latent / attention", "why"), ("l", "l", "r", "l", "l", "r", "l"), rows)

@@ -447,8 +447,8 @@ def _codec_section(report) -> str | None:
             g = acc.get((t.get("backend"), codec))
             cells.append("" if g is None else f"{g:.4f}")
         out.append("| " + " | ".join(cells) + " |")
-        if f.get("seed_001"):
-            seed.append((codec, f["seed_001"]))
+        if f.get("quant_study"):
+            seed.append((codec, f["quant_study"]))
     if seed:
         out += ["", "The study's printed sizes count no scale or zero-point bytes. With them, per token over "
                     f"{layers} layers; *compression* is relative to the expanded BF16 cache (per-head K and V):", ""]

@@ -23,7 +23,7 @@ import torch
 from mla_conformance import checks
 from mla_conformance import reference as ref
 from mla_conformance.backends import cache_format_of, get_backend
-from mla_conformance.codecs import CODECS, ERROR_BOUNDS, SEED_001_SCHEMES, get_codec
+from mla_conformance.codecs import CODECS, ERROR_BOUNDS, QUANT_STUDY_SCHEMES, get_codec
 from mla_conformance.config import MLAConfig
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "models" / "tiny-mla"
@@ -86,10 +86,10 @@ def test_codec_bytes(mla_backend, codec, preset, dtype, mla_device, mla_figures)
                 assert per_token == 1152
             if codec == "fp8-e4m3-flashmla":
                 assert per_token == 656
-        for scheme, info in SEED_001_SCHEMES.items():
+        for scheme, info in QUANT_STUDY_SCHEMES.items():
             if "bytes_per_token_layer" in info and codec in (info["codec"], info["alt_codec"]):
                 seed_model = info["bytes_per_token_layer"] * 27
-                mla_figures["seed_001"] = {"scheme": scheme, "reported": info["reported"],
+                mla_figures["quant_study"] = {"scheme": scheme, "reported": info["reported"],
                                        "seed_model_bytes_per_token": seed_model,
                                        "seed_ratio_vs_expanded": 276_480 / seed_model,
                                        "honest_model_bytes_per_token": model,

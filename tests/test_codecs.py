@@ -163,7 +163,7 @@ def test_latent_quantization_rankings(mla_device, mla_figures):
     attn = {n: e["rel_fro"] for n, e in _reference_attention_errors(mla_device).items()}
     mla_figures["gaussian_latent"] = {"errors": gauss, **_rankings(gauss)}
     mla_figures["v2_lite_attention"] = {"errors": attn, **_rankings(attn)}
-    mla_figures["seed_001_reported_mean_abs"] = {k: v["mean_err"] for k, v in SEED_001_SCHEMES.items()}
+    mla_figures["quant_study_reported_mean_abs"] = {k: v["mean_err"] for k, v in QUANT_STUDY_SCHEMES.items()}
     if (MODEL_DIR / "config.json").is_file():
         t = _trained()
         for i in range(len(t["layers"])):
@@ -198,7 +198,7 @@ def test_codecs_cli_json(capsys):
         assert r["ratio_vs_latent"] == pytest.approx(1_152 / r["total"], abs=1e-4) and r["kpe"]
     assert {"none", "int8-g32", "int4-asym-g16", "int2-asym-g32", "fp8-e4m3-flashmla"} <= set(rows)
     assert rows["fp8-e4m3-flashmla"]["total"] == 656 and rows["none"]["total"] == 1152
-    seed = data["seed_001"]
+    seed = data["quant_study"]
     assert seed["expanded_bytes_per_token"] == 276_480
     prod, extreme = seed["schemes"]
     assert (prod["seed_model_bytes_per_token"], round(prod["seed_model_kib"], 1),
