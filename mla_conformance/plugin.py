@@ -174,6 +174,7 @@ def pytest_configure(config):
     ckpt = config.getoption("--mla-checkpoint")
     if ckpt:  # checked once, before any test: config, weights, tokenizer named as missing/corrupt
         from mla_conformance.checkpoint import validate_checkpoint
+        from mla_conformance.errors import MLAInputError
 
         try:
             validate_checkpoint(ckpt)

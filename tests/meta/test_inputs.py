@@ -100,3 +100,11 @@ def test_plugin_rejects_bad_device(capsys, monkeypatch):
                                       "--co", "-q")
     assert code == 4 and "--mla-device 'tpu'" in err and "Traceback" not in err + out
 
+
+
+def test_plugin_rejects_an_empty_checkpoint_directory(tmp_path, capsys, monkeypatch):
+    """--mla-checkpoint is validated once, before any test: one line naming what is missing, exit 4."""
+    code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_cache_bytes.py", "--mla-checkpoint",
+                                      str(tmp_path), "--co", "-q")
+    assert code == 4 and "--mla-checkpoint" in err and str(tmp_path) in err
+    assert "Traceback" not in err + out and "INTERNALERROR" not in err + out
