@@ -159,7 +159,29 @@ MARKERS = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    _benchmark_storage(config)  # first: pytest-benchmark creates its storage in its own pytest_configure
+    _configure(config)
+
+
+def _benchmark_storage(config) -> None:
+    """When this suite runs with its benchmarks deselected, give pytest-benchmark a throwaway storage so
+    no ``.benchmarks/`` is left in the current directory; another project's run is left alone."""
+    if getattr(config.option, "benchmark_storage", None) != "file://./.benchmarks" or _benchmark_selected(config):
+        return
+    pyargs = any(str(a).startswith("mla_conformance.suites") for a in config.args)
+    if not (pyargs or _options_given(config) or _covers_suite(config)):
+        return
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="mla-conformance-benchmarks-")
+    config.option.benchmark_storage = "file://" + tmp
+    config.add_cleanup(lambda: shutil.rmtree(tmp, ignore_errors=True))
+
+
+def _configure(config):
     # nothing is imported or resolved here unless an --mla option asks for it: bad options are a usage
     # error before any test runs; everything else waits until a test of the suite is collected
     # the suite's own markers, registered wherever the suites run (an installed wheel has no pyproject.toml)
