@@ -39,9 +39,11 @@ PRESET_NOTES = {
     "deepseek-v2-lite": "DeepSeek-V2-Lite attention: 16 heads, no q_lora, kv_lora 512, YaRN x40, 27 layers",
     "deepseek-v2": "DeepSeek-V2: 128 heads, q_lora 1536, kv_lora 512, YaRN x40, 60 layers",
     "deepseek-v3": "DeepSeek-V3: 128 heads, q_lora 1536, kv_lora 512, YaRN x40, 61 layers",
-    "deepseek-v3.2": "DeepSeek-V3.2 (same attention dims as V3; seed 004's KV budget)",
+    "deepseek-v3.2": "DeepSeek-V3.2 (V3's attention dims; seed 004's KV budget) with its DSA indexer: "
+                     "64 heads of 128, top-2048",
     "tiny": "4 heads, q_lora 64, kv_lora 64, YaRN x4 past 64 positions, 2 layers (fast CPU numerics)",
     "v3-mini": "V3 head dims (kv_lora 512, rope 64) with q_lora and 2 heads, YaRN x8 past 128 positions",
+    "tiny-dsa": "tiny with DeepSeek Sparse Attention: indexer 4 heads of 32, top-16 (selection bites from token 17)",
 }
 
 

@@ -38,6 +38,10 @@ class MLAConfig:
         rope_scaling: None, or the YaRN dict of config.json (rope_type "yarn", factor, ...).
         max_position_embeddings: the extended context length.
         num_hidden_layers: layers of the whole model (for whole-model byte figures only).
+        index_n_heads: DeepSeek Sparse Attention (V3.2): heads of the lightning indexer; None = dense MLA.
+        index_head_dim: width of the indexer's query heads and of its one key per token (128 in V3.2).
+        index_topk: tokens each query attends to after the indexer's selection (2048 in V3.2).
+            The three are set together or not at all; DSA needs q_lora (the indexer query reads its latent).
     """
 
     hidden_size: int
@@ -52,6 +56,9 @@ class MLAConfig:
     rope_scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int = 4096
     num_hidden_layers: int = 1
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
@@ -71,6 +78,21 @@ class MLAConfig:
                     if key not in rs:
                         raise MLAInputError(f"MLAConfig.rope_scaling (yarn) needs '{key}'")
             object.__setattr__(self, "rope_scaling", rs if kind == "yarn" else None)
+        dsa = {name: getattr(self, name) for name in DSA_FIELDS}
+        if any(v is not None for v in dsa.values()):
+            unset = [k for k, v in dsa.items() if v is None]
+            if unset:
+                raise MLAInputError(f"MLAConfig: DeepSeek Sparse Attention needs {', '.join(DSA_FIELDS)} together; "
+                                    f"{', '.join(unset)} unset")
+            for name, value in dsa.items():
+                if not isinstance(value, int) or value <= 0:
+                    raise MLAInputError(f"MLAConfig.{name} must be a positive integer, got {value!r}")
+            if self.q_lora_rank is None:
+                raise MLAInputError("MLAConfig: DeepSeek Sparse Attention needs q_lora_rank (the indexer's query "
+                                    "is projected from the q_lora latent)")
+            if self.index_head_dim < self.qk_rope_head_dim:
+                raise MLAInputError(f"MLAConfig.index_head_dim ({self.index_head_dim}) must be at least "
+                                    f"qk_rope_head_dim ({self.qk_rope_head_dim}): the indexer rotates that many dims")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -86,6 +108,11 @@ class MLAConfig:
     def expanded_dim(self) -> int:
         """Elements an expanded (naive) cache stores per token per layer: H x (qk_head + v)."""
         return self.num_attention_heads * (self.qk_head_dim + self.v_head_dim)
+
+    @property
+    def dsa(self) -> bool:
+        """True for DeepSeek Sparse Attention (a lightning indexer selects index_topk tokens per query)."""
+        return self.index_topk is not None
 
     @property
     def yarn(self) -> dict[str, Any] | None:
@@ -183,6 +210,7 @@ class MLAConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
                 num_hidden_layers=int(config.get("num_hidden_layers", 1)),
+                **_dsa_fields(config),
             )
         except KeyError as exc:
             raise CheckpointError(f"{source}: missing MLA field {exc.args[0]!r}") from None
@@ -191,6 +219,9 @@ class MLAConfig:
         """The attention fields in the config.json (old ``rope_scaling``) form."""
         d = dataclasses.asdict(self)
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        if not self.dsa:  # dense MLA: the dict is what it was before DSA fields existed
+            for name in DSA_FIELDS:
+                d.pop(name)
         return d
 
     def describe(self) -> str:
@@ -198,7 +229,25 @@ class MLAConfig:
         y = self.yarn
         rope = f"yarn x{y['factor']:g} from {y['original_max_position_embeddings']}" if y else "plain rope"
         return (f"hidden={self.hidden_size} heads={self.num_attention_heads} {q} kv_lora={self.kv_lora_rank} "
-                f"nope={self.qk_nope_head_dim} rope={self.qk_rope_head_dim} v={self.v_head_dim} {rope}")
+                f"nope={self.qk_nope_head_dim} rope={self.qk_rope_head_dim} v={self.v_head_dim} {rope}"
+                + (f" dsa(index_heads={self.index_n_heads} index_dim={self.index_head_dim} "
+                   f"topk={self.index_topk})" if self.dsa else ""))
+
+
+#: The DeepSeek Sparse Attention fields (Hugging Face DeepseekV32Config names); None = dense MLA.
+DSA_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
+
+#: transformers' DeepseekV32Config defaults (= DeepSeek-V3.2's published values), used for a
+#: ``model_type: deepseek_v32`` config.json that leaves a field out, as transformers itself would.
+_V32_DSA_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+
+
+def _dsa_fields(config: Mapping[str, Any]) -> dict[str, int]:
+    """The DSA fields of a HF (or DeepSeek reference, same names) config; {} for dense MLA."""
+    present = {k: config.get(k) for k in DSA_FIELDS if config.get(k) is not None}
+    if config.get("model_type") == "deepseek_v32":
+        present = {**_V32_DSA_DEFAULTS, **present}
+    return {k: int(v) for k, v in present.items()}
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -253,8 +302,11 @@ _V3_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings
 #: * ``v3-mini``: DeepSeek-V3 head dims (kv_lora 512, nope 128, rope 64, v 128) with q_lora (rank 96),
 #:   2 heads, hidden 256 and YaRN from 128 positions, so checks.SCENARIOS' long_context crosses
 #:   original_max_position_embeddings.
+#: * ``tiny-dsa``: ``tiny`` with DeepSeek Sparse Attention (4 indexer heads of 32, top-16), so selection
+#:   bites from the 17th token on CPU.
 #:
-#: Every preset has mscale == mscale_all_dim, as every published DeepSeek config does: YaRN's cos/sin
+#: ``deepseek-v3.2`` carries V3.2's published indexer (64 heads of 128, top-2048: DeepSeek-V3.2-Exp
+#: inference/config_671B_v3.2.json and transformers' DeepseekV32Config defaults). Every preset has mscale == mscale_all_dim, as every published DeepSeek config does: YaRN's cos/sin
 #: factor mscale(mscale)/mscale(mscale_all_dim) is then 1, a point on which transformers / DeepSeek-V2
 #: modeling and DeepSeek-V3's reference inference/model.py agree. Where they differ (mscale !=
 #: mscale_all_dim) is a stated convention, tested by suites/test_conventions.py, not imposed here.
@@ -274,7 +326,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3.2": dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
                           rope_theta=10000.0, rope_scaling=_V3_YARN, max_position_embeddings=163840,
-                          num_hidden_layers=61),
+                          num_hidden_layers=61, index_n_heads=64, index_head_dim=128, index_topk=2048),
     "tiny": dict(hidden_size=128, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rms_norm_eps=1e-6,
                  rope_theta=10000.0,
@@ -287,4 +339,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                     rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
                                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
                     max_position_embeddings=1024, num_hidden_layers=2),
+    "tiny-dsa": dict(hidden_size=128, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rms_norm_eps=1e-6,
+                     rope_theta=10000.0,
+                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                   "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.8},
+                     max_position_embeddings=256, num_hidden_layers=2,
+                     index_n_heads=4, index_head_dim=32, index_topk=16),
 }

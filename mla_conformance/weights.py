@@ -23,6 +23,14 @@ V3_REFERENCE_NAMES = {
     "kv_norm.weight": "kv_a_layernorm.weight",
     "wkv_b.weight": "kv_b_proj.weight",
     "wo.weight": "o_proj.weight",
+    # DeepSeek Sparse Attention (V3.2) indexer: the same names under both prefixes (DeepSeek-V3.2-Exp
+    # inference/convert.py maps wq_b/wk/k_norm/weights_proj to themselves), so only the prefix differs:
+    # model.layers.{L}.self_attn.indexer.* (HF) or layers.{L}.attn.indexer.* (reference).
+    "indexer.wq_b.weight": "indexer.wq_b.weight",
+    "indexer.wk.weight": "indexer.wk.weight",
+    "indexer.k_norm.weight": "indexer.k_norm.weight",
+    "indexer.k_norm.bias": "indexer.k_norm.bias",
+    "indexer.weights_proj.weight": "indexer.weights_proj.weight",
 }
 
 
@@ -40,6 +48,12 @@ def expected_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     shapes["kv_a_layernorm.weight"] = (c.kv_lora_rank,)
     shapes["kv_b_proj.weight"] = (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
     shapes["o_proj.weight"] = (c.hidden_size, c.num_attention_heads * c.v_head_dim)
+    if c.dsa:  # DeepSeek Sparse Attention's lightning indexer, transformers' DeepseekV32Indexer names
+        shapes["indexer.wq_b.weight"] = (c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+        shapes["indexer.wk.weight"] = (c.index_head_dim, c.hidden_size)
+        shapes["indexer.k_norm.weight"] = (c.index_head_dim,)   # a LayerNorm, with bias
+        shapes["indexer.k_norm.bias"] = (c.index_head_dim,)
+        shapes["indexer.weights_proj.weight"] = (c.index_n_heads, c.hidden_size)
     return shapes
 
 
@@ -55,7 +69,8 @@ class MLAWeights(Mapping):
         extra = sorted(set(tensors) - set(shapes))
         if extra:
             raise CheckpointError(f"{source}: unexpected tensor(s) {extra} for this config "
-                                  f"({'q_lora' if config.q_lora_rank else 'no q_lora'})")
+                                  f"({'q_lora' if config.q_lora_rank else 'no q_lora'}"
+                                  f"{', DSA' if config.dsa else ', dense: no indexer'})")
         for name, shape in shapes.items():
             if tuple(tensors[name].shape) != shape:
                 raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
@@ -106,14 +121,17 @@ class MLAWeights(Mapping):
 
         Linear layers have std 1/sqrt(fan_in) so projections of an RMS-normalised input stay of order
         one; the query gets a gain so attention is peaked rather than uniform (uniform attention would
-        hide position and masking bugs); norm weights are 1 + small noise; o_proj is scaled so outputs
-        are of order one, not tiny.
+        hide position and masking bugs); norm weights are 1 + small noise, norm biases (the DSA
+        indexer's k_norm) small noise; o_proj is scaled so outputs are of order one, not tiny. The indexer
+        tensors are drawn after the dense ones, so a DSA config's attention weights equal its dense twin's.
         """
         gen = torch.Generator().manual_seed(int(seed))
         tensors = {}
         gains = {"q_proj.weight": 2.0, "q_b_proj.weight": 2.0, "o_proj.weight": 3.0}
         for name, shape in expected_shapes(config).items():
-            if len(shape) == 1:
+            if name.endswith(".bias"):
+                t = 0.1 * torch.randn(shape, generator=gen, dtype=draw_dtype)
+            elif len(shape) == 1:
                 t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=draw_dtype)
             else:
                 t = torch.randn(shape, generator=gen, dtype=draw_dtype) / math.sqrt(shape[1])
@@ -127,7 +145,8 @@ class MLAWeights(Mapping):
         """Read one layer's attention tensors (and only those) from a safetensors checkpoint.
 
         Accepts Hugging Face names (``model.layers.{L}.self_attn.*``) and DeepSeek-V3 reference names
-        (``layers.{L}.attn.wq.weight`` ...). ``config`` defaults to the directory's config.json.
+        (``layers.{L}.attn.wq.weight`` ...); a DSA config also reads the indexer (``indexer.*``, the same
+        suffixes under either prefix). ``config`` defaults to the directory's config.json.
         """
         directory = Path(directory)
         ckpt = SafetensorsCheckpoint(directory)

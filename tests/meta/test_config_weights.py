@@ -126,3 +126,45 @@ def test_checkpoint_errors_name_file_and_tensor(tmp_path):
         MLAWeights.from_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         MLAWeights.from_checkpoint(tmp_path / "nope")
+
+
+# --------------------------------------------------------------------------- DeepSeek Sparse Attention fields
+
+
+def test_dsa_fields_published_and_dense_default(tmp_path):
+    v32 = MLAConfig.preset("deepseek-v3.2")
+    assert (v32.index_n_heads, v32.index_head_dim, v32.index_topk) == (64, 128, 2048) and v32.dsa
+    v3 = MLAConfig.preset("deepseek-v3")
+    assert not v3.dsa and "index_topk" not in v3.to_hf_dict() and "dsa" not in v3.describe()
+    assert "topk=2048" in v32.describe() and v32.to_hf_dict()["index_topk"] == 2048
+    assert MLAConfig.from_hf(v32.to_hf_dict()) == v32
+    tiny_dsa = MLAConfig.preset("tiny-dsa")
+    assert MLAConfig(**{**tiny_dsa.to_hf_dict(), "index_n_heads": None, "index_head_dim": None,
+                        "index_topk": None}) == MLAConfig.preset("tiny")
+    # a deepseek_v32 config.json without the fields gets transformers' DeepseekV32Config defaults
+    assert MLAConfig.from_hf({**v3.to_hf_dict(), "model_type": "deepseek_v32"}) == v32
+    with pytest.raises(MLAInputError, match="index_head_dim, index_topk unset"):
+        MLAConfig(**{**v3.to_hf_dict(), "index_n_heads": 4})
+    with pytest.raises(MLAInputError, match="needs q_lora_rank"):
+        MLAConfig(**{**MLAConfig.preset("deepseek-v2-lite").to_hf_dict(), "index_n_heads": 4,
+                     "index_head_dim": 64, "index_topk": 8})
+
+
+@pytest.mark.parametrize("names", ["hf", "v3"])
+def test_dsa_weights_random_and_checkpoint(tmp_path, names):
+    config = MLAConfig.preset("tiny-dsa")
+    w = MLAWeights.random(config, seed=0)
+    dense = MLAWeights.random(MLAConfig.preset("tiny"), seed=0)
+    assert all(torch.equal(w[k], dense[k]) for k in dense)  # indexer drawn after the dense tensors
+    assert {k for k in w if k.startswith("indexer.")} == {
+        "indexer.wq_b.weight", "indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
+        "indexer.weights_proj.weight"}
+    assert w["indexer.wq_b.weight"].shape == (4 * 32, 64) and w["indexer.weights_proj.weight"].shape == (4, 128)
+    assert w["indexer.k_norm.bias"].abs().max() < 1.0 and (w["indexer.k_norm.weight"] - 1).abs().max() < 1.0
+    with pytest.raises(CheckpointError, match="missing attention tensor"):
+        MLAWeights(config, dict(dense))
+    with pytest.raises(CheckpointError, match="dense: no indexer"):
+        MLAWeights(dense.config, dict(w))
+    written = _checkpoint(tmp_path, config, names=names)
+    loaded = MLAWeights.from_checkpoint(tmp_path, layer=1)
+    assert loaded.config == config and set(loaded) == set(written) and not loaded.changed_from(written)
