@@ -55,6 +55,10 @@ def test_builtins_float64_against_oracle(name, preset, mla_figures):
     for b in range(2):
         m = checks.error_metrics(out[b, : lengths[b]], ref[b, : lengths[b]])
         mla_figures[f"row{b}_rel_fro"] = m["rel_fro"]
+        if m["rel_fro"] > checks.ANCHOR_TOLERANCES[name] and getattr(backend, "diagnose", None):
+            known = backend.diagnose(w)  # a transformers release with the known YaRN mscale^2 defect (4.57, 5.14)
+            if known:
+                pytest.xfail(known)
         assert m["rel_fro"] <= checks.ANCHOR_TOLERANCES[name], f"{name} {preset} row {b}: {checks.format_metrics(m)}"
 
 
