@@ -427,9 +427,11 @@ def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decod
     expected = format_bytes_per_token(config, fmt, dtype, kv_codec)
     tensor_bytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     limit = bookkeeping_limit(batch, capacity, getattr(cache, "page_block_size", None))
-    book = {k: b for k, b in tensor_bytes.items() if is_bookkeeping(tensors[k], limit)}
-    storage = {k: b for k, b in tensor_bytes.items() if k not in book}
     written = written_bytes(tensors, masks)
+    # bookkeeping by structure (small); a buffer the tokens were written into is token storage whatever
+    # its size (a cache that grows holds one token in a buffer smaller than a block table)
+    book = {k: b for k, b in tensor_bytes.items() if is_bookkeeping(tensors[k], limit) and not written.get(k)}
+    storage = {k: b for k, b in tensor_bytes.items() if k not in book}
     total_written = sum(written.values())
     measured = total_written // tokens if tokens else 0
     active = int(call_backend(cache, "active_nbytes"))

@@ -295,6 +295,8 @@ def _failure_lines(report) -> list[str]:
 def _slots(f) -> str:
     if f.get("allocated_slots") is None or f.get("requested_slots") is None:
         return ""
+    if f.get("preallocated") is False:  # nothing allocated up front: the cache grows with the tokens
+        return f"grows: {_fmt_int(f['allocated_slots'])} now, {_fmt_int(f['requested_slots'])} requested"
     over = f.get("slot_overhead")
     if over is None and f["requested_slots"]:
         over = f["allocated_slots"] / f["requested_slots"]
@@ -329,7 +331,13 @@ def _bytes_lines(report) -> list[str]:
                        "(seed 000 printed 8.888…, 88.75%)")
     over = [t for t in report["tests"] if t.get("figures") and t["figures"].get("allocated_slots") is not None
             and t["figures"].get("requested_slots") is not None
-            and t["figures"]["allocated_slots"] != t["figures"]["requested_slots"]]
+            and t["figures"]["allocated_slots"] != t["figures"]["requested_slots"]
+            and t["figures"].get("preallocated") is not False]
+    growing = sorted({_backend_of(t) for t in report["tests"] if t.get("figures")
+                      and t["figures"].get("preallocated") is False and _backend_of(t)})
+    if growing:
+        out += ["", f"Caches that grow with the tokens (nothing preallocated, so no slot count to judge or "
+                    f"report): {', '.join(growing)}."]
     if over:
         out += ["", "### Slot overhead (a figure, not a failure)", "",
                 "Slot counts that differ from the requested capacity are the engine's allocation policy (pools, "
