@@ -258,6 +258,7 @@ def budget(config: MLAConfig, seq_len: int, *, dtype: str = "bfloat16", elem_byt
     tile = tile_account(config, block_h=block_h, block_n=block_n, threads=threads, stages=stages, elem_bytes=b)
     tile["smem_verdicts"] = {cap: smem_verdict(tile["smem_total_bytes"], cap) for cap in capabilities}
     return {
+        "dsa": dsa_bytes(config, seq_len, b),
         "preset": preset,
         "config": {k: getattr(config, k) for k in (
             "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -282,6 +283,41 @@ def budget(config: MLAConfig, seq_len: int, *, dtype: str = "bfloat16", elem_byt
         },
         "tile": tile,
     }
+
+
+#: The FP8 layouts of DeepSeek-V3.2's DSA cache (FlashMLA's sparse decode and DeepSeek's indexer):
+#: latent 512 x e4m3 + 4 x fp32 tile scales + 64 x bf16 rope = 656 B; indexer key 128 x e4m3 + one fp32
+#: scale per 128 values = 132 B.
+FP8_LATENT_SCALE_BLOCK = 128
+FP8_INDEXER_SCALE_BLOCK = 128
+
+
+def dsa_bytes(config: MLAConfig, seq_len: int, elem_bytes: float) -> dict[str, Any] | None:
+    """DeepSeek Sparse Attention's cache per token per layer, the latent and the lightning indexer's key
+    apart and together ("latent+indexer"), in the cache dtype and in the FP8 form; None for dense MLA.
+    The ``mla_latent`` row (seed 004's 1,152 B/token/layer for V3.2) is the latent alone."""
+    if getattr(config, "index_topk", None) is None:
+        return None
+    _int = _as_int_if_whole
+    d_c, d_r, d_i = config.kv_lora_rank, config.qk_rope_head_dim, config.index_head_dim
+    latent, indexer = _int(config.latent_dim * elem_bytes), _int(d_i * elem_bytes)
+    fp8_latent = d_c + 4 * math.ceil(d_c / FP8_LATENT_SCALE_BLOCK) + 2 * d_r
+    fp8_indexer = d_i + 4 * math.ceil(d_i / FP8_INDEXER_SCALE_BLOCK)
+    layers = config.num_hidden_layers
+
+    def block(lat, idx):
+        total = _int(lat + idx)
+        return {"latent_bytes_per_token_per_layer": lat, "indexer_bytes_per_token_per_layer": idx,
+                "total_bytes_per_token_per_layer": total,
+                "latent_sequence_bytes": _int(lat * layers * seq_len),
+                "indexer_sequence_bytes": _int(idx * layers * seq_len),
+                "total_sequence_bytes": _int(total * layers * seq_len),
+                "indexer_fraction_of_total": idx / total}
+
+    return {"index_n_heads": config.index_n_heads, "index_head_dim": d_i, "index_topk": config.index_topk,
+            "cache_dtype": block(latent, indexer), "fp8": block(fp8_latent, fp8_indexer),
+            "note": "mla_latent (seed 004's figure) is the latent alone; a DSA cache also holds one indexer key "
+                    "per token per layer (cache_format 'latent+indexer')"}
 
 
 def to_json(report: dict[str, Any]) -> str:
@@ -312,6 +348,18 @@ def format_report(report: dict[str, Any]) -> str:
                    f"{fmt_bytes(report['kv_bytes_per_token_model'][key]):>16} "
                    f"{fmt_bytes(report['sequence_bytes'][key]):>14} "
                    f"{report['fraction_of_mha'][key]:>8.2%} {report['arithmetic_intensity'][key]:>10.1f}")
+    dsa = report.get("dsa")
+    if dsa:
+        out += ["", f"DeepSeek Sparse Attention (indexer {dsa['index_n_heads']} heads x {dsa['index_head_dim']}, "
+                    f"top-{dsa['index_topk']:,}): the MLA latent row above is the latent alone (seed 004's "
+                    f"{dsa['cache_dtype']['latent_bytes_per_token_per_layer']:,} B/token/layer); the cache also "
+                    "holds one indexer key per token per layer"]
+        for key, label in (("cache_dtype", f"{report['dtype']}"), ("fp8", "FP8 (e4m3 + fp32 scales)")):
+            d = dsa[key]
+            out.append(f"  {label:<26} latent {d['latent_bytes_per_token_per_layer']:>6,} + indexer "
+                       f"{d['indexer_bytes_per_token_per_layer']:>4,} = {d['total_bytes_per_token_per_layer']:>6,} "
+                       f"B/token/layer; one sequence {fmt_bytes(d['latent_sequence_bytes'])} + "
+                       f"{fmt_bytes(d['indexer_sequence_bytes'])} = {fmt_bytes(d['total_sequence_bytes'])}")
     out += ["", "Balance point (peak FLOP/s / bandwidth) and query heads MLA decode needs to reach it:"]
     for hw in report["balance"].values():
         out.append(f"  {hw['name']:<20} {hw['peak_flops'] / 1e12:>7.1f} TFLOP/s {hw['bandwidth_bytes_per_s'] / 1e12:>5.2f} TB/s"

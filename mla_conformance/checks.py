@@ -375,17 +375,51 @@ def likely_cause_message(out, weights64, x64, lengths, calls, *, correct: float,
 # --------------------------------------------------------------------------- bytes
 
 
+def indexer_elements(config: MLAConfig, cache_format: str) -> int:
+    """Indexer-key elements per token of a format: index_head_dim for "latent+indexer", else 0."""
+    if cache_format != "latent+indexer":
+        return 0
+    if not config.dsa:
+        raise ValueError(f"cache_format 'latent+indexer' needs a DeepSeek Sparse Attention config (index_topk set); "
+                         f"this one is dense ({config.describe()})")
+    return config.index_head_dim
+
+
 def per_token_elements(config: MLAConfig, cache_format: str) -> int:
-    return config.latent_dim if cache_format == "latent" else config.expanded_dim
+    """Elements per stored token: latent (kv_lora + rope), expanded (H x (qk + v)), latent+indexer
+    (kv_lora + rope + index_head_dim)."""
+    if cache_format == "expanded":
+        return config.expanded_dim
+    return config.latent_dim + indexer_elements(config, cache_format)
+
+
+#: The FP8 indexer key of DeepSeek-V3.2 (with kv_codec fp8-e4m3-flashmla): e4m3 values plus one float32
+#: scale per block of FP8_INDEXER_BLOCK values (128 + 4 = 132 B at index_head_dim 128).
+FP8_INDEXER_BLOCK = 128
+
+
+def indexer_bytes_per_token(config: MLAConfig, cache_format: str, dtype: torch.dtype, kv_codec: str = "none") -> int:
+    """Bytes of the indexer key per token: 0 unless "latent+indexer"; FP8 + fp32 block scales with
+    kv_codec "fp8-e4m3-flashmla"; else index_head_dim elements in the cache dtype."""
+    n = indexer_elements(config, cache_format)
+    if not n:
+        return 0
+    if kv_codec == "fp8-e4m3-flashmla":
+        return n + 4 * math.ceil(n / FP8_INDEXER_BLOCK)
+    return n * torch.empty(0, dtype=dtype).element_size()
 
 
 def format_bytes_per_token(config: MLAConfig, cache_format: str, dtype: torch.dtype, kv_codec: str = "none") -> int:
-    """Bytes one stored token takes in the declared format (a codec's payload + metadata)."""
+    """Bytes one stored token takes in the declared format (a codec's payload + metadata), the indexer
+    key included for "latent+indexer" (1,408 B in BF16 at 512/64/128; 656 + 132 = 788 B with
+    kv_codec fp8-e4m3-flashmla and its FP8 indexer; other codecs quantize the latent only)."""
+    indexer = indexer_bytes_per_token(config, cache_format, dtype, kv_codec)
     if kv_codec != "none":
         from mla_conformance.codecs import get_codec
 
-        return get_codec(kv_codec).bytes_per_token(config, dtype)["total"]
-    return per_token_elements(config, cache_format) * torch.empty(0, dtype=dtype).element_size()
+        return get_codec(kv_codec).bytes_per_token(config, dtype)["total"] + indexer
+    return config.expanded_dim * torch.empty(0, dtype=dtype).element_size() if cache_format == "expanded" else \
+        config.latent_dim * torch.empty(0, dtype=dtype).element_size() + indexer
 
 
 def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decode: int, batch: int,

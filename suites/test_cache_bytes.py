@@ -46,3 +46,18 @@ def test_bytes_formula_v3_dims(mla_backend, preset, mla_device, mla_figures):
     got = checks.cache_bytes(mla_backend, preset, torch.bfloat16, prefill=4, decode=1, batch=1, capacity=8,
                              device=mla_device, figures=mla_figures)
     assert got["per_token_bytes"] == (1_152 if got["cache_format"] == "latent" else 81_920)
+
+
+@pytest.mark.mla_section("cache-bytes")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("prefill,decode,batch", [(1, 0, 1), (6, 2, 3)])
+def test_bytes_formula_dsa(mla_backend, dtype, prefill, decode, batch, mla_device, mla_figures):
+    """DeepSeek Sparse Attention (tiny-dsa, index_topk set): the same byte rule; a "latent+indexer" cache holds
+    kv_lora + rope + index_head_dim elements per token (the indexer keys counted: 1,408 B in BF16 at
+    512/64/128). Backends that do not accept an index_topk config skip with their own sentence."""
+    got = checks.cache_bytes(mla_backend, "tiny-dsa", checks.DTYPES[dtype], prefill=prefill, decode=decode,
+                             batch=batch, capacity=16, device=mla_device, figures=mla_figures)
+    if got["cache_format"] == "latent+indexer":
+        config = MLAConfig.preset("tiny-dsa")
+        assert got["bytes_per_token"] == (config.latent_dim + config.index_head_dim) * \
+            torch.empty(0, dtype=checks.DTYPES[dtype]).element_size()

@@ -92,6 +92,13 @@ def test_cli_json(capsys):
     assert round(data["balance"]["h100_sxm_seed004"]["mla_heads_needed"]) == 176
     assert data["tile"]["acc_regs_per_thread"] == 144
     assert data["tile"]["smem_total_bytes"] == 294_912
+    # DSA: the latent (seed 004's 1,152) and the indexer key apart and together, BF16 and FP8
+    dsa = data["dsa"]
+    assert (dsa["cache_dtype"]["latent_bytes_per_token_per_layer"], dsa["cache_dtype"]["indexer_bytes_per_token_per_layer"],
+            dsa["cache_dtype"]["total_bytes_per_token_per_layer"]) == (1_152, 256, 1_408)
+    assert (dsa["fp8"]["latent_bytes_per_token_per_layer"], dsa["fp8"]["indexer_bytes_per_token_per_layer"],
+            dsa["fp8"]["total_bytes_per_token_per_layer"]) == (656, 132, 788)
+    assert dsa["cache_dtype"]["total_sequence_bytes"] == 1_408 * 61 * 8192
 
 
 def test_cli_table(capsys):
@@ -100,6 +107,12 @@ def test_cli_table(capsys):
     assert main(["budget", "--preset", "deepseek-v3.2", "--seq", "8192"]) == 0
     out = capsys.readouterr().out
     assert "549.00 MiB" in out and "241.8" in out and "294,912" in out
+    assert "latent alone (seed 004's 1,152 B/token/layer)" in out and "1,152 + indexer  256 =  1,408" in out
+    assert "656 + indexer  132 =    788" in out
+
+
+def test_dense_config_has_no_dsa_block():
+    assert B.budget(MLAConfig.preset("deepseek-v3"), 1024)["dsa"] is None
 
 
 def test_cli_unknown_preset(capsys):

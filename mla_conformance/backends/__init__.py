@@ -47,8 +47,16 @@ What the suite does around a backend (the rules of :mod:`mla_conformance.cache.m
 
 Optional parts, detected and never assumed:
 
-* ``cache_format`` on the backend or the cache: ``"latent"`` (default) or ``"expanded"``; byte checks
-  hold the cache to the per-token formula of the format it declares.
+* ``cache_format`` on the backend or the cache: ``"latent"`` (default), ``"expanded"`` or
+  ``"latent+indexer"`` (DeepSeek Sparse Attention: the latent plus one indexer key of ``index_head_dim``
+  elements per token); byte checks hold the cache to the per-token formula of the format it declares
+  (:func:`mla_conformance.checks.format_bytes_per_token`).
+* DeepSeek Sparse Attention (V3.2): a backend opts in by accepting a config with ``index_topk`` set (one
+  that does not says so in ``unsupported_reason`` and the DSA tests skip with that sentence). Its
+  ``attend`` scores every cached token with the lightning indexer, keeps the top-min(index_topk, len)
+  per query (causal) and attends over those only. Optionally the cache (or the backend) exposes the last
+  ``attend`` call's selection as ``last_topk_indices``: int64 [B, S, index_topk], key slots (positions)
+  by any order, unused slots -1; the DSA tests then check the selected set against the oracle's.
 * ``kv_codec`` values other than ``"none"`` (quantized caches): a backend that cannot do one says so
   in ``unsupported_reason`` and the suite skips with that sentence.
 * ``supports_paging = True`` with ``new_cache(..., page_block_size=N)`` (paged latent cache).
@@ -77,10 +85,11 @@ BUILTINS: dict[str, str] = {
     "reference-absorbed": "mla_conformance.backends.reference:ReferenceAbsorbed",
     "hf-transformers": "mla_conformance.backends.hf:HFTransformers",
     "flashmla": "mla_conformance.backends.flashmla:FlashMLA",
+    "reference-dsa": "mla_conformance.backends.reference:ReferenceDSA",
 }
 
 #: Backends a default run checks.
-DEFAULT_BACKENDS = ("reference-naive", "reference-absorbed", "hf-transformers")
+DEFAULT_BACKENDS = ("reference-naive", "reference-absorbed", "hf-transformers", "reference-dsa")
 
 REQUIRED_METHODS = ("unsupported_reason", "new_cache", "attend")
 
@@ -154,14 +163,27 @@ def get_backend(spec: str):
     return obj
 
 
+#: Cache formats a backend may declare (``cache_format``).
+CACHE_FORMATS = ("latent", "expanded", "latent+indexer")
+
+
+def dense_only_reason(name: str, config) -> str | None:
+    """The sentence of a dense-MLA backend asked for a DeepSeek Sparse Attention config (index_topk set)."""
+    if getattr(config, "index_topk", None) is None:
+        return None
+    return (f"{name} implements dense MLA; this config has DeepSeek Sparse Attention (index_topk "
+            f"{config.index_topk}: a lightning indexer selects the keys each query attends to), which it does "
+            "not implement (reference-dsa does)")
+
+
 def cache_format_of(backend, cache=None) -> str:
     """The cache format a backend declares: on the cache, else on the backend, else "latent"."""
     for owner in (cache, backend):
         fmt = getattr(owner, "cache_format", None) if owner is not None else None
         if fmt is not None:
-            if fmt not in ("latent", "expanded"):
+            if fmt not in CACHE_FORMATS:
                 raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: cache_format {fmt!r} "
-                                       "is neither 'latent' nor 'expanded'")
+                                       f"is not one of {', '.join(map(repr, CACHE_FORMATS))}")
             return fmt
     return "latent"
 

@@ -79,6 +79,9 @@ class FlashMLA:
 
     # ------------------------------------------------------------------ gating
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if getattr(config, "dsa", False):
+            return (f"this backend drives FlashMLA's dense decode; DeepSeek Sparse Attention (index_topk "
+                    f"{config.index_topk}) needs flashmla/sparse_decode with top-k indices, not implemented here")
         if kv_codec == FP8_CODEC:
             return (f"FlashMLA's FP8 cache ({FP8_CODEC}, 656 bytes/token) runs in the sparse decode kernel "
                     "(flashmla/sparse_decode: flash_mla_with_kvcache with top-k indices and is_fp8_kvcache), "

@@ -159,6 +159,10 @@ class HFTransformers:
         self._modules: dict = {}
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if config.dsa:
+            return (f"hf-transformers drives transformers' DeepseekV2Attention (dense MLA); DeepSeek Sparse "
+                    f"Attention configs (index_topk {config.index_topk}) through DeepseekV32Attention are not "
+                    "wired into this backend yet")
         if kv_codec != "none":
             return (f"hf-transformers caches what transformers' DynamicCache stores; it has no quantized "
                     f"latent codec, so kv_codec {kv_codec!r} is not supported")

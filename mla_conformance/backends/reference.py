@@ -1,4 +1,5 @@
-"""Built-in reference backends: ``reference-naive`` (expanded K/V cache) and ``reference-absorbed``.
+"""Built-in reference backends: ``reference-naive`` (expanded K/V cache), ``reference-absorbed`` and
+``reference-dsa`` (DeepSeek Sparse Attention over a latent + indexer-key cache).
 
 Both preallocate ``capacity`` slots per row (hence seed 000's allocated figures) and differ only in
 what they cache and in which of the two attention paths of :mod:`mla_conformance.reference` they run.
@@ -9,11 +10,13 @@ from __future__ import annotations
 import torch
 
 from mla_conformance import reference as ref
-from mla_conformance.cache import LatentSlotCache, PagedLatentCache, QuantizedLatentCache, SlotCache
+from mla_conformance.backends import dense_only_reason
+from mla_conformance.cache import (IndexerLatentCache, LatentSlotCache, PagedLatentCache, QuantizedLatentCache,
+                                   SlotCache)
 from mla_conformance.codecs import get_codec
 from mla_conformance.weights import MLAWeights
 
-__all__ = ["ReferenceNaive", "ReferenceAbsorbed", "SlotCache", "LatentSlotCache"]
+__all__ = ["ReferenceNaive", "ReferenceAbsorbed", "ReferenceDSA", "SlotCache", "LatentSlotCache", "IndexerLatentCache"]
 
 
 class _ReferenceBackend:
@@ -21,6 +24,8 @@ class _ReferenceBackend:
     kv_codecs: tuple[str, ...] = ("none",)
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if dense_only_reason(self.name, config):
+            return dense_only_reason(self.name, config)
         if kv_codec not in self.kv_codecs:
             return (f"{self.name} stores an unquantized cache; kv_codec {kv_codec!r} is not supported "
                     "(reference-absorbed implements the quantized codecs)")
@@ -74,6 +79,8 @@ class ReferenceAbsorbed(_ReferenceBackend):
     supports_paging = True
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if dense_only_reason(self.name, config):
+            return dense_only_reason(self.name, config)
         if not torch.empty(0, dtype=dtype).is_floating_point():
             return f"{self.name} needs a floating-point dtype, got {dtype}"
         if kv_codec == "none":
@@ -102,5 +109,72 @@ class ReferenceAbsorbed(_ReferenceBackend):
         allowed = cache.allowed(lengths, new_lens, hidden_states.shape[1], T)
         c_all, kpe_all = cache.read_latent(T, new_lens)
         out = ref.absorbed_scores_and_mix(weights, q_nope, q_pe, c_all, kpe_all, allowed)
+        cache.commit(new_lens)
+        return out.to(hidden_states.dtype)
+
+
+class ReferenceDSA(ReferenceAbsorbed):
+    """DeepSeek Sparse Attention (V3.2): caches the normed latent c, the rotated k_pe and the lightning
+    indexer's key per token (``cache_format = "latent+indexer"``: kv_lora + rope + index_head_dim elements,
+    1,408 B per token in BF16 at 512/64/128), scores every cached token with the indexer, keeps the
+    top-min(index_topk, len) per query (causal) and runs absorbed MLA over the selected tokens only.
+
+    Dense configs (index_topk None) are declined with a sentence: reference-absorbed is that backend.
+    Indexer scores and selection run in float32 (float64 for a float64 cache) over the cached keys, as
+    DeepSeek's kernels accumulate them; no FP8 indexer (kv_codec other than "none" is declined). The
+    last call's selection is on the cache as ``last_topk_indices`` ([B, S, index_topk] int64, -1 padded).
+    """
+
+    name = "reference-dsa"
+    cache_format = "latent+indexer"
+    supports_paging = False
+    #: the indexer's RoPE layout: "half" (rotate-half, DeepSeek's corrected V3.2 code and transformers)
+    indexer_rope_layout = "half"
+
+    def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if not config.dsa:
+            return (f"{self.name} implements DeepSeek Sparse Attention only (index_topk set); this config is dense "
+                    "MLA, which reference-absorbed implements")
+        if not torch.empty(0, dtype=dtype).is_floating_point():
+            return f"{self.name} needs a floating-point dtype, got {dtype}"
+        if kv_codec != "none":
+            return (f"{self.name} stores an unquantized latent + indexer cache; kv_codec {kv_codec!r} (an FP8 "
+                    "latent and indexer, 788 B/token with fp8-e4m3-flashmla) is not implemented")
+        return None
+
+    def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none", page_block_size=None):
+        if page_block_size is not None:
+            raise ValueError(f"{self.name} has no paged cache")
+        return IndexerLatentCache.allocate(config, batch_size=batch_size, capacity=capacity, dtype=dtype,
+                                           device=device)
+
+    def select(self, weights, hidden_states, positions, cache, lengths, new_lens, allowed):
+        """Write this call's indexer keys; return the selection [B, S, index_topk] (-1 padded)."""
+        q_i, k_i, w_i = ref.indexer_project(weights, hidden_states, positions, rope_layout=self.indexer_rope_layout)
+        cache.write("index_k", k_i, lengths)
+        T = allowed.shape[-1]
+        acc = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+        k_all = cache.read("index_k", T, new_lens).to(acc)
+        scores = ref.indexer_scores(q_i.to(acc), k_all, w_i.to(acc), allowed)
+        return self.topk(scores, weights.config.index_topk)
+
+    def topk(self, scores, topk):
+        idx = ref.select_topk(scores, topk)
+        if idx.shape[-1] < topk:
+            idx = torch.nn.functional.pad(idx, (0, topk - idx.shape[-1]), value=-1)
+        return idx
+
+    def attend(self, weights, hidden_states, positions, cache, lengths=None):
+        self._check(weights, hidden_states)
+        lengths, new_lens = cache.write_plan(positions, lengths)
+        q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
+        cache.write_latent(c, k_pe, lengths)
+        T = int(new_lens.max())
+        allowed = cache.allowed(lengths, new_lens, hidden_states.shape[1], T)
+        idx = self.select(weights, hidden_states, positions, cache, lengths, new_lens, allowed)
+        c_all, kpe_all = cache.read_latent(T, new_lens)
+        out = ref.absorbed_scores_and_mix(weights, q_nope, q_pe, c_all, kpe_all,
+                                          allowed & ref.selection_mask(idx, T))
+        cache.last_topk_indices = idx
         cache.commit(new_lens)
         return out.to(hidden_states.dtype)

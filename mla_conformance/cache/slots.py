@@ -142,3 +142,24 @@ class LatentSlotCache(SlotCache):
         default seq_lens)."""
         lens = self.seq_lens if new_lens is None else new_lens
         return self.read("kv_latent", T, lens), self.read("k_pe", T, lens)
+
+
+class IndexerLatentCache(LatentSlotCache):
+    """DeepSeek Sparse Attention's cache (``cache_format = "latent+indexer"``): the latent buffers plus
+    ``index_k`` [B, capacity, index_head_dim], the lightning indexer's key per token (rotated and
+    Hadamard-transformed, in the cache dtype). Reads select zeros past each row's length like the others.
+
+    ``last_topk_indices``: the last attend call's selection, [B, S, index_topk] int64, -1 padded (None
+    before the first call).
+    """
+
+    last_topk_indices = None
+
+    @classmethod
+    def allocate(cls, config, *, batch_size: int, capacity: int, dtype, device) -> "IndexerLatentCache":
+        if not getattr(config, "dsa", False):
+            raise ValueError("an indexer cache needs a DeepSeek Sparse Attention config (index_topk set)")
+        cache = super().allocate(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device)
+        cache._buffers["index_k"] = torch.zeros(batch_size, capacity, config.index_head_dim, dtype=dtype,
+                                                device=device)
+        return cache

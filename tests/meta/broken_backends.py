@@ -14,8 +14,8 @@ import dataclasses
 import torch
 
 from mla_conformance import reference as ref
-from mla_conformance.backends.reference import ReferenceAbsorbed, ReferenceNaive
-from mla_conformance.cache import LatentSlotCache
+from mla_conformance.backends.reference import ReferenceAbsorbed, ReferenceDSA, ReferenceNaive
+from mla_conformance.cache import IndexerLatentCache, LatentSlotCache
 
 
 class _Absorbed(ReferenceAbsorbed):
@@ -350,3 +350,42 @@ class MissingMscaleSquared(_Absorbed):
         cfg = weights.config
         factor = cfg.qk_head_dim ** -0.5 / cfg.softmax_scale  # scores scale linearly with q
         return super().mix(weights, q_nope * factor, q_pe * factor, c, k_pe, allowed)
+
+
+# --------------------------------------------------------------------------- DeepSeek Sparse Attention
+
+
+class InterleavedIndexerRope(ReferenceDSA):
+    """The indexer's RoPE in MLA's interleaved layout -- the first V3.2-Exp inference demo's code, corrected by
+    DeepSeek on 2025-11-18 (SGLang #13530, vLLM #28968): the indexer must rotate non-interleaved halves."""
+
+    name = "broken-dsa-interleaved-indexer-rope"
+    indexer_rope_layout = "interleaved"
+
+
+class TopkOffByOne(ReferenceDSA):
+    """Keeps index_topk - 1 keys once a query sees index_topk or more (an off-by-one at the top-k boundary,
+    the class of mlx-lm #1443's collapse exactly at index_topk)."""
+
+    name = "broken-dsa-topk-off-by-one"
+
+    def topk(self, scores, topk):
+        idx = super().topk(scores, topk)
+        full = (idx >= 0).sum(-1, keepdim=True) >= topk
+        return torch.where(full & (torch.arange(idx.shape[-1]) == topk - 1), torch.full_like(idx, -1), idx)
+
+
+class _IndexerKeysHiddenCache(IndexerLatentCache):
+    def tensors(self):
+        return {k: v for k, v in self._buffers.items() if k != "index_k"}
+
+
+class IndexerKeysHidden(ReferenceDSA):
+    """Declares latent+indexer but leaves the indexer keys out of tensors(): 22 % of the cache unreported."""
+
+    name = "broken-dsa-indexer-keys-hidden"
+
+    def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none", page_block_size=None):
+        cache = super().new_cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device)
+        cache.__class__ = _IndexerKeysHiddenCache
+        return cache

@@ -126,6 +126,9 @@ class IndependentMLA:
     cache_format = "latent"
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec) -> Optional[str]:
+        if getattr(config, "index_topk", None) is not None:
+            return ("this backend implements dense MLA, not DeepSeek Sparse Attention "
+                    f"(index_topk {config.index_topk})")
         if kv_codec != "none":
             return (f"this backend only stores the uncompressed latent "
                     f"(kv_codec {kv_codec!r} unsupported)")

@@ -19,6 +19,9 @@ BROKEN = {
     "int8-codec": (f"{HERE}/broken_caches.py:BadInt8Codec", "broken-int8-codec"),
     "leaky-pages": (f"{HERE}/broken_caches.py:LeakyPages", "broken-leaky-pages"),
     "paged-bytes": (f"{HERE}/broken_caches.py:PagedBytesUncounted", "broken-paged-bytes"),
+    "dsa-interleaved-rope": (f"{HERE}/broken_backends.py:InterleavedIndexerRope", "broken-dsa-interleaved-indexer-rope"),
+    "dsa-topk-off-by-one": (f"{HERE}/broken_backends.py:TopkOffByOne", "broken-dsa-topk-off-by-one"),
+    "dsa-keys-hidden": (f"{HERE}/broken_backends.py:IndexerKeysHidden", "broken-dsa-indexer-keys-hidden"),
 }
 
 #: correct backends written independently of the reference: on their cells (every cell's first
@@ -28,6 +31,7 @@ CORRECT = {
     "independent": (f"{HERE}/independent_backend.py:IndependentMLA", "independent-absorbed"),
     "overallocating": (f"{HERE}/broken_caches.py:OverAllocating", "independent-overallocating"),
     "v3-style": (f"{HERE}/v3_reference_backend.py:DeepSeekV3StyleMLA", "deepseek-v3-style"),
+    "reference-dsa": ("reference-dsa", "reference-dsa"),
 }
 CORRECT_TESTS = {
     "independent": "all but V3 dims",  # every cell but the V3-dims bytes (2 s of weights; same rule as bytes_formula)
@@ -36,6 +40,8 @@ CORRECT_TESTS = {
                  "suites/test_conventions.py::test_yarn_rope_attention_factor_convention",
                  "suites/test_checkpoint.py::test_prefill_decode_on_checkpoint",
                  "suites/test_generation_golden.py::test_golden_generation", "suites/test_cache_bytes.py::test_seed_table"),
+    "reference-dsa": ("suites/test_dsa.py::test_sparse_attention", "suites/test_dsa.py::test_short_context_is_dense",
+                      "suites/test_dsa.py::test_selection", "suites/test_cache_bytes.py::test_bytes_formula_dsa"),
 }
 
 #: conformance test (file::function) -> [(broken key, the parametrisation after the backend name)]
@@ -43,6 +49,11 @@ KILL_MATRIX = {
     "suites/test_cache_bytes.py::test_seed_table": [("expanded-uint8", "")],
     "suites/test_cache_bytes.py::test_bytes_formula": [("lying-bytes", "-6-2-3-float32-tiny")],
     "suites/test_cache_bytes.py::test_bytes_formula_v3_dims": [("lying-bytes", "-deepseek-v3")],
+    "suites/test_cache_bytes.py::test_bytes_formula_dsa": [("dsa-keys-hidden", "-6-2-3-bfloat16")],
+    "suites/test_dsa.py::test_sparse_attention": [("dsa-interleaved-rope", "-float32-prefill"),
+                                                  ("dsa-topk-off-by-one", "-float32-varlen_batch")],
+    "suites/test_dsa.py::test_short_context_is_dense": [("dsa-topk-off-by-one", "-0-prefill")],
+    "suites/test_dsa.py::test_selection": [("dsa-interleaved-rope", "-prefill")],
     "suites/test_numerics.py::test_against_float64": [("decode-position", "-float32-prefill_decode-tiny"),
                                                       ("rope-layout", "-bfloat16-varlen_batch-v3-mini")],
     "suites/test_numerics.py::test_float16": [("kv-b-swapped", "-tiny")],

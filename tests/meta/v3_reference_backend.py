@@ -128,6 +128,9 @@ class DeepSeekV3StyleMLA:
         self._freqs: dict = {}
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec) -> Optional[str]:
+        if getattr(config, "index_topk", None) is not None:
+            return ("the DeepSeek-V3-style backend implements dense MLA, not DeepSeek Sparse Attention "
+                    f"(index_topk {config.index_topk})")
         if kv_codec != "none":
             return f"the DeepSeek-V3-style cache stores the plain latent only (kv_codec {kv_codec!r})"
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

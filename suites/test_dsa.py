@@ -1,0 +1,196 @@
+"""DeepSeek Sparse Attention (V3.2): the lightning indexer's selection and sparse MLA, through the contract.
+
+A backend opts in by accepting a config with ``index_topk`` (others skip with their own sentence). On
+``tiny-dsa`` (index_topk 16), with contexts of several x index_topk so that selection bites:
+
+* the output against the float64 sparse oracle (``sparse_attention_f64``: indexer in the rotate-half RoPE
+  layout, top-min(k, len) per query, absorbed MLA over the selection) on prefill, prefill + decode and a
+  varlen batch, to the dtype's tolerance of checks.TOLERANCES; queries whose oracle selection is not unique
+  (the k-th and (k+1)-th scores tie: ReLU makes exact-zero ties common) are left out of the comparison
+  and counted (``tied_queries_not_compared``), their selection being judged by test_selection;
+* len <= index_topk selects every key, so DSA equals dense MLA (``reference_attention_f64``): checked at
+  index_topk - 1 and index_topk, and at index_topk + 1 against the sparse oracle (the last query drops
+  one key), on prefill and on decode steps crossing the boundary;
+* where the cache (or the backend) exposes ``last_topk_indices`` (optional): the selected set equals the
+  oracle's, allowing swaps only among keys whose oracle scores tie with the k-th within the dtype's
+  tolerance; valid count min(k, len); unused slots -1.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from mla_conformance import checks
+from mla_conformance.checks import Scenario
+from mla_conformance.reference import (indexer_scores_f64, reference_attention_f64, selection_mask,
+                                       sparse_attention_f64)
+
+PRESET = "tiny-dsa"
+TOPK = 16  # tiny-dsa's index_topk
+
+SCENARIOS = {
+    "prefill": Scenario("dsa_prefill", (80,)),
+    "prefill_decode": Scenario("dsa_prefill_decode", (64,), decode_steps=6),
+    "varlen_batch": Scenario("dsa_varlen_batch", (70, 40, 20), decode_steps=3),
+}
+
+#: score ties: keys whose float64 oracle scores lie within this fraction of the query's largest |score| of
+#: the k-th selected score may be swapped (the backend's own rounding decides between them)
+TIE_TOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 1e-2, "float16": 5e-3}
+
+
+def _boundary(offset: int, mode: str) -> Scenario:
+    n = TOPK + offset
+    return Scenario(f"topk{offset:+d}_{mode}", (n,) if mode == "prefill" else (n - 4,),
+                    decode_steps=0 if mode == "prefill" else 4)
+
+
+@functools.lru_cache(maxsize=16)
+def _oracle(scenario: Scenario, dtype: torch.dtype, dense: bool) -> torch.Tensor:
+    w = checks._weights(PRESET, 0)
+    x = checks.inputs_for(w.config, scenario).to(dtype).to(torch.float64)
+    lengths = checks.scenario_lengths(scenario)
+    return (reference_attention_f64 if dense else sparse_attention_f64)(w, x, lengths)
+
+
+@functools.lru_cache(maxsize=4)
+def _oracle_scores(scenario: Scenario, dtype: torch.dtype) -> torch.Tensor:
+    w = checks._weights(PRESET, 0)
+    x = checks.inputs_for(w.config, scenario).to(dtype).to(torch.float64)
+    return indexer_scores_f64(w, x, checks.scenario_lengths(scenario))
+
+
+def _run(backend, scenario, dtype, device, trace=None):
+    w = checks.weights_for(PRESET, dtype, device)
+    checks.require_support(backend, w.config, dtype=dtype, device=device)
+    x = checks.inputs_for(w.config, scenario)
+    out, cache = checks.run_scenario(backend, w, x, scenario, device=device, trace=trace)
+    return out, cache
+
+
+@functools.lru_cache(maxsize=8)
+def _ambiguous(scenario: Scenario, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T] bool: queries whose oracle selection is not unique -- the k-th and (k+1)-th scores tie within
+    TIE_TOL (ReLU makes exact-zero ties common: every head negative). Which of the tied keys a backend keeps
+    is its own choice (test_selection allows the swap), so those queries' outputs are not compared."""
+    scores = _oracle_scores(scenario, dtype)
+    B, T, _ = scores.shape
+    out = torch.zeros(B, T, dtype=torch.bool)
+    tol = TIE_TOL[checks.dtype_name(dtype)]
+    for b in range(B):
+        for p in range(TOPK, T):
+            s = scores[b, p, :p + 1]
+            v = s.topk(TOPK + 1).values
+            out[b, p] = bool(v[-2] - v[-1] <= tol * float(s.abs().max()))
+    return out
+
+
+def _compare(backend, out, ref, scenario, dtype, what, figures, skip=None):
+    __tracebackhide__ = True
+    lengths = checks.scenario_lengths(scenario)
+    valid = torch.arange(out.shape[1])[None, :] < lengths[:, None]
+    if skip is not None:
+        figures["tied_queries_not_compared"] = int((skip & valid).sum())
+        valid = valid & ~skip
+    m = checks.error_metrics(out[valid], ref[valid])
+    tol = checks.TOLERANCES[checks.dtype_name(dtype)]
+    figures.update(m)
+    figures.update(checks.tolerance_figures(tol))
+    for b in range(scenario.batch):
+        keep = valid[b].nonzero().flatten()
+        mb = checks._row_metrics(out[b, keep], ref[b, keep])
+        if not (mb["rel_fro"] <= tol.rel_fro and mb["max_rel"] <= tol.max_rel):
+            worst = int(keep[int((out[b, keep] - ref[b, keep]).abs().amax(-1).argmax())])
+            raise AssertionError(
+                f"{backend.name} {PRESET} {scenario.name} {checks.dtype_name(dtype)}: row {b} differs from {what} "
+                f"beyond the tolerance: rel_fro {mb['rel_fro']:.3e} (tolerance {tol.rel_fro:g}), max_abs/rms "
+                f"{mb['max_rel']:.3e} (tolerance {tol.max_rel:g}); worst token at position {worst} of "
+                f"{int(lengths[b])} (index_topk {TOPK}: a wrong indexer -- e.g. its RoPE in the interleaved layout "
+                f"instead of rotate-half -- selects other keys)")
+    return m
+
+
+@pytest.mark.mla_section("dsa")
+@pytest.mark.parametrize("dtype,scenario", [("float32", "prefill"), ("float32", "prefill_decode"),
+                                            ("float32", "varlen_batch"), ("bfloat16", "varlen_batch")])
+def test_sparse_attention(mla_backend, scenario, dtype, mla_device, mla_figures):
+    """Sparse attention output vs the float64 sparse oracle (the oracle's own selection) at contexts of
+    several x index_topk."""
+    sc, dt = SCENARIOS[scenario], checks.DTYPES[dtype]
+    out, _ = _run(mla_backend, sc, dt, mla_device)
+    _compare(mla_backend, out, _oracle(sc, dt, False), sc, dt, "the float64 sparse oracle", mla_figures,
+             skip=_ambiguous(sc, dt))
+
+
+@pytest.mark.mla_section("dsa")
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("offset", [-1, 0, 1])
+def test_short_context_is_dense(mla_backend, offset, mode, mla_device, mla_figures):
+    """len <= index_topk: every key is selected, DSA == dense MLA (float64 dense reference); at
+    index_topk + 1 the sparse oracle (the last query drops one key)."""
+    sc, dt = _boundary(offset, mode), torch.float32
+    out, _ = _run(mla_backend, sc, dt, mla_device)
+    dense = offset <= 0
+    _compare(mla_backend, out, _oracle(sc, dt, dense), sc, dt,
+             "dense MLA (len <= index_topk selects every key)" if dense else "the float64 sparse oracle", mla_figures,
+             skip=None if dense else _ambiguous(sc, dt))
+
+
+def _last_topk(backend, cache):
+    for owner in (cache, backend):
+        idx = getattr(owner, "last_topk_indices", None)
+        if idx is not None:
+            return idx
+    return None
+
+
+@pytest.mark.mla_section("dsa")
+@pytest.mark.parametrize("scenario", ["prefill", "varlen_batch"])
+def test_selection(mla_backend, scenario, mla_device, mla_figures):
+    """The backend's selection (``last_topk_indices`` of its last attend call) is the oracle's top-min(k, len)
+    set, swaps allowed only among keys tied with the k-th score; unused slots -1."""
+    sc, dt = SCENARIOS[scenario], torch.float32
+    trace: dict = {}
+    _, cache = _run(mla_backend, sc, dt, mla_device, trace)
+    idx = _last_topk(mla_backend, cache)
+    if idx is None:
+        pytest.skip(f"{mla_backend.name}: exposes no last_topk_indices (optional); its selection is judged "
+                    "through the outputs only")
+    where = f"{mla_backend.name} {PRESET} {sc.name} float32"
+    start, new = trace["calls"][-1]
+    idx = idx.to("cpu", torch.int64)
+    if idx.dim() != 3 or idx.shape[0] != sc.batch or idx.shape[1] < int(new.max()):
+        raise AssertionError(f"{where}: last_topk_indices has shape {tuple(idx.shape)}, expected "
+                             f"[{sc.batch}, >= {int(new.max())}, index_topk]")
+    scores = _oracle_scores(sc, dt)
+    T = scores.shape[-1]
+    tol = TIE_TOL["float32"]
+    checked = swaps = 0
+    for b in range(sc.batch):
+        for i in range(int(new[b])):
+            p = int(start[b]) + i
+            row = idx[b, i]
+            mine = row[row >= 0]
+            want = min(TOPK, p + 1)
+            if bool((row[row < 0] != -1).any()) or len(mine) != want or len(set(mine.tolist())) != want \
+                    or bool((mine > p).any()):
+                raise AssertionError(f"{where}: query at position {p} (row {b}) selected {sorted(mine.tolist())} "
+                                     f"({len(mine)} keys): expected {want} distinct keys in 0..{p}, unused slots -1")
+            s = scores[b, p, :p + 1]
+            oracle = set(s.topk(want).indices.tolist())
+            diff = set(mine.tolist()) ^ oracle
+            if diff:
+                kth = float(s.topk(want).values[-1])
+                scale = float(s.abs().max())
+                off = [k for k in diff if abs(float(s[k]) - kth) > tol * scale]
+                if off:
+                    raise AssertionError(
+                        f"{where}: query at position {p} (row {b}) selected a different key set from the float64 "
+                        f"oracle: keys {sorted(diff)} differ, {sorted(off)} with scores "
+                        f"{[round(float(s[k]), 6) for k in off]} not tied with the k-th score {kth:.6f} (tolerance "
+                        f"{tol:g} x {scale:.4g}); an indexer with the RoPE in the interleaved layout (the first "
+                        "V3.2 demo) instead of rotate-half selects other keys")
+                swaps += len(diff) // 2
+            checked += 1
+    mla_figures.update(queries_checked=checked, tie_swaps=swaps, index_topk=TOPK, context=T)

@@ -1,0 +1,60 @@
+"""DSA cache formats and the reference-dsa backend's own parts (the conformance side is suites/test_dsa.py)."""
+
+import pytest
+import torch
+
+from mla_conformance import MLAConfig, checks
+from mla_conformance.backends import CACHE_FORMATS, cache_format_of, get_backend
+from mla_conformance.errors import BackendSpecError
+
+V32 = MLAConfig.preset("deepseek-v3.2")
+
+
+def test_format_bytes_per_token():
+    assert checks.format_bytes_per_token(V32, "latent", torch.bfloat16) == 1_152
+    assert checks.format_bytes_per_token(V32, "latent+indexer", torch.bfloat16) == 1_408  # 576 + 128 elements
+    assert checks.format_bytes_per_token(V32, "latent+indexer", torch.float32) == 2_816
+    assert checks.format_bytes_per_token(V32, "latent+indexer", torch.bfloat16, "fp8-e4m3-flashmla") == 656 + 132
+    assert checks.format_bytes_per_token(V32, "expanded", torch.bfloat16) == 81_920
+    with pytest.raises(ValueError, match="latent\\+indexer"):
+        checks.format_bytes_per_token(MLAConfig.preset("deepseek-v3"), "latent+indexer", torch.bfloat16)
+
+
+def test_cache_format_values():
+    assert "latent+indexer" in CACHE_FORMATS
+    dsa = get_backend("reference-dsa")
+    assert cache_format_of(dsa) == "latent+indexer"
+
+    class Odd:
+        name, cache_format = "odd", "latent+kv"
+
+    with pytest.raises(BackendSpecError, match="latent\\+indexer"):
+        cache_format_of(Odd())
+
+
+def test_dense_backends_decline_dsa_and_dsa_declines_dense():
+    tiny_dsa, tiny = MLAConfig.preset("tiny-dsa"), MLAConfig.preset("tiny")
+    for name in ("reference-naive", "reference-absorbed", "hf-transformers", "flashmla"):
+        reason = get_backend(name).unsupported_reason(tiny_dsa, dtype=torch.bfloat16, device="cpu", kv_codec="none")
+        assert reason and "Sparse Attention" in reason, (name, reason)
+    dsa = get_backend("reference-dsa")
+    assert "reference-absorbed" in dsa.unsupported_reason(tiny, dtype=torch.float32, device="cpu", kv_codec="none")
+    assert dsa.unsupported_reason(tiny_dsa, dtype=torch.float32, device="cpu", kv_codec="none") is None
+    assert "fp8-e4m3-flashmla" in dsa.unsupported_reason(tiny_dsa, dtype=torch.bfloat16, device="cpu",
+                                                          kv_codec="fp8-e4m3-flashmla")
+
+
+def test_reference_dsa_cache_and_selection():
+    w = checks.weights_for("tiny-dsa", torch.float32)
+    dsa = get_backend("reference-dsa")
+    cache = dsa.new_cache(w.config, batch_size=2, capacity=40, dtype=torch.float32, device="cpu")
+    assert set(cache.tensors()) == {"kv_latent", "k_pe", "index_k"}
+    for t in cache.tensors().values():
+        t.fill_(float("nan"))
+    x = torch.randn(2, 30, w.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    out = dsa.attend(w, x, torch.arange(30).expand(2, 30), cache, torch.tensor([30, 10]))
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, :10]).all()
+    idx = cache.last_topk_indices
+    assert idx.shape == (2, 30, 16) and idx.dtype == torch.int64
+    assert (idx[0, 29] >= 0).all() and ((idx[0, 3] >= 0).sum() == 4) and (idx[0, 3, 4:] == -1).all()
+    assert not torch.isnan(cache.read("index_k", 30, cache.seq_lens)).any()  # zeros selected past row 1's length
