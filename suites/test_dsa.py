@@ -43,7 +43,10 @@ TIE_TOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 1e-2, "float16": 5e-3}
 
 
 def _boundary(offset: int, mode: str) -> Scenario:
+    """Row 0 ends at index_topk + offset tokens; "varlen" adds shorter rows (and one decode step)."""
     n = TOPK + offset
+    if mode == "varlen":
+        return Scenario(f"topk{offset:+d}_varlen", (n - 1, n - 2, n - 9), decode_steps=1)
     return Scenario(f"topk{offset:+d}_{mode}", (n,) if mode == "prefill" else (n - 4,),
                     decode_steps=0 if mode == "prefill" else 4)
 
@@ -191,7 +194,7 @@ def test_sparse_attention(mla_backend, scenario, dtype, mla_device, mla_figures)
 
 
 @pytest.mark.mla_section("dsa")
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", ["prefill", "decode", "varlen"])
 @pytest.mark.parametrize("offset", [-1, 0, 1])
 def test_short_context_is_dense(mla_backend, offset, mode, mla_device, mla_figures):
     """len <= index_topk: every key is selected, DSA == dense MLA (float64 dense reference); at
