@@ -304,6 +304,8 @@ _V3_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings
 #:   original_max_position_embeddings.
 #: * ``tiny-dsa``: ``tiny`` with DeepSeek Sparse Attention (4 indexer heads of 32, top-16), so selection
 #:   bites from the 17th token on CPU.
+#: * ``v3.2-mini``: ``v3-mini`` with V3.2's indexer key width (4 indexer heads of 128, top-16): the V3.2
+#:   cache layouts (latent 512 + rope 64 + indexer 128; the FP8 656 + 132 bytes) at a CPU-sized model.
 #:
 #: ``deepseek-v3.2`` carries V3.2's published indexer (64 heads of 128, top-2048: DeepSeek-V3.2-Exp
 #: inference/config_671B_v3.2.json and transformers' DeepseekV32Config defaults). Every preset has mscale == mscale_all_dim, as every published DeepSeek config does: YaRN's cos/sin
@@ -346,4 +348,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                                    "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.8},
                      max_position_embeddings=256, num_hidden_layers=2,
                      index_n_heads=4, index_head_dim=32, index_topk=16),
+    "v3.2-mini": dict(hidden_size=256, num_attention_heads=2, q_lora_rank=96, kv_lora_rank=512,
+                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+                      rope_theta=10000.0,
+                      rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
+                                    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                      max_position_embeddings=1024, num_hidden_layers=2,
+                      index_n_heads=4, index_head_dim=128, index_topk=16),
 }

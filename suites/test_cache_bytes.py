@@ -49,15 +49,21 @@ def test_bytes_formula_v3_dims(mla_backend, preset, mla_device, mla_figures):
 
 
 @pytest.mark.mla_section("cache-bytes")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", ["tiny-dsa-bfloat16", "tiny-dsa-float32", "v3.2-mini-fp8-e4m3-flashmla"])
 @pytest.mark.parametrize("prefill,decode,batch", [(1, 0, 1), (6, 2, 3)])
-def test_bytes_formula_dsa(mla_backend, dtype, prefill, decode, batch, mla_device, mla_figures):
-    """DeepSeek Sparse Attention (tiny-dsa, index_topk set): the same byte rule; a "latent+indexer" cache holds
+def test_bytes_formula_dsa(mla_backend, case, prefill, decode, batch, mla_device, mla_figures):
+    """DeepSeek Sparse Attention (presets with index_topk): the same byte rule; a "latent+indexer" cache holds
     kv_lora + rope + index_head_dim elements per token (the indexer keys counted: 1,408 B in BF16 at
-    512/64/128). Backends that do not accept an index_topk config skip with their own sentence."""
-    got = checks.cache_bytes(mla_backend, "tiny-dsa", checks.DTYPES[dtype], prefill=prefill, decode=decode,
-                             batch=batch, capacity=16, device=mla_device, figures=mla_figures)
+    512/64/128), and with kv_codec fp8-e4m3-flashmla FlashMLA's 656-byte latent row plus an FP8 indexer key
+    with one float32 scale per 128 values (132 B): 788 B at V3.2 dims (v3.2-mini). Backends that do not
+    accept an index_topk config (or the codec) skip with their own sentence."""
+    preset, dtype, kv_codec = {"tiny-dsa-bfloat16": ("tiny-dsa", "bfloat16", "none"),
+                               "tiny-dsa-float32": ("tiny-dsa", "float32", "none"),
+                               "v3.2-mini-fp8-e4m3-flashmla": ("v3.2-mini", "bfloat16", "fp8-e4m3-flashmla")}[case]
+    got = checks.cache_bytes(mla_backend, preset, checks.DTYPES[dtype], prefill=prefill, decode=decode,
+                             batch=batch, capacity=16, device=mla_device, kv_codec=kv_codec, figures=mla_figures)
     if got["cache_format"] == "latent+indexer":
-        config = MLAConfig.preset("tiny-dsa")
-        assert got["bytes_per_token"] == (config.latent_dim + config.index_head_dim) * \
-            torch.empty(0, dtype=checks.DTYPES[dtype]).element_size()
+        config = MLAConfig.preset(preset)
+        assert got["bytes_per_token"] == (788 if kv_codec != "none" else
+                                          (config.latent_dim + config.index_head_dim)
+                                          * torch.empty(0, dtype=checks.DTYPES[dtype]).element_size())

@@ -11,7 +11,7 @@ import torch
 
 from mla_conformance import reference as ref
 from mla_conformance.backends import dense_only_reason
-from mla_conformance.cache import (IndexerLatentCache, LatentSlotCache, PagedLatentCache, QuantizedLatentCache,
+from mla_conformance.cache import (FP8IndexerLatentCache, IndexerLatentCache, LatentSlotCache, PagedLatentCache, QuantizedLatentCache,
                                    SlotCache)
 from mla_conformance.codecs import get_codec
 from mla_conformance.weights import MLAWeights
@@ -121,8 +121,10 @@ class ReferenceDSA(ReferenceAbsorbed):
 
     Dense configs (index_topk None) are declined with a sentence: reference-absorbed is that backend.
     Indexer scores and selection run in float32 (float64 for a float64 cache) over the cached keys, as
-    DeepSeek's kernels accumulate them; no FP8 indexer (kv_codec other than "none" is declined). The
-    last call's selection is on the cache as ``last_topk_indices`` ([B, S, index_topk] int64, -1 padded).
+    DeepSeek's kernels accumulate them. ``kv_codec="fp8-e4m3-flashmla"`` (V3.2 dims, bfloat16) is the FP8
+    form: FlashMLA's 656-byte latent row plus an FP8 indexer key with float32 power-of-two block scales
+    (128 + 4 B), 788 B per token; the indexer query is FP8-rounded the same way (DeepSeek's act_quant).
+    The last call's selection is on the cache as ``last_topk_indices`` ([B, S, index_topk] int64, -1 padded).
     """
 
     name = "reference-dsa"
@@ -137,24 +139,35 @@ class ReferenceDSA(ReferenceAbsorbed):
                     "MLA, which reference-absorbed implements")
         if not torch.empty(0, dtype=dtype).is_floating_point():
             return f"{self.name} needs a floating-point dtype, got {dtype}"
+        if kv_codec == "fp8-e4m3-flashmla":
+            reason = get_codec(kv_codec).unsupported_reason(config, dtype)
+            return f"{self.name}: {reason}" if reason else None
         if kv_codec != "none":
-            return (f"{self.name} stores an unquantized latent + indexer cache; kv_codec {kv_codec!r} (an FP8 "
-                    "latent and indexer, 788 B/token with fp8-e4m3-flashmla) is not implemented")
+            return (f"{self.name} implements the unquantized latent + indexer cache and its FP8 form "
+                    f"(fp8-e4m3-flashmla, 788 B/token); kv_codec {kv_codec!r} is not supported")
         return None
 
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none", page_block_size=None):
         if page_block_size is not None:
             raise ValueError(f"{self.name} has no paged cache")
+        if kv_codec != "none":
+            return FP8IndexerLatentCache(config, batch_size=batch_size, capacity=capacity, dtype=dtype,
+                                         device=device, kv_codec=kv_codec)
         return IndexerLatentCache.allocate(config, batch_size=batch_size, capacity=capacity, dtype=dtype,
                                            device=device)
 
     def select(self, weights, hidden_states, positions, cache, lengths, new_lens, allowed):
         """Write this call's indexer keys; return the selection [B, S, index_topk] (-1 padded)."""
         q_i, k_i, w_i = ref.indexer_project(weights, hidden_states, positions, rope_layout=self.indexer_rope_layout)
-        cache.write("index_k", k_i, lengths)
         T = allowed.shape[-1]
         acc = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-        k_all = cache.read("index_k", T, new_lens).to(acc)
+        if isinstance(cache, FP8IndexerLatentCache):
+            q_i = ref.fp8_block_dequant(q_i)
+            cache.write_index_k(k_i, lengths)
+            k_all = cache.read_index_k(T, new_lens).to(acc)
+        else:
+            cache.write("index_k", k_i, lengths)
+            k_all = cache.read("index_k", T, new_lens).to(acc)
         scores = ref.indexer_scores(q_i.to(acc), k_all, w_i.to(acc), allowed)
         return self.topk(scores, weights.config.index_topk)
 

@@ -7,8 +7,8 @@ backend.
 from mla_conformance.cache.measure import poison, written_bytes, written_masks
 from mla_conformance.cache.paged import (DEFAULT_PAGE_BLOCK_SIZE, PagedLatentCache, from_contiguous,
                                          to_flashmla_layout)
-from mla_conformance.cache.quantized import QuantizedLatentCache
+from mla_conformance.cache.quantized import FP8IndexerLatentCache, QuantizedLatentCache
 from mla_conformance.cache.slots import IndexerLatentCache, LatentSlotCache, SlotCache
 
-__all__ = ["SlotCache", "LatentSlotCache", "IndexerLatentCache", "QuantizedLatentCache", "PagedLatentCache", "DEFAULT_PAGE_BLOCK_SIZE",
+__all__ = ["SlotCache", "LatentSlotCache", "IndexerLatentCache", "FP8IndexerLatentCache", "QuantizedLatentCache", "PagedLatentCache", "DEFAULT_PAGE_BLOCK_SIZE",
            "from_contiguous", "to_flashmla_layout", "poison", "written_masks", "written_bytes"]

@@ -61,3 +61,47 @@ class QuantizedLatentCache(LatentSlotCache):
         valid = self.valid_slots(T, lens)[..., None]
         zero = torch.zeros((), dtype=c.dtype, device=c.device)
         return torch.where(valid, c, zero), torch.where(valid, k_pe, zero.to(k_pe.dtype))
+
+
+#: DeepSeek-V3.2's FP8 indexer key: e4m3 values with one float32 scale per block of this many values
+#: (power-of-two "ue8m0" scales, as act_quant), 128 + 4 = 132 B per token at index_head_dim 128.
+FP8_INDEXER_BLOCK = 128
+FP8_E4M3_MAX = 448.0
+
+
+class FP8IndexerLatentCache(QuantizedLatentCache):
+    """DSA's FP8 cache (``kv_codec="fp8-e4m3-flashmla"`` with ``cache_format="latent+indexer"``): the codec's
+    656-byte latent row plus ``index_k``, one packed uint8 row per token as DeepSeek's indexer cache holds it:
+    index_head_dim float8_e4m3fn values, then one float32 power-of-two scale per block of 128 values
+    (128 + 4 = 132 B at V3.2 dims): 788 B per token."""
+
+    last_topk_indices = None
+
+    def __init__(self, config, *, batch_size: int, capacity: int, dtype: torch.dtype, device, kv_codec: str):
+        super().__init__(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device,
+                         kv_codec=kv_codec)
+        d = config.index_head_dim
+        self.index_dim = d
+        self.index_block = min(FP8_INDEXER_BLOCK, d)
+        if d % self.index_block:
+            raise ValueError(f"index_head_dim {d} is not a multiple of the FP8 block {self.index_block}")
+        self._buffers["index_k"] = torch.zeros(batch_size, capacity, d + 4 * (d // self.index_block),
+                                               dtype=torch.uint8, device=device)
+
+    def write_index_k(self, k: torch.Tensor, lengths: torch.Tensor) -> None:
+        kb = k.to(torch.float32).unflatten(-1, (-1, self.index_block))
+        amax = kb.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))
+        q = (kb / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).flatten(-2).to(torch.float8_e4m3fn)
+        row = torch.cat([q.view(torch.uint8), scale.squeeze(-1).contiguous().view(torch.uint8)], dim=-1)
+        self.write("index_k", row, lengths)
+
+    def read_index_k(self, T: int, new_lens: torch.Tensor) -> torch.Tensor:
+        """Dequantized keys [B, T, d] in float32, zeros (selected) where a row holds no token."""
+        row = self._buffers["index_k"][:, :T]
+        d = self.index_dim
+        q = row[..., :d].contiguous().view(torch.float8_e4m3fn).to(torch.float32).unflatten(-1, (-1, self.index_block))
+        scale = row[..., d:].contiguous().view(torch.float32)
+        k = (q * scale[..., None]).flatten(-2)
+        valid = self.valid_slots(T, new_lens)[..., None]
+        return torch.where(valid, k, torch.zeros((), dtype=k.dtype, device=k.device))

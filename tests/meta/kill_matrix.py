@@ -49,7 +49,7 @@ KILL_MATRIX = {
     "suites/test_cache_bytes.py::test_seed_table": [("expanded-uint8", "")],
     "suites/test_cache_bytes.py::test_bytes_formula": [("lying-bytes", "-6-2-3-float32-tiny")],
     "suites/test_cache_bytes.py::test_bytes_formula_v3_dims": [("lying-bytes", "-deepseek-v3")],
-    "suites/test_cache_bytes.py::test_bytes_formula_dsa": [("dsa-keys-hidden", "-6-2-3-bfloat16")],
+    "suites/test_cache_bytes.py::test_bytes_formula_dsa": [("dsa-keys-hidden", "-6-2-3-tiny-dsa-bfloat16")],
     "suites/test_dsa.py::test_sparse_attention": [("dsa-interleaved-rope", "-float32-prefill"),
                                                   ("dsa-topk-off-by-one", "-float32-varlen_batch")],
     "suites/test_dsa.py::test_short_context_is_dense": [("dsa-topk-off-by-one", "-0-prefill")],
