@@ -58,3 +58,21 @@ def test_reference_dsa_cache_and_selection():
     assert idx.shape == (2, 30, 16) and idx.dtype == torch.int64
     assert (idx[0, 29] >= 0).all() and ((idx[0, 3] >= 0).sum() == 4) and (idx[0, 3, 4:] == -1).all()
     assert not torch.isnan(cache.read("index_k", 30, cache.seq_lens)).any()  # zeros selected past row 1's length
+
+
+def test_fp8_indexer_cache_round_trip():
+    """The packed FP8 indexer row: 128 e4m3 + one float32 power-of-two scale = 132 B; decode within e4m3's
+    relative step (2^-3 of the block's scale range), zeros past a row's length."""
+    from mla_conformance.cache import FP8IndexerLatentCache
+
+    config = MLAConfig.preset("v3.2-mini")
+    cache = FP8IndexerLatentCache(config, batch_size=2, capacity=8, dtype=torch.bfloat16, device="cpu",
+                                  kv_codec="fp8-e4m3-flashmla")
+    assert cache.tensors()["index_k"].shape == (2, 8, 132) and cache.tensors()["index_k"].dtype == torch.uint8
+    cache.tensors()["index_k"].fill_(0xFF)  # NaN once read as e4m3 / float32
+    k = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(0))
+    cache.write_index_k(k, torch.tensor([5, 3]))
+    back = cache.read_index_k(8, torch.tensor([5, 3]))
+    assert torch.isfinite(back).all() and (back[1, 3:] == 0).all() and (back[0, 5:] == 0).all()
+    err = (back[0, :5] - k[0]).abs().max() / k[0].abs().max()
+    assert err <= 2 ** -4 * 2  # half an e4m3 step at the top binade, times the power-of-two scale's headroom
