@@ -325,10 +325,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
                         rope_theta=10000.0, rope_scaling=_V3_YARN, max_position_embeddings=163840,
                         num_hidden_layers=61),
-    "deepseek-v3.2": dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-                          qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
-                          rope_theta=10000.0, rope_scaling=_V3_YARN, max_position_embeddings=163840,
-                          num_hidden_layers=61, index_n_heads=64, index_head_dim=128, index_topk=2048),
     "tiny": dict(hidden_size=128, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rms_norm_eps=1e-6,
                  rope_theta=10000.0,
@@ -341,18 +337,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                     rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
                                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
                     max_position_embeddings=1024, num_hidden_layers=2),
-    "tiny-dsa": dict(hidden_size=128, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
-                     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rms_norm_eps=1e-6,
-                     rope_theta=10000.0,
-                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                   "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.8},
-                     max_position_embeddings=256, num_hidden_layers=2,
-                     index_n_heads=4, index_head_dim=32, index_topk=16),
-    "v3.2-mini": dict(hidden_size=256, num_attention_heads=2, q_lora_rank=96, kv_lora_rank=512,
-                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
-                      rope_theta=10000.0,
-                      rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
-                                    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-                      max_position_embeddings=1024, num_hidden_layers=2,
-                      index_n_heads=4, index_head_dim=128, index_topk=16),
 }
+
+# the DSA presets are their dense counterparts plus the lightning indexer (V3.2's published 64 / 128 / 2048)
+PRESETS["deepseek-v3.2"] = {**PRESETS["deepseek-v3"], "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+PRESETS["tiny-dsa"] = {**PRESETS["tiny"], "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
+PRESETS["v3.2-mini"] = {**PRESETS["v3-mini"], "index_n_heads": 4, "index_head_dim": 128, "index_topk": 16}

@@ -70,28 +70,18 @@ def require_paging(backend, page_block_size: int | None = None) -> None:
                     f"not {page_block_size}")
 
 
-def poison_(cache) -> None:
-    """NaN into every floating-point buffer: what a freshly allocated page pool may hold."""
-    for t in checks.call_backend(cache, "tensors").values():
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-
-
 class Paged:
-    """A backend seen through new_cache(..., page_block_size=N); the fresh cache is NaN-poisoned."""
+    """A backend seen through new_cache(..., page_block_size=N) (drive() poisons every fresh cache)."""
 
-    def __init__(self, backend, page_block_size: int, poison: bool = True):
-        self.backend, self.page_block_size, self.poison = backend, page_block_size, poison
+    def __init__(self, backend, page_block_size: int):
+        self.backend, self.page_block_size = backend, page_block_size
         self.name = backend.name
 
     def unsupported_reason(self, *args, **kwargs):
         return self.backend.unsupported_reason(*args, **kwargs)
 
     def new_cache(self, *args, **kwargs):
-        cache = self.backend.new_cache(*args, page_block_size=self.page_block_size, **kwargs)
-        if self.poison:
-            poison_(cache)
-        return cache
+        return self.backend.new_cache(*args, page_block_size=self.page_block_size, **kwargs)
 
     def attend(self, *args, **kwargs):
         return self.backend.attend(*args, **kwargs)
@@ -201,7 +191,7 @@ def test_paged_cache_bytes(mla_backend, mla_device, mla_figures):
     w = _weights("dims-576", torch.bfloat16, str(mla_device))
     checks.require_support(mla_backend, w.config, dtype=w.dtype, device=mla_device)
     require_paging(mla_backend, 64)
-    _, cache = drive(Paged(mla_backend, 64, poison=False), w, _inputs(w.config), CALLS, device=mla_device)
+    _, cache = drive(Paged(mla_backend, 64), w, _inputs(w.config), CALLS, device=mla_device)
     active, allocated = int(cache.active_nbytes()), int(cache.allocated_nbytes())
     tensors = {k: t.numel() * t.element_size() for k, t in cache.tensors().items()}
     mla_figures.update(active_nbytes=active, allocated_nbytes=allocated, tensors=tensors)
@@ -226,7 +216,7 @@ def runs():
     w = _weights("dims-576", torch.bfloat16)
     x = _inputs(w.config)
     _, contiguous = drive(ref, w, x, CALLS)
-    paged = {n: drive(Paged(ref, n, poison=False), w, x, CALLS)[1] for n in PAGE_SIZES}
+    paged = {n: drive(Paged(ref, n), w, x, CALLS)[1] for n in PAGE_SIZES}
     return contiguous, paged
 
 

@@ -136,7 +136,7 @@ def test_quantized_pages_equal_contiguous_codec(codec, preset, page_block_size):
     checks.require_support(ref, w.config, dtype=w.dtype, device="cpu", kv_codec=codec)
     x = _inputs(w.config)
     contiguous, ccache = drive(ref, w, x, CALLS, kv_codec=codec)
-    paged, cache = drive(Paged(ref, page_block_size, poison=False), w, x, CALLS, kv_codec=codec)
+    paged, cache = drive(Paged(ref, page_block_size), w, x, CALLS, kv_codec=codec)
     assert isinstance(cache, PagedLatentCache)
     assert torch.equal(paged, contiguous), checks.format_metrics(checks.error_metrics(paged, contiguous))
     assert cache.active_nbytes() == ccache.active_nbytes()

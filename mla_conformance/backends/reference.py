@@ -107,10 +107,15 @@ class ReferenceAbsorbed(_ReferenceBackend):
         cache.write_latent(c, k_pe, lengths)
         T = int(new_lens.max())
         allowed = cache.allowed(lengths, new_lens, hidden_states.shape[1], T)
+        allowed = self.attended(weights, hidden_states, positions, cache, lengths, new_lens, allowed)
         c_all, kpe_all = cache.read_latent(T, new_lens)
         out = ref.absorbed_scores_and_mix(weights, q_nope, q_pe, c_all, kpe_all, allowed)
         cache.commit(new_lens)
         return out.to(hidden_states.dtype)
+
+    def attended(self, weights, hidden_states, positions, cache, lengths, new_lens, allowed):
+        """[B, S, T] the keys each query attends: all the causal ones (DSA narrows them to its selection)."""
+        return allowed
 
 
 class ReferenceDSA(ReferenceAbsorbed):
@@ -177,17 +182,8 @@ class ReferenceDSA(ReferenceAbsorbed):
             idx = torch.nn.functional.pad(idx, (0, topk - idx.shape[-1]), value=-1)
         return idx
 
-    def attend(self, weights, hidden_states, positions, cache, lengths=None):
-        self._check(weights, hidden_states)
-        lengths, new_lens = cache.write_plan(positions, lengths)
-        q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
-        cache.write_latent(c, k_pe, lengths)
-        T = int(new_lens.max())
-        allowed = cache.allowed(lengths, new_lens, hidden_states.shape[1], T)
+    def attended(self, weights, hidden_states, positions, cache, lengths, new_lens, allowed):
+        """The causal keys narrowed to the indexer's top-k (recorded on the cache as last_topk_indices)."""
         idx = self.select(weights, hidden_states, positions, cache, lengths, new_lens, allowed)
-        c_all, kpe_all = cache.read_latent(T, new_lens)
-        out = ref.absorbed_scores_and_mix(weights, q_nope, q_pe, c_all, kpe_all,
-                                          allowed & ref.selection_mask(idx, T))
         cache.last_topk_indices = idx
-        cache.commit(new_lens)
-        return out.to(hidden_states.dtype)
+        return allowed & ref.selection_mask(idx, allowed.shape[-1])

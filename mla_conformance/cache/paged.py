@@ -29,6 +29,7 @@ import types
 
 import torch
 
+from mla_conformance.cache.quantized import write_encoded
 from mla_conformance.cache.slots import LatentSlotCache, SlotCache
 from mla_conformance.codecs import get_codec
 
@@ -171,14 +172,8 @@ class PagedLatentCache(LatentSlotCache):
     def write_latent(self, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor) -> None:
         if self.codec is None:
             self.write("kv", torch.cat([c.to(self.dtype), k_pe.to(self.dtype)], dim=-1), lengths)
-        elif int(lengths.sum()):
-            if not self.calibrated:
-                valid = torch.arange(c.shape[1], device=c.device)[None, :] < lengths.to(c.device)[:, None]
-                for name, value in self.codec.calibrate(c[valid], k_pe[valid]).items():
-                    self._globals[name].copy_(value)
-                self.calibrated = True
-            for name, part in self.codec.encode(c, k_pe, self.dtype, self._globals).items():
-                self.write(name, part, lengths)
+        else:
+            write_encoded(self, c, k_pe, lengths)
         self.written = torch.maximum(self.written, self.seq_lens + lengths.to(self.seq_lens.device, torch.int64))
 
     def gather(self, T: int) -> dict[str, torch.Tensor]:

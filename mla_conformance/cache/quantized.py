@@ -13,6 +13,21 @@ from mla_conformance.cache.slots import LatentSlotCache
 from mla_conformance.codecs import get_codec
 
 
+def write_encoded(cache, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Encode c / k_pe with ``cache.codec`` and store each part with ``cache.write``; the first write with a
+    valid token calibrates the codec's global buffers (``cache._globals``). Shared by the contiguous and
+    the paged quantized caches."""
+    if int(lengths.sum()) == 0:
+        return
+    if not cache.calibrated:
+        valid = torch.arange(c.shape[1], device=c.device)[None, :] < lengths.to(c.device)[:, None]
+        for name, value in cache.codec.calibrate(c[valid], k_pe[valid]).items():
+            cache._globals[name].copy_(value)
+        cache.calibrated = True
+    for name, values in cache.codec.encode(c, k_pe, cache.dtype, cache._globals).items():
+        cache.write(name, values, lengths)
+
+
 class QuantizedLatentCache(LatentSlotCache):
     """``write_latent`` encodes on write (the first write with a valid token calibrates the global
     buffers); ``read_latent`` decodes the first T slots into the cache dtype, zeros where a row holds
@@ -44,15 +59,7 @@ class QuantizedLatentCache(LatentSlotCache):
         return tokens * self.slot_nbytes() + (self.global_nbytes() if tokens else 0)
 
     def write_latent(self, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor) -> None:
-        if int(lengths.sum()) == 0:
-            return
-        if not self.calibrated:
-            valid = torch.arange(c.shape[1], device=c.device)[None, :] < lengths.to(c.device)[:, None]
-            for name, value in self.codec.calibrate(c[valid], k_pe[valid]).items():
-                self._globals[name].copy_(value)
-            self.calibrated = True
-        for name, values in self.codec.encode(c, k_pe, self.dtype, self._globals).items():
-            self.write(name, values, lengths)
+        write_encoded(self, c, k_pe, lengths)
 
     def read_latent(self, T: int, new_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         lens = self.seq_lens if new_lens is None else new_lens
