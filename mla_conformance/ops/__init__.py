@@ -1,0 +1,205 @@
+"""The op contract: one decode step of absorbed MLA over a paged latent cache, at kernel level.
+
+The layer contract (:mod:`mla_conformance.backends`) fits whole attention implementations. This one fits
+the kernel under them -- FlashMLA's ``flash_mla_with_kvcache``, FlashInfer's MLA paged wrapper, the MLA
+backends of vLLM and SGLang. An *op* is any object with::
+
+    name: str
+    unsupported_reason(case: OpCase) -> str | None
+    decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal,
+           indices=None, topk_length=None, attn_sink=None) -> (out, lse)
+
+Inputs (the op must not write them):
+
+* ``q`` [B, s_q, h_q, 576]: the absorbed query, nope part (kv_lora 512, already multiplied by W_UK) then
+  the rotated rope part (64). It may be non-contiguous.
+* ``kv_cache`` [num_blocks, page_block_size, 1, 576] in q's dtype (format ``"latent"``: the normed latent
+  c then the rotated k_pe), or uint8 [num_blocks, page_block_size, 1, 656] (format ``"fp8-e4m3-flashmla"``:
+  512 float8_e4m3fn, 4 float32 tile scales of 128 values, 64 bfloat16 rope; FlashMLA's V3.2 layout).
+* ``block_table`` int32 [B, max_blocks]: row b's j-th page is ``kv_cache[block_table[b, j]]``; entries past
+  a row's pages may hold anything (the suite puts a huge invalid id there).
+* ``cache_seqlens`` int32 [B]: keys per row, 0 allowed.
+* ``softmax_scale``: the logit scale (the model's, YaRN mscale^2 included); ``causal``: see below.
+* ``indices`` int32 [B, s_q, topk] (sparse decode): entries index the *flattened* cache
+  (``block * page_block_size + offset``), as FlashMLA's sparse decode does. An entry outside
+  ``[0, num_blocks * page_block_size)`` (-1, too large, INT_MAX) is invalid and ignored; with indices the
+  keys are the valid indexed ones, ``block_table`` / ``cache_seqlens`` do not restrict them, ``causal`` is
+  False. ``topk_length`` int32 [B]: only the first ``topk_length[b]`` entries of row b's indices count.
+* ``attn_sink`` float32 [h_q]: the output is scaled by exp(lse) / (exp(lse) + exp(attn_sink[h])) (+inf
+  gives 0, -inf changes nothing); lse itself is not changed.
+
+Outputs: ``out`` [B, s_q, h_q, 512] (any floating dtype; the suite compares in float64) and ``lse``
+float32 [B, h_q, s_q], the log-sum-exp of the scaled logits over the keys the query attends, in the
+op's declared base. Per query: ``out = softmax(scale * q.k) @ c`` over its keys (the value is the
+latent part of the key, the first 512 elements).
+
+* **Dense, non-causal:** query i of row b attends keys ``0 .. cache_seqlens[b] - 1``.
+* **Dense, causal (multi-token decode, MTP / speculative):** the s_q queries are the *last* s_q tokens
+  of the row (bottom-right alignment): query i attends keys ``< cache_seqlens[b] - s_q + i + 1``.
+* **A query with no keys** (a zero-length row, a causal query before the row's first key, a sparse row
+  with every index invalid) returns out 0 and lse +inf -- FlashMLA's convention -- unless the op
+  declares otherwise (``empty_row``).
+
+Optional declarations, detected and never assumed (defaults in :data:`DECLARATIONS`):
+
+* ``lse_base``: ``"e"`` (natural log, default) or ``"2"`` (FlashInfer);
+* ``empty_row``: the lse a query with no keys returns, ``"+inf"`` (default) or ``"-inf"``; out is 0 either way;
+* ``page_block_sizes``: the page sizes the op reads (default ``(64,)``);
+* ``kv_formats``: ``("latent",)`` by default; ``"fp8-e4m3-flashmla"`` for the 656-byte layout;
+* ``fp8_scale_format``: how the op's FP8 caches are quantized: ``"pow2"`` (tile scale amax/448 rounded up
+  to a power of two: DeepSeek's ue8m0, default) or ``"fp32"`` (amax/448 as is). The suite writes the
+  caches it hands the op in the declared format;
+* ``deterministic``: the same call twice gives bitwise the same out and lse;
+* ``batch_invariant``: a row's out and lse do not depend on the other rows of the batch.
+
+A case the op cannot run is declined by ``unsupported_reason`` with a sentence (the test skips with it).
+An op is named on the command line by a spec (``--mla-op``): a built-in name (:data:`BUILTIN_OPS`),
+``package.module:attr`` or ``path/to/file.py:attr``, as backends are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from mla_conformance.errors import BackendSpecError
+
+#: Built-in ops: name -> "module:attr".
+BUILTIN_OPS: dict[str, str] = {
+    "reference-op": "mla_conformance.ops.reference:ReferenceOp",
+}
+
+#: Ops a default run checks.
+DEFAULT_OPS = ("reference-op",)
+
+REQUIRED_METHODS = ("unsupported_reason", "decode")
+
+#: The head dims of the op contract: q and the latent key are 576 = 512 (kv_lora, also the value) + 64 (rope).
+D_QK = 576
+D_V = 512
+D_ROPE = 64
+FP8_ROW_BYTES = 656
+
+KV_FORMATS = ("latent", "fp8-e4m3-flashmla")
+
+#: Optional declarations and their defaults.
+DECLARATIONS: dict[str, Any] = {
+    "lse_base": "e",
+    "empty_row": "+inf",
+    "page_block_sizes": (64,),
+    "kv_formats": ("latent",),
+    "fp8_scale_format": "pow2",
+    "deterministic": False,
+    "batch_invariant": False,
+}
+
+_ALLOWED = {
+    "lse_base": ("e", "2"),
+    "empty_row": ("+inf", "-inf"),
+    "fp8_scale_format": ("pow2", "fp32"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCase:
+    """What one op test asks of an op, for ``unsupported_reason``.
+
+    ``dtype`` is q's dtype (a torch dtype); ``kv_format`` one of :data:`KV_FORMATS`; ``topk`` the sparse
+    top-k (None: dense decode); ``attn_sink`` whether an attention sink is passed.
+    """
+
+    batch: int
+    s_q: int
+    h_q: int
+    page_block_size: int
+    dtype: Any
+    kv_format: str = "latent"
+    topk: int | None = None
+    attn_sink: bool = False
+    causal: bool = False
+    device: str = "cpu"
+
+    @property
+    def sparse(self) -> bool:
+        return self.topk is not None
+
+    def describe(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        parts = [f"B={self.batch}", f"s_q={self.s_q}", f"h_q={self.h_q}", f"page={self.page_block_size}", dt,
+                 self.kv_format, "causal" if self.causal else "non-causal"]
+        if self.topk is not None:
+            parts.append(f"sparse top-{self.topk}")
+        if self.attn_sink:
+            parts.append("attn_sink")
+        parts.append(self.device)
+        return ", ".join(parts)
+
+
+def declared(op, key: str):
+    """The op's declaration ``key`` (its attribute), else the default of :data:`DECLARATIONS`; a value
+    outside the allowed ones raises BackendSpecError naming the op and the attribute."""
+    value = getattr(op, key, None)
+    if value is None:
+        return DECLARATIONS[key]
+    if key in _ALLOWED and value not in _ALLOWED[key]:
+        raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} = {value!r} is not one of "
+                               f"{', '.join(map(repr, _ALLOWED[key]))}")
+    if key in ("page_block_sizes", "kv_formats"):
+        value = tuple(value)
+        if key == "kv_formats" and any(f not in KV_FORMATS for f in value):
+            raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: kv_formats {value!r} must be among "
+                                   f"{', '.join(map(repr, KV_FORMATS))}")
+    return value
+
+
+def declarations(op) -> dict[str, Any]:
+    """Every declaration of the op, defaults filled in (what the report prints)."""
+    return {key: declared(op, key) for key in DECLARATIONS}
+
+
+def get_op(spec: str):
+    """Resolve an op spec to an op instance, or raise BackendSpecError naming the spec."""
+    from mla_conformance.backends import _import_attr
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise BackendSpecError(f"op spec {spec!r}: empty; give a built-in op ({', '.join(BUILTIN_OPS)}), "
+                               "package.module:attr or path/to/file.py:attr")
+    spec = spec.strip()
+    if spec in BUILTIN_OPS:
+        target, attr = BUILTIN_OPS[spec].split(":")
+    elif ":" in spec:
+        target, _, attr = spec.rpartition(":")
+        if not target or not attr:
+            raise BackendSpecError(f"op spec {spec!r}: expected module:attr or file.py:attr")
+    else:
+        import difflib
+
+        close = difflib.get_close_matches(spec, list(BUILTIN_OPS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise BackendSpecError(f"op spec {spec!r}: not a built-in op{hint}; built-ins are "
+                               f"{', '.join(BUILTIN_OPS)}; or give package.module:attr or path/to/file.py:attr")
+    try:
+        obj = _import_attr(spec, target, attr)
+    except BackendSpecError as exc:
+        raise BackendSpecError(str(exc).replace("backend spec", "op spec", 1)) from None
+    if inspect.isclass(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise BackendSpecError(f"op spec {spec!r}: instantiating {attr} without arguments failed: "
+                                   f"{type(exc).__name__}: {exc}") from None
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(obj, m, None))]
+    if missing:
+        raise BackendSpecError(f"op spec {spec!r}: {type(obj).__name__} is not an op: missing "
+                               f"{', '.join(missing)} (the op contract needs name, {', '.join(REQUIRED_METHODS)})")
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name:
+        raise BackendSpecError(f"op spec {spec!r}: {type(obj).__name__} has no 'name' string attribute")
+    for key in DECLARATIONS:
+        declared(obj, key)  # a bad declaration is a bad spec, said now
+    return obj
+
+
+__all__ = ["OpCase", "BUILTIN_OPS", "DEFAULT_OPS", "DECLARATIONS", "KV_FORMATS", "declared", "declarations",
+           "get_op", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES"]

@@ -1,0 +1,227 @@
+"""``reference-op`` (the built-in op, torch, any device), the float64 op oracle, and the FP8 656-byte
+page codec the op tests write caches with.
+
+The two computations are written apart on purpose:
+
+* :class:`ReferenceOp` is batched: it gathers every row's pages through the block table at once, *selects*
+  (``torch.where``) zeros for every key a query may not see (unfilled page tails and unused pages hold
+  NaN in the suite's caches: masking by multiplication would leak them, 0 x NaN is NaN), and computes in
+  float32 (float64 for a float64 q).
+* :func:`oracle` loops over rows and queries in float64 with plain indexing, from the contract's words.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from mla_conformance.ops import D_QK, D_ROPE, D_V, FP8_ROW_BYTES, declared
+
+FP8_TILE = 128
+FP8_E4M3_MAX = 448.0
+#: smallest tile scale (DeepSeek / FlashMLA clamp amax/448 at 1e-4 before rounding to a power of two)
+FP8_SCALE_FLOOR = 1e-4
+
+
+# --------------------------------------------------------------------------- FP8 656-byte rows
+
+
+def fp8_scales(c: torch.Tensor, scale_format: str = "pow2") -> torch.Tensor:
+    """Tile scales [..., 4] float32 of a latent [..., 512]: amax/448 (at least 1e-4), rounded up to a power
+    of two under ``"pow2"`` (ue8m0), kept as is under ``"fp32"``."""
+    amax = c.to(torch.float32).unflatten(-1, (-1, FP8_TILE)).abs().amax(-1)
+    s = torch.clamp_min(amax / FP8_E4M3_MAX, FP8_SCALE_FLOOR)
+    if scale_format == "pow2":
+        return torch.pow(2.0, torch.log2(s).ceil())
+    if scale_format == "fp32":
+        return s
+    raise ValueError(f"fp8 scale format {scale_format!r}: expected 'pow2' or 'fp32'")
+
+
+def encode_fp8_656(latent: torch.Tensor, scale_format: str = "pow2") -> torch.Tensor:
+    """[..., 576] latent (c | k_pe) -> uint8 [..., 656]: 512 e4m3 (c / tile scale), 4 float32 scales, 64 bf16 rope."""
+    if latent.shape[-1] != D_QK:
+        raise ValueError(f"expected a [..., {D_QK}] latent, got {tuple(latent.shape)}")
+    c, k_pe = latent[..., :D_V].to(torch.float32), latent[..., D_V:]
+    scale = fp8_scales(c, scale_format)
+    q = (c.unflatten(-1, (-1, FP8_TILE)) / scale[..., None]).flatten(-2).to(torch.float8_e4m3fn).view(torch.uint8)
+    s = scale.contiguous().view(torch.uint8)
+    if sys.byteorder != "little":
+        s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2)
+    rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return torch.cat([q, s, rope], dim=-1)
+
+
+def decode_fp8_656(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 [..., 656] -> [..., 576] in ``dtype``: e4m3 x its float32 tile scale, then the bf16 rope."""
+    if rows.dtype != torch.uint8 or rows.shape[-1] != FP8_ROW_BYTES:
+        raise ValueError(f"expected uint8 [..., {FP8_ROW_BYTES}] rows, got {rows.dtype} {tuple(rows.shape)}")
+    q = rows[..., :D_V].contiguous().view(torch.float8_e4m3fn).to(dtype)
+    s = rows[..., D_V:D_V + 16].contiguous()
+    if sys.byteorder != "little":
+        s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2).contiguous()
+    scale = s.view(torch.float32).to(dtype)
+    c = (q.unflatten(-1, (-1, FP8_TILE)) * scale[..., None]).flatten(-2)
+    k_pe = rows[..., D_V + 16:].contiguous().view(torch.bfloat16).to(dtype)
+    return torch.cat([c, k_pe], dim=-1)
+
+
+def dequantize_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache as [num_blocks, page, 1, 576] in ``dtype`` (decoding the 656-byte layout)."""
+    if kv_cache.dtype == torch.uint8:
+        return decode_fp8_656(kv_cache, dtype)
+    return kv_cache.to(dtype)
+
+
+# --------------------------------------------------------------------------- LSE helpers
+
+
+def lse_to_natural(lse: torch.Tensor, base: str) -> torch.Tensor:
+    """An lse in ``base`` ("e" or "2") as a natural log (infinities kept)."""
+    return lse * math.log(2.0) if base == "2" else lse
+
+
+def natural_to_base(lse: torch.Tensor, base: str) -> torch.Tensor:
+    return lse / math.log(2.0) if base == "2" else lse
+
+
+def merge_by_lse(out1, lse1, out2, lse2, base: str = "e"):
+    """Merge two partial attentions over disjoint key sets (split-KV): out [B, s_q, h, D], lse [B, h, s_q]
+    in ``base``; a part with no keys (lse +inf or -inf by the op's convention: it has out 0) counts as empty.
+    Returns (out float64, lse float64 natural)."""
+    l1 = lse_to_natural(lse1.to(torch.float64), base)
+    l2 = lse_to_natural(lse2.to(torch.float64), base)
+    # an empty part has weight 0 whatever sign of infinity its op uses
+    l1 = torch.where(torch.isinf(l1), torch.full_like(l1, -math.inf), l1)
+    l2 = torch.where(torch.isinf(l2), torch.full_like(l2, -math.inf), l2)
+    m = torch.maximum(l1, l2)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(l1 - m_safe), torch.exp(l2 - m_safe)
+    tot = w1 + w2
+    lse = torch.where(tot > 0, m_safe + torch.log(tot), torch.full_like(tot, math.inf))
+    a1 = torch.where(tot > 0, w1 / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(tot))
+    a2 = torch.where(tot > 0, w2 / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(tot))
+    o1 = torch.nan_to_num(out1.to(torch.float64))
+    o2 = torch.nan_to_num(out2.to(torch.float64))
+    out = o1 * a1.transpose(1, 2)[..., None] + o2 * a2.transpose(1, 2)[..., None]
+    return out, lse
+
+
+# --------------------------------------------------------------------------- the float64 oracle
+
+
+def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None, topk_length=None,
+           attn_sink=None):
+    """The op contract computed in float64, row by row: (out [B, s_q, h_q, 512] float64, lse [B, h_q, s_q]
+    float64, natural log, +inf for a query with no keys). The FP8 layout is decoded as stored (float32
+    scales read as float32, whatever format wrote them)."""
+    B, s_q, h_q, _ = q.shape
+    num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    flat = dequantize_cache(kv_cache.detach().cpu(), torch.float64).reshape(num_blocks * page, D_QK)
+    qd = q.detach().cpu().to(torch.float64)
+    out = torch.zeros(B, s_q, h_q, D_V, dtype=torch.float64)
+    lse = torch.full((B, h_q, s_q), math.inf, dtype=torch.float64)
+    bt = block_table.detach().cpu().long()
+    lens = cache_seqlens.detach().cpu().long()
+    sink = None if attn_sink is None else attn_sink.detach().cpu().to(torch.float64)
+    for b in range(B):
+        L = int(lens[b])
+        for i in range(s_q):
+            if indices is not None:
+                row = indices[b, i].detach().cpu().long()
+                n = row.numel() if topk_length is None else min(int(topk_length[b]), row.numel())
+                keys = [int(t) for t in row[:n] if 0 <= int(t) < num_blocks * page]
+                slots = torch.tensor(keys, dtype=torch.long)
+            else:
+                visible = L - s_q + i + 1 if causal else L
+                visible = max(0, min(visible, L))
+                pos = torch.arange(visible)
+                slots = bt[b, pos // page] * page + pos % page if visible else torch.zeros(0, dtype=torch.long)
+            if slots.numel() == 0:
+                continue
+            k = flat[slots]                                     # [n, 576]
+            logits = (qd[b, i] @ k.T) * softmax_scale           # [h, n]
+            l = torch.logsumexp(logits, dim=-1)                 # [h]
+            o = torch.softmax(logits, dim=-1) @ k[:, :D_V]      # [h, 512]
+            if sink is not None:
+                o = o / (1.0 + torch.exp(sink - l))[:, None]
+            out[b, i] = o
+            lse[b, :, i] = l
+    return out, lse
+
+
+# --------------------------------------------------------------------------- the reference op
+
+
+class ReferenceOp:
+    """The op contract in torch on any device, dense and sparse, latent and FP8 656-byte caches, any page size."""
+
+    name = "reference-op"
+    lse_base = "e"
+    empty_row = "+inf"
+    page_block_sizes = (1, 16, 64)
+    kv_formats = ("latent", "fp8-e4m3-flashmla")
+    fp8_scale_format = "pow2"
+    deterministic = True
+    batch_invariant = True
+
+    def unsupported_reason(self, case):
+        if case.page_block_size not in declared(self, "page_block_sizes"):
+            return f"{self.name} reads pages of {', '.join(map(str, self.page_block_sizes))} tokens, not {case.page_block_size}"
+        if not torch.empty(0, dtype=case.dtype).is_floating_point():
+            return f"{self.name} needs a floating-point q, got {case.dtype}"
+        return None
+
+    def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
+               topk_length=None, attn_sink=None):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        B, s_q, h_q, d = q.shape
+        if d != D_QK:
+            raise ValueError(f"{self.name}: q has head dim {d}, the op contract's is {D_QK}")
+        num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+        kv = dequantize_cache(kv_cache, acc)                                  # [N, P, 1, 576]
+        qf = q.to(acc)
+        dev = q.device
+        if indices is not None:
+            idx = indices.long()
+            valid = (idx >= 0) & (idx < num_blocks * page)
+            if topk_length is not None:
+                valid &= torch.arange(idx.shape[-1], device=dev) < topk_length.long().view(B, 1, 1)
+            keys = kv.reshape(num_blocks * page, D_QK)[torch.where(valid, idx, 0)]   # [B, s_q, k, 576]
+            keys = torch.where(valid[..., None], keys, torch.zeros((), dtype=acc, device=dev))
+            logits = torch.einsum("bshd,bskd->bshk", qf, keys) * softmax_scale
+            allowed = valid[:, :, None, :]                                      # [B, s_q, 1, k]
+            values = keys[..., :D_V]
+            mix = "bshk,bskd->bshd"
+        else:
+            lens = cache_seqlens.long()
+            max_blocks = block_table.shape[1]
+            T = max_blocks * page
+            used = torch.arange(max_blocks, device=dev) < ((lens + page - 1) // page)[:, None]  # [B, max_blocks]
+            bt = torch.where(used, block_table.long(), 0).clamp(0, num_blocks - 1)
+            keys = kv[bt].reshape(B, T, D_QK)                                   # [B, T, 576]
+            pos = torch.arange(T, device=dev)
+            key_ok = pos < lens[:, None]                                        # [B, T]
+            keys = torch.where(key_ok[..., None], keys, torch.zeros((), dtype=acc, device=dev))
+            if causal:
+                limit = lens[:, None] - s_q + torch.arange(s_q, device=dev) + 1  # [B, s_q]
+                ok = key_ok[:, None, :] & (pos < limit[..., None])              # [B, s_q, T]
+            else:
+                ok = key_ok[:, None, :].expand(B, s_q, T)
+            logits = torch.einsum("bshd,btd->bsht", qf, keys) * softmax_scale
+            allowed = ok[:, :, None, :]
+            values = keys[..., :D_V]
+            mix = "bsht,btd->bshd"
+        logits = torch.where(allowed, logits, torch.tensor(-math.inf, dtype=acc, device=dev))
+        lse = torch.logsumexp(logits, dim=-1)                                   # [B, s_q, h]
+        empty = torch.isneginf(lse)
+        p = torch.exp(logits - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
+        p = torch.where(allowed, p, torch.zeros((), dtype=acc, device=dev))
+        out = torch.einsum(mix, p, values)
+        if attn_sink is not None:
+            factor = torch.sigmoid(lse - attn_sink.to(acc).view(1, 1, h_q))      # exp(lse) / (exp(lse) + exp(sink))
+            out = out * torch.where(empty, torch.zeros_like(factor), factor)[..., None]
+        lse = torch.where(empty, torch.full_like(lse, math.inf), lse)
+        return out.to(q.dtype), lse.transpose(1, 2).to(torch.float32).contiguous()
