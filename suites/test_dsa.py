@@ -15,7 +15,9 @@ A backend opts in by accepting a config with ``index_topk`` (others skip with th
   one key), on prefill and on decode steps crossing the boundary;
 * where the cache (or the backend) exposes ``last_topk_indices`` (optional): the selected set equals the
   oracle's, allowing swaps only among keys whose oracle scores tie with the k-th within the dtype's
-  tolerance; valid count min(k, len); unused slots -1.
+  tolerance; valid count min(k, len); unused slots -1;
+* the cache bytes at V3.2's latent dims (``v3.2-mini``: kv_lora 512, rope 64, indexer key 128) in BF16:
+  1,408 B per stored token, the indexer keys counted, each buffer measured from ``tensors()``.
 """
 
 import functools
@@ -23,7 +25,7 @@ import functools
 import pytest
 import torch
 
-from mla_conformance import checks
+from mla_conformance import MLAConfig, checks
 from mla_conformance.checks import Scenario
 from mla_conformance.reference import (indexer_scores_f64, reference_attention_f64, selection_mask,
                                        sparse_attention_f64)
@@ -275,3 +277,22 @@ def test_selection(mla_backend, scenario, mla_device, mla_figures):
                 swaps += len(diff) // 2
             checked += 1
     mla_figures.update(queries_checked=checked, tie_swaps=swaps, index_topk=TOPK, context=T)
+
+
+@pytest.mark.mla_section("dsa")
+@pytest.mark.parametrize("prefill,decode,batch", [(6, 2, 3)])
+def test_cache_bytes_v32_dims(mla_backend, prefill, decode, batch, mla_device, mla_figures):
+    """At V3.2's latent dims in BF16 (v3.2-mini: 512 + 64 latent, 128-wide indexer key) a DSA cache holds
+    (512 + 64 + 128) x 2 = 1,408 B per stored token, the indexer keys counted: the byte rule of
+    checks.cache_bytes, then the format itself (a cache declaring "latent" here under-reports 22 %)."""
+    got = checks.cache_bytes(mla_backend, "v3.2-mini", torch.bfloat16, prefill=prefill, decode=decode, batch=batch,
+                             capacity=16, device=mla_device, figures=mla_figures)
+    config = MLAConfig.preset("v3.2-mini")
+    want = (config.latent_dim + config.index_head_dim) * 2
+    mla_figures["indexer_bytes_per_token"] = config.index_head_dim * 2
+    if got["cache_format"] != "latent+indexer" or got["bytes_per_token"] != want:
+        raise AssertionError(
+            f"{mla_backend.name} v3.2-mini bfloat16: the cache declares {got['cache_format']!r} and holds "
+            f"{got['bytes_per_token']:,} B per stored token; DeepSeek Sparse Attention caches the latent (512 + 64) "
+            f"and one indexer key ({config.index_head_dim}) per token: 'latent+indexer', {want:,} B in BF16 "
+            f"(buffers: {got['tensors']})")

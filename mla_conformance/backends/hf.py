@@ -1,4 +1,5 @@
-"""``hf-transformers``: transformers' own DeepseekV2Attention, driven with its own Cache object.
+"""``hf-transformers``: transformers' own DeepseekV2Attention (DeepseekV32Attention for DeepSeek Sparse
+Attention configs), driven with its own Cache object.
 
 Nothing here re-implements attention: the module, its rotary embedding and its ``DynamicCache`` are
 transformers' classes. This backend only builds them from an :class:`MLAConfig`, loads the layer's
@@ -8,6 +9,14 @@ causality and the rows' padding).
 What transformers caches changed across releases (4.x stores the expanded per-head K/V, recent 5.x
 the latent): the cache object here reports the bytes of the tensors transformers actually holds and
 derives its ``cache_format`` from their shapes, never from the version number.
+
+DeepSeek Sparse Attention (configs with ``index_topk``): transformers' ``DeepseekV32Attention`` and its
+``DeepseekV32Indexer``, where the installed release has them. transformers keeps the indexer keys in the same
+Cache object, on the layer (``DynamicIndexedLayer.indexer_keys``, [B, T, index_head_dim]); ``tensors()``
+hands out that tensor itself, so the bytes count them ("latent+indexer": 576 + 128 elements, 1,408 B per
+token in BF16 at V3.2 dims). The indexer returns its top-k *slot* indices to the attention module, which
+folds them into the mask; a forward hook on the indexer reads that return value (nothing is changed) and
+the cache exposes it as ``last_topk_indices`` by key position (-1 for slots the query may not see).
 """
 
 from __future__ import annotations
@@ -39,6 +48,41 @@ def _hf_config(config: MLAConfig):
     cfg = DeepseekV2Config(**kwargs)
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def _hf_v32_config(config: MLAConfig):
+    """transformers' DeepseekV32Config for an MLAConfig with DeepSeek Sparse Attention (5.x: rope_parameters)."""
+    from transformers import DeepseekV32Config
+
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling:
+        rope = {**dict(config.rope_scaling), "rope_theta": config.rope_theta}
+        rope.setdefault("rope_type", rope.pop("type", "yarn"))
+    cfg = DeepseekV32Config(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings, num_hidden_layers=1, vocab_size=16,
+        intermediate_size=32, attention_bias=False, attention_dropout=0.0, rope_parameters=rope,
+        index_n_heads=config.index_n_heads, index_head_dim=config.index_head_dim, index_topk=config.index_topk)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def v32_unavailable_reason() -> str | None:
+    """The sentence when the installed transformers has no DeepseekV32Attention, naming the release."""
+    try:
+        from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
+    except ImportError:
+        m = None
+    if m is not None and hasattr(m, "DeepseekV32Attention") and hasattr(m, "DeepseekV32Indexer"):
+        return None
+    import transformers
+
+    return (f"transformers {transformers.__version__} has no DeepseekV32Attention (transformers.models.deepseek_v32, "
+            "DeepSeek-V3.2's lightning indexer and sparse MLA, is not in this release); hf-transformers serves "
+            "DeepSeek Sparse Attention configs only through a release that has it")
 
 
 def restore_yarn_softmax_scale(attn, softmax_scale: float) -> None:
@@ -88,6 +132,18 @@ class HFCache:
         self.device = device
         self.seq_lens = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.slot_pos = torch.empty(batch_size, 0, dtype=torch.int64, device=device)  # -1 = padding
+        #: DSA: the last attend call's selection [B, S, index_topk] by key position (-1 = unused slot)
+        self.last_topk_indices: torch.Tensor | None = None
+
+    def _layer(self):
+        layers = getattr(self.hf, "layers", None)
+        return layers[0] if layers else None
+
+    def _indexer_keys(self) -> torch.Tensor | None:
+        """transformers' own indexer key cache ([B, T, index_head_dim] on DynamicIndexedLayer), or None."""
+        layer = self._layer()
+        keys = getattr(layer, "indexer_keys", None) if layer is not None else None
+        return keys if isinstance(keys, torch.Tensor) and keys.dim() == 3 else None
 
     def _kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         layers = getattr(self.hf, "layers", None)
@@ -115,6 +171,9 @@ class HFCache:
             layers = getattr(self.hf, "layers", None)
             if layers is not None:
                 layers[0].keys, layers[0].values = keys, values
+                ik = self._indexer_keys()
+                if ik is not None:
+                    layers[0].indexer_keys = ik[:, :length]
             else:  # older releases: lists per layer
                 self.hf.key_cache[0], self.hf.value_cache[0] = keys, values
             if hasattr(self.hf, "_seen_tokens"):
@@ -124,7 +183,11 @@ class HFCache:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         kv = self._kv()
-        return {} if kv is None else {"layers.0.keys": kv[0], "layers.0.values": kv[1]}
+        out = {} if kv is None else {"layers.0.keys": kv[0], "layers.0.values": kv[1]}
+        ik = self._indexer_keys()
+        if ik is not None:
+            out["layers.0.indexer_keys"] = ik
+        return out
 
     def allocated_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -135,23 +198,29 @@ class HFCache:
         kv = self._kv()
         if kv is None:
             return 0
-        per_slot = sum(t[:, :, :1].numel() * t.element_size() for t in kv) // self.batch_size
-        return int((self.slot_pos >= 0).sum()) * per_slot
+        per_slot = sum(t[:, :, :1].numel() * t.element_size() for t in kv)  # [B, heads, T, d]: slot axis 2
+        ik = self._indexer_keys()
+        if ik is not None:
+            per_slot += ik[:, :1].numel() * ik.element_size()              # [B, T, d]: slot axis 1
+        return int((self.slot_pos >= 0).sum()) * (per_slot // self.batch_size)
 
     @property
     def cache_format(self) -> str:
-        """"latent" when transformers stores one [.., kv_lora] head, "expanded" when per-head K/V."""
+        """"latent" when transformers stores one [.., kv_lora] head, "expanded" when per-head K/V;
+        "latent+indexer" when it also holds indexer keys (DeepSeek Sparse Attention)."""
         kv = self._kv()
         if kv is None:
-            return "latent"
+            return "latent+indexer" if self.config.dsa else "latent"
         keys = kv[0]
         if keys.shape[1] == 1 and keys.shape[-1] == self.config.kv_lora_rank:
-            return "latent"
+            return "latent+indexer" if self._indexer_keys() is not None else "latent"
         return "expanded"
 
 
 class HFTransformers:
-    """transformers.models.deepseek_v2.DeepseekV2Attention with transformers' DynamicCache."""
+    """transformers.models.deepseek_v2.DeepseekV2Attention with transformers' DynamicCache; for DeepSeek
+    Sparse Attention configs transformers.models.deepseek_v32.DeepseekV32Attention (its indexer keys in the
+    same DynamicCache, on a DynamicIndexedLayer)."""
 
     name = "hf-transformers"
 
@@ -160,9 +229,12 @@ class HFTransformers:
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
         if config.dsa:
-            return (f"hf-transformers drives transformers' DeepseekV2Attention (dense MLA); DeepSeek Sparse "
-                    f"Attention configs (index_topk {config.index_topk}) through DeepseekV32Attention are not "
-                    "wired into this backend yet")
+            reason = v32_unavailable_reason()
+            if reason:
+                return reason
+            if config.q_lora_rank is None:
+                return ("transformers' DeepseekV32Attention always projects the query through q_lora (its "
+                        "indexer reads the q_lora latent); this config has q_lora_rank None")
         if kv_codec != "none":
             return (f"hf-transformers caches what transformers' DynamicCache stores; it has no quantized "
                     f"latent codec, so kv_codec {kv_codec!r} is not supported")
@@ -177,17 +249,25 @@ class HFTransformers:
         hit = self._modules.get(key)
         if hit is not None and hit[0] is weights:
             return hit[1], hit[2], hit[3]
-        from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+        if weights.config.dsa:
+            from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
 
-        hf_config = _hf_config(weights.config)
+            hf_config, cls, rotary_cls = _hf_v32_config(weights.config), "DeepseekV32Attention", "DeepseekV32RotaryEmbedding"
+        else:
+            from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+
+            hf_config, cls, rotary_cls = _hf_config(weights.config), "DeepseekV2Attention", "DeepseekV2RotaryEmbedding"
         with torch.device("meta"):  # no random init of parameters that load_state_dict replaces
-            attn = m.DeepseekV2Attention(hf_config, layer_idx=0)
+            attn = getattr(m, cls)(hf_config, layer_idx=0)
         missing, unexpected = attn.load_state_dict(dict(weights), strict=False, assign=True)
         if missing or unexpected:
-            raise ValueError(f"transformers' DeepseekV2Attention parameters do not match the weights: "
+            raise ValueError(f"transformers' {cls} parameters do not match the weights: "
                              f"missing {missing}, unexpected {unexpected}")
         attn = attn.eval()  # driven as transformers ships it: a wrong scale is a finding, not something to patch
-        rotary = m.DeepseekV2RotaryEmbedding(hf_config).to(weights.device)
+        for buf_name, buf in list(attn.named_buffers()):  # non-persistent buffers load_state_dict left on meta
+            if buf.is_meta:
+                raise ValueError(f"transformers' {cls} buffer {buf_name} was not loaded")
+        rotary = getattr(m, rotary_cls)(hf_config).to(weights.device)
         self._modules = {key: (weights, attn, rotary, hf_config)}
         return attn, rotary, hf_config
 
@@ -197,8 +277,8 @@ class HFTransformers:
         return yarn_scale_diagnosis(attn, weights.config.softmax_scale)
 
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
-        return HFCache(_hf_config(config), config, batch_size=batch_size, capacity=capacity,
-                       dtype=dtype, device=device)
+        hf_config = _hf_v32_config(config) if config.dsa else _hf_config(config)
+        return HFCache(hf_config, config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device)
 
     @torch.no_grad()
     def attend(self, weights, hidden_states, positions, cache: HFCache, lengths=None):
@@ -220,7 +300,33 @@ class HFTransformers:
         pos_emb = rotary(hidden_states, positions)
         kw = {"cache": cache.hf} if "cache" in inspect.signature(attn.forward).parameters else {
             "past_key_values": cache.hf}
-        out = attn(hidden_states, attention_mask=mask, position_embeddings=pos_emb, **kw)[0]
+        if weights.config.dsa:
+            kw["position_ids"] = positions
+            selected: list[torch.Tensor] = []
+            # read (never change) the top-k slot indices transformers' indexer returns to its attention module
+            hook = attn.indexer.register_forward_hook(lambda mod, args, output: selected.append(output))
+            try:
+                out = attn(hidden_states, attention_mask=mask, position_embeddings=pos_emb, **kw)[0]
+            finally:
+                hook.remove()
+            cache.last_topk_indices = (self._by_position(selected[0], slot_pos, allowed, weights.config.index_topk)
+                                       if len(selected) == 1 else None)
+        else:
+            out = attn(hidden_states, attention_mask=mask, position_embeddings=pos_emb, **kw)[0]
         cache.slot_pos = slot_pos
         cache.seq_lens = cache.seq_lens + lengths
         return out.to(hidden_states.dtype)
+
+    @staticmethod
+    def _by_position(slots: torch.Tensor, slot_pos: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
+        """transformers' top-k *slot* indices [B, S, k] as key positions, -1 where the slot is one the query may
+        not see (padding, a future token: transformers' top-k fills up with masked slots when fewer keys are
+        allowed than k) and for the slots past min(topk, T)."""
+        slots = slots.long()
+        B, S, k = slots.shape
+        pos = torch.gather(slot_pos[:, None, :].expand(B, S, -1), 2, slots)
+        seen = torch.gather(allowed, 2, slots)
+        idx = torch.where(seen, pos, torch.full_like(pos, -1))
+        if k < topk:
+            idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
+        return idx
