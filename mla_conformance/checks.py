@@ -62,6 +62,30 @@ TOLERANCES: dict[str, Tolerance] = {
 #: Tighter bounds the float64 anchor test (tests/test_reference_anchor.py) holds each built-in to.
 ANCHOR_TOLERANCES = {"reference-naive": 1e-8, "reference-absorbed": 1e-8, "hf-transformers": 1e-5}
 
+#: DeepSeek Sparse Attention: a backend's indexer scores (the optional ``last_indexer_scores``) against
+#: ``reference.indexer_scores_f64``, rows of the one table above (suites/test_dsa.py::test_indexer_scores).
+#: Here both bounds are relative to M[s,t] = sum_h |w_sh| sum_i |q_shi| |k_ti| (the float64 oracle's q, k after
+#: the Hadamard rotation): what a score's rounding error scales with, since ReLU(q.k) cancels. rel_fro =
+#: ||got - oracle||_F / ||M||_F, max_rel = max |got - oracle| / M over the causal entries.
+FP8_E4M3_PRODUCT_ERROR = (1 + 2 ** -4) ** 2 - 1  # e4m3 keeps 3 mantissa bits: |x - fp8(x)| <= 2^-4 |x| (normal range)
+TOLERANCES.update({
+    "indexer-scores float32": Tolerance(1e-6, 1e-5, "DSA indexer scores vs indexer_scores_f64, errors relative "
+                                        "to M = sum_h |w_h| sum_i |q_hi k_ti| (test_dsa.py::test_indexer_scores, "
+                                        "every indexer-scores row): a 128-term fp32 dot product's worst-case error is "
+                                        "128 x 2^-24 = 7.6e-6 of M (max_rel 1e-5); reference-dsa measures "
+                                        "rel_fro 4.5e-8, max_rel 2.6e-7 on tiny-dsa"),
+    "indexer-scores bfloat16": Tolerance(4e-3, 2e-2, "q, k and w are rounded to bf16 (2^-9 each) about 10 times "
+                                         "on their way (projection, LayerNorm, RoPE, Hadamard): 10 x 2^-9 = 2e-2 of "
+                                         "M; reference-dsa measures rel_fro 7.8e-4, max_rel 6.5e-3 on tiny-dsa"),
+    "indexer-scores fp8-e4m3": Tolerance(
+        FP8_E4M3_PRODUCT_ERROR + 2e-2, FP8_E4M3_PRODUCT_ERROR + 2e-2,
+        "derived: q and k quantized to e4m3 with power-of-two block scales err by <= 2^-4 each (the block max "
+        "lands in [224, 448], normal range), so each product q_i k_i by <= (1 + 2^-4)^2 - 1 = 0.1289 of |q_i k_i|, "
+        "hence of M; plus the bf16 row's 2e-2 (the FP8 path computes in bf16); values in e4m3's subnormal range add "
+        "<= scale x 2^-10 each, added to the bound per element; reference-dsa measures rel_fro 2.2e-3, max_rel "
+        "1.2e-2 on v3.2-mini"),
+})
+
 
 # --------------------------------------------------------------------------- metrics
 

@@ -16,6 +16,11 @@ A backend opts in by accepting a config with ``index_topk`` (others skip with th
 * where the cache (or the backend) exposes ``last_topk_indices`` (optional): the selected set equals the
   oracle's, allowing swaps only among keys whose oracle scores tie with the k-th within the dtype's
   tolerance; valid count min(k, len); unused slots -1;
+* where the cache (or the backend) exposes ``last_indexer_scores`` (optional): the scores of every query
+  against the float64 oracle (``indexer_scores_f64``), -inf exactly where the key is masked, to the
+  ``indexer-scores`` rows of checks.TOLERANCES (bounds relative to M = sum_h |w_h| sum_i |q_i k_i|; the FP8
+  row derived from e4m3's rounding with power-of-two block scales); a failure whose scores match the
+  interleaved-pair indexer RoPE says so;
 * the cache bytes at V3.2's latent dims (``v3.2-mini``: kv_lora 512, rope 64, indexer key 128) in BF16:
   1,408 B per stored token, the indexer keys counted, each buffer measured from ``tensors()``.
 """
@@ -27,8 +32,8 @@ import torch
 
 from mla_conformance import MLAConfig, checks
 from mla_conformance.checks import Scenario
-from mla_conformance.reference import (indexer_scores_f64, reference_attention_f64, selection_mask,
-                                       sparse_attention_f64)
+from mla_conformance.reference import (FP8_BLOCK, indexer_project, indexer_scores_f64, reference_attention_f64,
+                                       selection_mask, sparse_attention_f64)
 
 PRESET = "tiny-dsa"
 TOPK = 16  # tiny-dsa's index_topk
@@ -296,3 +301,123 @@ def test_cache_bytes_v32_dims(mla_backend, prefill, decode, batch, mla_device, m
             f"{got['bytes_per_token']:,} B per stored token; DeepSeek Sparse Attention caches the latent (512 + 64) "
             f"and one indexer key ({config.index_head_dim}) per token: 'latent+indexer', {want:,} B in BF16 "
             f"(buffers: {got['tensors']})")
+
+
+#: test_indexer_scores cases: (preset, dtype, kv_codec, scenario, tolerance row of checks.TOLERANCES)
+SCORE_CASES = {
+    "float32-prefill_decode": ("tiny-dsa", "float32", "none", SCENARIOS["prefill_decode"], "indexer-scores float32"),
+    "bfloat16-varlen_batch": ("tiny-dsa", "bfloat16", "none", SCENARIOS["varlen_batch"], "indexer-scores bfloat16"),
+    "fp8-e4m3-flashmla-prefill_decode": ("v3.2-mini", "bfloat16", "fp8-e4m3-flashmla", SCENARIOS["prefill_decode"],
+                                         "indexer-scores fp8-e4m3"),
+}
+
+
+@functools.lru_cache(maxsize=4)
+def _score_oracle(preset: str, scenario: Scenario, dtype: torch.dtype, rope_layout: str = "half"):
+    """(float64 scores [B, T, T], M [B, T, T] = sum_h |w_h| sum_i |q_hi| |k_ti|, e4m3 subnormal term U [B, T, T],
+    allowed [B, T, T]) of the inputs as the backend gets them (rounded to dtype)."""
+    w = checks._weights(preset, 0)
+    x = checks.inputs_for(w.config, scenario).to(dtype).to(torch.float64)
+    lengths = checks.scenario_lengths(scenario)
+    B, T, _ = x.shape
+    scores = indexer_scores_f64(w, x, lengths, rope_layout=rope_layout)
+    q, k, hw = indexer_project(w, x, torch.arange(T).expand(B, T), rope_layout=rope_layout)
+    M = torch.einsum("bsh,bshd,btd->bst", hw.abs(), q.abs(), k.abs())
+
+    def half_subnormal_step(v):  # per element: 2 x the block's power-of-two scale x 2^-10 (e4m3 subnormal half-step)
+        blk = min(FP8_BLOCK, v.shape[-1])
+        amax = v.unflatten(-1, (-1, blk)).abs().amax(-1, keepdim=True).clamp_min(1e-4)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+        return (2 * scale * 2.0 ** -10).expand(*amax.shape[:-1], blk).flatten(-2)
+
+    uq, uk = half_subnormal_step(q), half_subnormal_step(k)
+    e = checks.FP8_E4M3_PRODUCT_ERROR
+    U = torch.einsum("bsh,bshd,btd->bst", hw.abs(), uq, k.abs() * (1 + e) + uk) + \
+        torch.einsum("bsh,bshd,btd->bst", hw.abs(), q.abs() * (1 + e), uk)
+    t = torch.arange(T)
+    valid_q = t[None, :] < lengths[:, None]
+    allowed = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] < lengths[:, None, None]) & valid_q[..., None]
+    return scores, M, U, allowed
+
+
+class _ScoreRecorder(_SelectionRecorder):
+    """The backend under test, unchanged, with each attend call's ``last_indexer_scores`` recorded by position."""
+
+    def attend(self, weights, hidden_states, positions, cache, lengths=None):
+        out = self._backend.attend(weights, hidden_states, positions, cache, lengths)
+        s = None
+        for owner in (cache, self._backend):
+            s = getattr(owner, "last_indexer_scores", None)
+            if s is not None:
+                break
+        self.calls.append(None if s is None else (positions.cpu(), None if lengths is None else lengths.cpu(),
+                                                  s.detach().to("cpu").clone()))
+        return out
+
+
+@pytest.mark.mla_section("dsa")
+@pytest.mark.parametrize("case", list(SCORE_CASES))
+def test_indexer_scores(mla_backend, case, mla_device, mla_figures):
+    """The lightning indexer's scores (``last_indexer_scores``, float32 [B, S, T], -inf where the key is masked)
+    of every query of every call against the float64 oracle: -inf exactly at the masked keys, and on the rest
+    rel_fro and max_rel relative to M = sum_h |w_h| sum_i |q_hi k_ti| within the dtype's ``indexer-scores`` row
+    of checks.TOLERANCES (FP8: the e4m3 bound, plus e4m3's subnormal half-steps per element)."""
+    preset, dtype_name, kv_codec, sc, row = SCORE_CASES[case]
+    dt = checks.DTYPES[dtype_name]
+    w = checks.weights_for(preset, dt, mla_device)
+    checks.require_support(mla_backend, w.config, dtype=dt, device=mla_device, kv_codec=kv_codec)
+    rec = _ScoreRecorder(mla_backend)
+    x = checks.inputs_for(w.config, sc)
+    checks.run_scenario(rec, w, x, sc, device=mla_device, kv_codec=kv_codec)
+    if not rec.calls or any(c is None for c in rec.calls):
+        pytest.skip(f"{mla_backend.name}: exposes no last_indexer_scores (optional); its indexer is judged "
+                    "through its selection and outputs only")
+    where = f"{mla_backend.name} {preset} {sc.name} {dtype_name}{'' if kv_codec == 'none' else ' kv_codec ' + kv_codec}"
+    oracle, M, U, allowed = _score_oracle(preset, sc, dt)
+    B, T, _ = oracle.shape
+    got = torch.full((B, T, T), float("nan"), dtype=torch.float64)
+    for positions, lengths, s in rec.calls:
+        n = lengths if lengths is not None else torch.full((B,), positions.shape[1])
+        if s.dim() != 3 or s.shape[0] != B or s.shape[1] != positions.shape[1] or s.dtype != torch.float32:
+            raise AssertionError(f"{where}: last_indexer_scores is {tuple(s.shape)} {s.dtype}, expected float32 "
+                                 f"[{B}, {positions.shape[1]}, T] (T = keys cached after the call)")
+        K = min(s.shape[-1], T)
+        for b in range(B):
+            for i in range(int(n[b])):
+                p = int(positions[b, i])
+                got[b, p, :K] = s[b, i, :K].double()
+                got[b, p, K:] = float("-inf")
+    valid_q = (torch.arange(T)[None, :] < checks.scenario_lengths(sc)[:, None])[..., None].expand(B, T, T)
+    masked = valid_q & ~allowed
+    wrong_inf = (masked & ~(got == float("-inf"))) | (allowed & ~torch.isfinite(got))
+    if bool(wrong_inf.any()):
+        b, p, t = (int(v) for v in wrong_inf.nonzero()[0])
+        raise AssertionError(f"{where}: the score of key {t} for the query at position {p} (row {b}) is "
+                             f"{float(got[b, p, t])}: expected {'-inf (the key is masked: future or past the row)' if masked[b, p, t] else 'a finite score'}"
+                             f" ({int(wrong_inf.sum())} such entries)")
+    tol = checks.TOLERANCES[row]
+    err = (got - oracle)[allowed]
+    m_allowed, u_allowed = M[allowed], (U[allowed] if kv_codec != "none" else torch.zeros_like(M[allowed]))
+    rel_fro = float(err.norm() / m_allowed.norm())
+    excess = err.abs() - u_allowed
+    max_rel = float((excess / m_allowed).max())
+    mla_figures.update(rel_fro=rel_fro, max_rel=max_rel, tolerance_rel_fro=tol.rel_fro, tolerance_max_rel=tol.max_rel,
+                       scores_checked=int(allowed.sum()), tolerance_row=row,
+                       rel_fro_of_scores=float(err.norm() / oracle[allowed].norm()))
+    bound_fro = tol.rel_fro * float(m_allowed.norm()) + float(u_allowed.norm())
+    if not (float(err.norm()) <= bound_fro and max_rel <= tol.max_rel):
+        worst = int(excess.div(m_allowed).argmax())
+        b, p, t = (int(v) for v in allowed.nonzero()[worst])
+        cause = ""
+        alt, M_alt, _, _ = _score_oracle(preset, sc, dt, "interleaved")
+        alt_err = float((got - alt)[allowed].norm() / M_alt[allowed].norm())
+        if alt_err < rel_fro / 4:
+            cause = (f"; likely cause: the indexer's RoPE in the interleaved layout -- the scores match the oracle "
+                     f"with interleaved-pair indexer RoPE (rel_fro {alt_err:.3e} vs {rel_fro:.3e}); DeepSeek's corrected "
+                     "V3.2 code (2025-11-18) and transformers rotate the indexer's first qk_rope_head_dim dims as "
+                     "non-interleaved halves (rotate-half), unlike MLA's interleaved k_pe")
+        raise AssertionError(
+            f"{where}: indexer scores differ from the float64 oracle beyond the {row!r} tolerance: rel_fro "
+            f"{rel_fro:.3e} of M (tolerance {tol.rel_fro:g}), max |error| / M {max_rel:.3e} (tolerance "
+            f"{tol.max_rel:g}); worst: key {t} for the query at position {p} (row {b}), score "
+            f"{float(got[b, p, t]):.6g} vs {float(oracle[b, p, t]):.6g}{cause}")

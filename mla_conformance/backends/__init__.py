@@ -56,7 +56,10 @@ Optional parts, detected and never assumed:
   ``attend`` scores every cached token with the lightning indexer, keeps the top-min(index_topk, len)
   per query (causal) and attends over those only. Optionally the cache (or the backend) exposes the last
   ``attend`` call's selection as ``last_topk_indices``: int64 [B, S, index_topk], key slots (positions)
-  by any order, unused slots -1; the DSA tests then check the selected set against the oracle's.
+  by any order, unused slots -1; the DSA tests then check the selected set against the oracle's. Optionally
+  also ``last_indexer_scores``: float32 [B, S, T], the lightning indexer's score of every key position
+  0..T-1 for each query of the last call, -inf where the key is masked (future, past the row); the DSA tests
+  then check them against the float64 oracle (the ``indexer-scores`` rows of checks.TOLERANCES).
 * ``kv_codec`` values other than ``"none"`` (quantized caches): a backend that cannot do one says so
   in ``unsupported_reason`` and the suite skips with that sentence.
 * ``supports_paging = True`` with ``new_cache(..., page_block_size=N)`` (paged latent cache).

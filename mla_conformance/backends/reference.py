@@ -129,7 +129,9 @@ class ReferenceDSA(ReferenceAbsorbed):
     DeepSeek's kernels accumulate them. ``kv_codec="fp8-e4m3-flashmla"`` (V3.2 dims, bfloat16) is the FP8
     form: FlashMLA's 656-byte latent row plus an FP8 indexer key with float32 power-of-two block scales
     (128 + 4 B), 788 B per token; the indexer query is FP8-rounded the same way (DeepSeek's act_quant).
-    The last call's selection is on the cache as ``last_topk_indices`` ([B, S, index_topk] int64, -1 padded).
+    The last call's selection is on the cache as ``last_topk_indices`` ([B, S, index_topk] int64, -1 padded),
+    and the indexer scores it was taken from as ``last_indexer_scores`` (float32 [B, S, T] over key positions
+    0..T-1, -inf where masked).
     """
 
     name = "reference-dsa"
@@ -174,6 +176,7 @@ class ReferenceDSA(ReferenceAbsorbed):
             cache.write("index_k", k_i, lengths)
             k_all = cache.read("index_k", T, new_lens).to(acc)
         scores = ref.indexer_scores(q_i.to(acc), k_all, w_i.to(acc), allowed)
+        cache.last_indexer_scores = scores.to(torch.float32)  # the optional hook: [B, S, T], -inf where masked
         return self.topk(scores, weights.config.index_topk)
 
     def topk(self, scores, topk):

@@ -42,7 +42,7 @@ CORRECT_TESTS = {
                  "suites/test_generation_golden.py::test_golden_generation", "suites/test_cache_bytes.py::test_seed_table"),
     "reference-dsa": ("suites/test_dsa.py::test_sparse_attention", "suites/test_dsa.py::test_short_context_is_dense",
                       "suites/test_dsa.py::test_selection", "suites/test_cache_bytes.py::test_bytes_formula_dsa",
-                      "suites/test_dsa.py::test_cache_bytes_v32_dims"),
+                      "suites/test_dsa.py::test_cache_bytes_v32_dims", "suites/test_dsa.py::test_indexer_scores"),
 }
 
 #: conformance test (file::function) -> [(broken key, the parametrisation after the backend name)]
@@ -56,6 +56,7 @@ KILL_MATRIX = {
     "suites/test_dsa.py::test_short_context_is_dense": [("dsa-topk-off-by-one", "-0-prefill")],
     "suites/test_dsa.py::test_selection": [("dsa-interleaved-rope", "-prefill")],
     "suites/test_dsa.py::test_cache_bytes_v32_dims": [("dsa-keys-hidden", "-6-2-3")],
+    "suites/test_dsa.py::test_indexer_scores": [("dsa-interleaved-rope", "-float32-prefill_decode")],
     "suites/test_numerics.py::test_against_float64": [("decode-position", "-float32-prefill_decode-tiny"),
                                                       ("rope-layout", "-bfloat16-varlen_batch-v3-mini")],
     "suites/test_numerics.py::test_float16": [("kv-b-swapped", "-tiny")],
