@@ -68,7 +68,12 @@ Optional parts, detected and never assumed:
 
 A backend is named on the command line by a *spec*: a registered name (``reference-absorbed``), a
 ``package.module:attr`` or a ``path/to/file.py:attr``, where attr is a class (instantiated without
-arguments) or an instance.
+arguments) or an instance; or ``op:SPEC``, where SPEC is an *op* spec (:mod:`mla_conformance.ops`: a
+built-in op such as ``reference-op`` or ``flashmla``, ``package.module:attr``, ``path/to/file.py:attr``):
+the op wrapped by :class:`mla_conformance.ops.layer.OpBackend` (projections, RoPE and both absorptions in
+torch, the attention in ``op.decode``), named ``op:<op name>``. One op implementation thus runs both the
+op suite (``--mla-op SPEC``) and this one (``--mla-backend op:SPEC``). The prefix ``op:`` is reserved: a
+module named ``op`` cannot be given as ``op:attr``.
 """
 
 from __future__ import annotations
@@ -95,6 +100,25 @@ BUILTINS: dict[str, str] = {
 DEFAULT_BACKENDS = ("reference-naive", "reference-absorbed", "hf-transformers", "reference-dsa")
 
 REQUIRED_METHODS = ("unsupported_reason", "new_cache", "attend")
+
+#: ``op:SPEC``: an op (mla_conformance.ops) behind the layer contract
+OP_PREFIX = "op:"
+
+
+def _op_backend(spec: str):
+    """``op:SPEC`` -> OpBackend(get_op(SPEC)); a bad SPEC is a BackendSpecError naming both."""
+    from mla_conformance.ops import BUILTIN_OPS, get_op
+    from mla_conformance.ops.layer import OpBackend
+
+    op_spec = spec[len(OP_PREFIX):].strip()
+    if not op_spec:
+        raise BackendSpecError(f"backend spec {spec!r}: 'op:' needs an op spec after it: a built-in op "
+                               f"({', '.join(BUILTIN_OPS)}), package.module:attr or path/to/file.py:attr")
+    try:
+        op = get_op(op_spec)
+    except BackendSpecError as exc:
+        raise BackendSpecError(f"backend spec {spec!r}: {exc}") from None
+    return OpBackend(op)
 
 
 def _import_attr(spec: str, target: str, attr: str) -> Any:
@@ -134,8 +158,10 @@ def get_backend(spec: str):
     """Resolve a backend spec to a backend instance, or raise BackendSpecError naming the spec."""
     if not isinstance(spec, str) or not spec.strip():
         raise BackendSpecError(f"backend spec {spec!r}: empty; give a built-in name "
-                               f"({', '.join(BUILTINS)}), package.module:attr or path/to/file.py:attr")
+                               f"({', '.join(BUILTINS)}), package.module:attr, path/to/file.py:attr or op:SPEC")
     spec = spec.strip()
+    if spec.startswith(OP_PREFIX):
+        return _op_backend(spec)
     if spec in BUILTINS:
         target, attr = BUILTINS[spec].split(":")
     elif ":" in spec:
@@ -147,8 +173,13 @@ def get_backend(spec: str):
 
         close = difflib.get_close_matches(spec, list(BUILTINS), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
+        from mla_conformance.ops import BUILTIN_OPS
+
+        if spec in BUILTIN_OPS:
+            hint = f" ({spec!r} is an op: give {OP_PREFIX + spec!r} to run it behind the layer contract)"
         raise BackendSpecError(f"backend spec {spec!r}: not a built-in backend{hint}; built-ins are "
-                               f"{', '.join(BUILTINS)}; or give package.module:attr or path/to/file.py:attr")
+                               f"{', '.join(BUILTINS)}; or give package.module:attr, path/to/file.py:attr or op:SPEC "
+                               "(an op behind the layer contract)")
     obj = _import_attr(spec, target, attr)
     if inspect.isclass(obj):
         try:
