@@ -249,7 +249,45 @@ _FLASHINFER_JIT_XQA = Source(
     "ratio 128, fp8 input and cache (later revisions also bf16), page size 16/32/64/128.",
 )
 
+# The revision of flashinfer-ai/flashinfer the BatchMLAPagedAttentionWrapper facts (row flashinfer/fa2_mla,
+# op flashinfer) were read at.
+FLASHINFER_REVISION = "fb28d7242b3506a2348265962041acc1fb56cca4"
+
+_FLASHINFER_MLA_CORE = Source(
+    FLASHINFER, "flashinfer/mla/_core.py", FLASHINFER_REVISION,
+    "BatchMLAPagedAttentionWrapper(backend='auto'): 'auto' picks 'fa3' on SM90a, else 'fa2' (on SM >= 100 "
+    "with a warning that fa2 is not Blackwell-native); plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, "
+    "num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type); kv "
+    "dtypes float16, bfloat16 (float8_e4m3fn on SM90 only, with per-tensor or per-128-channel scales); "
+    "run(q_nope, q_pe, ckv_cache [pages, page_size, 512], kpe_cache [pages, page_size, 64], return_lse=True) "
+    "returns lse in base 2 unless return_lse_base_on_e.",
+)
+_FLASHINFER_MLA_CUH = Source(
+    FLASHINFER, "include/flashinfer/attention/mla.cuh", FLASHINFER_REVISION,
+    "fa2 MLA: causal mask drops kv_idx + qo_len > kv_len + q_idx (bottom-right alignment); a query with no "
+    "keys writes out 0 and lse -inf (write_empty_o); ckv / kpe read through page and token strides.",
+)
+_FLASHINFER_JIT_MODULES = Source(
+    FLASHINFER, "flashinfer/jit/attention/modules.py", FLASHINFER_REVISION,
+    "gen_batch_mla_module: fa2 compiles batch_mla_{plan,run,binding}.cu with no arch-specific flags (JIT "
+    "for the device in use); fa3 adds sm90a_nvcc_flags.",
+)
+_FLASHINFER_README = Source(
+    FLASHINFER, "README.md", FLASHINFER_REVISION,
+    "architectures: Turing SM 7.5, Ampere SM 8.0 / 8.6, Ada SM 8.9, Hopper SM 9.0, Blackwell SM 10.0 / 10.3, "
+    "SM 11.0, SM 12.0 / 12.1; 'Not all features are supported across all compute capabilities'.",
+)
+_FLASHINFER_MLA_TEST = Source(
+    FLASHINFER, "tests/attention/test_deepseek_mla.py", FLASHINFER_REVISION,
+    "test_batch_mla_page_attention runs backends fa2 and fa3 (fa3 skipped unless is_sm90a_supported) at page "
+    "sizes 1 and 16, causal and not; reference mask arange(kv_len - qo_len, kv_len) >= arange(kv_len); lse "
+    "compared as logsumexp * log2(e); 'qo_len > kv_len not supported for causal attention'.",
+)
+
 SM90_FI = ArchTarget("SM90", "Hopper", ((9, 0),), "sm_90a", (12, 3))
+SM80_FI_FA2 = ArchTarget("SM80", "Ampere", ((8, 0), (8, 6)), "", None)
+SM89_FI_FA2 = ArchTarget("SM89", "Ada", ((8, 9),), "", None)
+SM90_FI_FA2 = ArchTarget("SM90", "Hopper", ((9, 0),), "", None)
 SM100_FI = ArchTarget("SM100", "datacenter Blackwell", ((10, 0), (10, 3)), "sm_100a/sm_100f", (12, 8))
 SM120_FI = ArchTarget("SM120", "Blackwell RTX / RTX PRO", ((12, 0),), "sm_120a", (12, 8))
 SM121_FI = ArchTarget("SM121", "GB10 DGX Spark", ((12, 1),), "sm_121a", (12, 9))
@@ -332,6 +370,24 @@ MATRIX: tuple[KernelRow, ...] = (
         sources=(_FLASHINFER_UTILS, _FLASHINFER_MLA),
         confidence="medium",
         notes="Any page size. Other devices fall back to backend fa2 (not in this matrix).",
+    ),
+    KernelRow(
+        kernel_id="flashinfer/fa2_mla",
+        library="FlashInfer",
+        name="FlashInfer FA2 MLA (BatchMLAPagedAttentionWrapper, backend fa2)",
+        package="flashinfer",
+        targets=(SM80_FI_FA2, SM89_FI_FA2, SM90_FI_FA2, SM100_FI, SM120_FI, SM121_FI),
+        kv_dtype="BF16/FP16 (ckv 512 + kpe 64, separate tensors or strided views of one 576-wide page)",
+        mode="MQA",
+        head_dim_k=(576,),
+        head_dim_v=(512,),
+        page_block_size=None,
+        sources=(_FLASHINFER_MLA_CORE, _FLASHINFER_MLA_CUH, _FLASHINFER_JIT_MODULES, _FLASHINFER_README,
+                 _FLASHINFER_MLA_TEST, _NVIDIA_GPUS),
+        confidence="medium",
+        notes="What backend='auto' runs everywhere but SM90 (there: fa3, row flashinfer/fa3_mla). JIT-compiled "
+        "for the device in use, no arch-specific flags; bf16 MMA needs SM80, so Turing (7.5, in FlashInfer's "
+        "README) is not accepted here, nor Thor (11.0). Any page size. The op flashinfer drives it.",
     ),
     KernelRow(
         kernel_id="flashinfer/cutlass_mla",

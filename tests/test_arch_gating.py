@@ -38,19 +38,20 @@ DEVICES = {
 # The decision table.  Y = supported, . = not.
 #   FlashMLA: dense decode SM90 only (sm_90a); sparse decode + sparse prefill SM90 and the SM100
 #   family (sm_100f: 10.0 and 10.3); dense prefill (MHA) SM100 family only; nothing on SM12x.
-#   FlashInfer: FA3 MLA needs SM90; CUTLASS MLA and TRTLLM-gen MLA SM100/SM103; XQA MLA SM12x.
+#   FlashInfer: FA2 MLA (BatchMLAPagedAttentionWrapper's fallback, JIT for the device) SM80 through SM12x
+#   (not Turing, not Thor); FA3 MLA needs SM90; CUTLASS MLA and TRTLLM-gen MLA SM100/SM103; XQA MLA SM12x.
 _TABLE = """
-device  dense_decode sparse_decode dense_prefill sparse_prefill fa3_mla cutlass_mla trtllm_gen_mla xqa_mla
-cpu     .            .             .             .              .       .           .              .
-7.0     .            .             .             .              .       .           .              .
-8.0     .            .             .             .              .       .           .              .
-8.6     .            .             .             .              .       .           .              .
-8.9     .            .             .             .              .       .           .              .
-9.0     Y            Y             .             Y              Y       .           .              .
-10.0    .            Y             Y             Y              .       Y           Y              .
-10.3    .            Y             Y             Y              .       Y           Y              .
-12.0    .            .             .             .              .       .           .              Y
-12.1    .            .             .             .              .       .           .              Y
+device  dense_decode sparse_decode dense_prefill sparse_prefill fa2_mla fa3_mla cutlass_mla trtllm_gen_mla xqa_mla
+cpu     .            .             .             .              .       .       .           .              .
+7.0     .            .             .             .              .       .       .           .              .
+8.0     .            .             .             .              Y       .       .           .              .
+8.6     .            .             .             .              Y       .       .           .              .
+8.9     .            .             .             .              Y       .       .           .              .
+9.0     Y            Y             .             Y              Y       Y       .           .              .
+10.0    .            Y             Y             Y              Y       .       Y           Y              .
+10.3    .            Y             Y             Y              Y       .       Y           Y              .
+12.0    .            .             .             .              Y       .       .           .              Y
+12.1    .            .             .             .              Y       .       .           .              Y
 """
 
 _KERNEL_OF_COLUMN = {
@@ -58,6 +59,7 @@ _KERNEL_OF_COLUMN = {
     "sparse_decode": "flashmla/sparse_decode",
     "dense_prefill": "flashmla/dense_prefill",
     "sparse_prefill": "flashmla/sparse_prefill",
+    "fa2_mla": "flashinfer/fa2_mla",
     "fa3_mla": "flashinfer/fa3_mla",
     "cutlass_mla": "flashinfer/cutlass_mla",
     "trtllm_gen_mla": "flashinfer/trtllm_gen_mla",
