@@ -68,6 +68,10 @@ from mla_conformance.errors import BackendSpecError
 #: Built-in ops: name -> "module:attr".
 BUILTIN_OPS: dict[str, str] = {
     "reference-op": "mla_conformance.ops.reference:ReferenceOp",
+    "flashmla": "mla_conformance.ops.flashmla:FlashMLAOp",
+    "flashmla-sparse": "mla_conformance.ops.flashmla:FlashMLASparseOp",
+    "flashinfer": "mla_conformance.ops.flashinfer:FlashInferOp",
+    "flashinfer-fa2": "mla_conformance.ops.flashinfer:FlashInferFA2Op",
 }
 
 #: Ops a default run checks.
