@@ -48,8 +48,26 @@ are O(H N) and left out)::
     "expand-per-call" (a latent cache expanded on every call, transformers 5.x)
                   + 2 B N d_c H (nope + d_v) + 2 B H N (d_qk + d_v)
 
+    "sparse" (DeepSeek Sparse Attention, a "latent+indexer" cache; K = min(index_topk, N), n indexer heads
+              of width d_i)
+                  + 2 B H (nope d_c + d_c d_v) + 2 B H K (2 d_c + d_r)   absorbed MLA over the K selected
+                  + 2 B (q_lora n d_i + hidden d_i + hidden n)           indexer q, k and head weights
+                  + 2 B n d_i N                                         indexer scores over every key
+
 The model follows the backend's declared ``cache_format`` ("latent" -> absorbed, "expanded" ->
-expanded), except ``HFCache`` holding the latent, which transformers expands per call.
+expanded, "latent+indexer" -> sparse), except ``HFCache`` holding the latent, which transformers expands
+per call. A "latent+indexer" cache of the built-in reference-dsa is filled with the indexer keys of the
+same hidden states (``reference.indexer_project``) next to the latents.
+
+**Sparse decode bytes** (:func:`sparse_decode_bytes`, in every ``bench --json`` as
+``sparse_decode_bytes``): bytes one DSA decode step reads per row and layer, dense vs sparse, at
+deepseek-v3.2 dims (contexts 16k and 32k, and the command's own above index_topk when its preset is a
+DSA one). Dense MLA reads every cached latent row: N x latent B/token. A sparse step reads the indexer
+key of every cached token (to score them) and the latent rows of the selection only:
+min(index_topk, N) x latent + N x indexer B/token. Bytes per token are *measured*: reference-dsa's cache
+(BF16, and the FP8 form with kv_codec fp8-e4m3-flashmla) is allocated at those dims, poisoned, written
+with a few tokens, and the bytes that no longer hold the poison are counted per buffer (latent buffers
+apart from the indexer key buffer), then checked against ``checks.format_bytes_per_token``.
 
 **Bandwidth of this device** is measured in the same run: the median time of ``dst.copy_(src)`` over a
 256 MiB buffer, bandwidth = 2 x bytes / time (read + write); ``bandwidth_fraction`` = achieved GB/s
@@ -175,6 +193,13 @@ def decode_flops(config: MLAConfig, context: int, batch: int, model: str) -> int
         per_row += 2 * d_c * H * (nope + d_v) + 2 * H * N * (d_qk + d_v)
     elif model == "expand-per-call":
         per_row += 2 * N * d_c * H * (nope + d_v) + 2 * H * N * (d_qk + d_v)
+    elif model == "sparse":
+        if not c.dsa:
+            raise ValueError("the sparse FLOP model needs a DeepSeek Sparse Attention config (index_topk set)")
+        K = min(c.index_topk, N)
+        n, d_i = c.index_n_heads, c.index_head_dim
+        per_row += 2 * H * (nope * d_c + d_c * d_v) + 2 * H * K * (2 * d_c + d_r)
+        per_row += 2 * ((c.q_lora_rank or 0) * n * d_i + c.hidden_size * d_i + c.hidden_size * n) + 2 * n * d_i * N
     else:
         raise ValueError(f"unknown FLOP model {model!r}")
     return batch * per_row
@@ -186,12 +211,32 @@ def flop_model(backend, cache) -> str:
     fmt = cache_format_of(backend, cache)
     if isinstance(cache, HFCache) and fmt == "latent":
         return "expand-per-call"
+    if fmt == "latent+indexer":
+        return "sparse"
     return "absorbed" if fmt == "latent" else "expanded"
 
 
 # --------------------------------------------------------------------------- filling a cache
 
 _LATENTS: dict[tuple, tuple[Any, list]] = {}
+
+
+def _chunk_inputs(cfg, start: int, n: int, batch: int, seed: int, device, dtype):
+    """Hidden states and positions of tokens start..start+n-1 (the same for latents and indexer keys)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + start)
+    x = torch.randn(batch, n, cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    return x, torch.arange(start, start + n, device=device).expand(batch, n)
+
+
+def _indexer_chunks(weights, context: int, batch: int, seed: int, device) -> list[torch.Tensor]:
+    """The indexer keys [B, n, index_head_dim] of the hidden states ``_latent_chunks`` projects, chunk by chunk."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, context, FILL_CHUNK):
+            x, pos = _chunk_inputs(weights.config, start, min(FILL_CHUNK, context - start), batch, seed, device,
+                                   weights.dtype)
+            out.append(ref.indexer_project(weights, x, pos)[1])
+    return out
 
 
 def _latent_chunks(weights, context: int, batch: int, seed: int, device) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -207,10 +252,7 @@ def _latent_chunks(weights, context: int, batch: int, seed: int, device) -> list
     chunks = []
     with torch.no_grad():
         for start in range(0, context, FILL_CHUNK):
-            n = min(FILL_CHUNK, context - start)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + start)
-            x = torch.randn(batch, n, cfg.hidden_size, generator=gen).to(device=device, dtype=weights.dtype)
-            pos = torch.arange(start, start + n, device=device).expand(batch, n)
+            x, pos = _chunk_inputs(cfg, start, min(FILL_CHUNK, context - start), batch, seed, device, weights.dtype)
             _, _, c, k_pe = ref.project(weights, x, pos)
             chunks.append((start, c, k_pe))
     while len(_LATENTS) >= 3:
@@ -220,7 +262,7 @@ def _latent_chunks(weights, context: int, batch: int, seed: int, device) -> list
 
 
 def _fill_kind(backend, cache) -> str:
-    """How ``prepare`` fills this cache: "expanded", "latent", "hf" or "attend"."""
+    """How ``prepare`` fills this cache: "expanded", "latent", "latent+indexer", "hf" or "attend"."""
     from mla_conformance.backends.hf import HFCache
     from mla_conformance.cache import LatentSlotCache, SlotCache
 
@@ -228,6 +270,8 @@ def _fill_kind(backend, cache) -> str:
         return "hf"
     if not type(cache).__module__.startswith("mla_conformance."):
         return "attend"
+    if isinstance(cache, LatentSlotCache) and cache_format_of(backend, cache) == "latent+indexer":
+        return "latent+indexer" if hasattr(cache, "write_index_k") or "index_k" in cache.tensors() else "attend"
     if isinstance(cache, LatentSlotCache) or (isinstance(cache, SlotCache) and hasattr(cache, "write_latent")):
         return "latent"
     if isinstance(cache, SlotCache) and set(cache.tensors()) == {"k", "v"}:
@@ -280,10 +324,18 @@ def _fill(backend, weights, cache, kind: str, context: int, batch: int, seed: in
                 values = torch.cat(vs, dim=1).transpose(1, 2)
             cache.fill(keys, values)
         return
+    index_keys = _indexer_chunks(weights, context, batch, seed, dev) if kind == "latent+indexer" else None
     with torch.no_grad():
-        for _, c, k_pe in chunks:
+        for i, (_, c, k_pe) in enumerate(chunks):
             n = c.shape[1]
-            if kind == "latent":
+            if kind == "latent+indexer":  # the indexer keys at the slots append_latent then fills and commits
+                every = torch.full((batch,), n, dtype=torch.int64, device=dev)
+                if hasattr(cache, "write_index_k"):
+                    cache.write_index_k(index_keys[i], every)
+                else:
+                    cache.write("index_k", index_keys[i], every)
+                cache.append_latent(c, k_pe)
+            elif kind == "latent":
                 cache.append_latent(c, k_pe)
             else:
                 k, v = ref.expand_kv(weights, c, k_pe)
@@ -533,6 +585,88 @@ def speed_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+# --------------------------------------------------------------------------- sparse decode bytes
+
+#: Preset and contexts of ``sparse_decode_bytes`` in every ``bench`` report.
+SPARSE_PRESET = "deepseek-v3.2"
+SPARSE_CONTEXTS = (16384, 32768)
+#: The cache forms compared: (dtype, kv_codec) of reference-dsa's latent + indexer cache.
+SPARSE_FORMS = (("bfloat16", "none"), ("bfloat16", "fp8-e4m3-flashmla"))
+
+
+def measured_dsa_bytes_per_token(preset: str, dtype, kv_codec: str = "none", device="cpu") -> dict[str, Any]:
+    """Bytes per token of reference-dsa's "latent+indexer" cache at ``preset``'s dims, measured from its tensors
+    (the rule of :mod:`mla_conformance.cache.measure`): allocated, poisoned (0xFF and 0x00 runs, united),
+    written with 4 tokens through the cache's own write methods, written bytes counted per buffer.
+    Returns latent (every buffer but the indexer key's), indexer and total bytes per token, per buffer too,
+    checked against ``checks.format_bytes_per_token``."""
+    from mla_conformance.backends.reference import ReferenceDSA
+    from mla_conformance.cache.measure import poison, written_bytes, written_masks
+    from mla_conformance.checks import format_bytes_per_token
+
+    dtype = _resolve_dtype(dtype)
+    config = MLAConfig.preset(preset)
+    backend = ReferenceDSA()
+    reason = backend.unsupported_reason(config, dtype=dtype, device=str(device), kv_codec=kv_codec)
+    if reason:
+        raise ValueError(reason)
+    n = 4
+    gen = torch.Generator().manual_seed(0)
+    c, k_pe, k_i = (torch.randn(1, n, width, generator=gen).to(device=device, dtype=dtype)
+                    for width in (config.kv_lora_rank, config.qk_rope_head_dim, config.index_head_dim))
+    masks, tensors = [], None
+    for sentinel in (0xFF, 0x00):
+        cache = backend.new_cache(config, batch_size=1, capacity=n, dtype=dtype, device=device, kv_codec=kv_codec)
+        poisoned = poison(cache, cache.tensors(), batch_size=1, capacity=n, sentinel=sentinel, name="reference-dsa cache")
+        every = torch.full((1,), n, dtype=torch.int64, device=device)
+        if hasattr(cache, "write_index_k"):
+            cache.write_index_k(k_i, every)
+        else:
+            cache.write("index_k", k_i, every)
+        cache.append_latent(c, k_pe)
+        tensors = cache.tensors()
+        masks.append(written_masks(tensors, poisoned))
+    per_buffer = {k: v / n for k, v in written_bytes(tensors, masks).items() if v}
+    indexer = per_buffer.get("index_k", 0)
+    total = sum(per_buffer.values())
+    want = format_bytes_per_token(config, "latent+indexer", dtype, kv_codec)
+    if total != want:
+        raise RuntimeError(f"reference-dsa {preset} {kv_codec}: measured {total} B/token ({per_buffer}), the "
+                           f"latent+indexer format says {want}")
+    return {"latent": int(total - indexer), "indexer": int(indexer), "total": int(total),
+            "buffers": {k: int(v) for k, v in per_buffer.items()}}
+
+
+def sparse_decode_bytes(preset: str = SPARSE_PRESET, contexts=SPARSE_CONTEXTS, forms=SPARSE_FORMS,
+                        device="cpu") -> dict[str, Any]:
+    """Bytes one decode step reads per row and layer, dense MLA vs DeepSeek Sparse Attention, from the measured
+    bytes per token (:func:`measured_dsa_bytes_per_token`): dense = N x latent; sparse = min(index_topk, N) x
+    latent + N x indexer (every indexer key is scored, only the selection's latent rows are read)."""
+    config = MLAConfig.preset(preset)
+    if not config.dsa:
+        raise MLAInputError(f"{preset} has no DeepSeek Sparse Attention (index_topk None)")
+    out: dict[str, Any] = {"preset": preset, "index_topk": config.index_topk, "forms": {},
+                           "what": "bytes read per decode step, per row and layer: dense = N x latent B/token; sparse = "
+                                   "min(index_topk, N) x latent + N x indexer B/token (measured from reference-dsa's "
+                                   "cache tensors)"}
+    for dtype, kv_codec in forms:
+        name = dtype if kv_codec == "none" else kv_codec
+        try:
+            per_token = measured_dsa_bytes_per_token(preset, dtype, kv_codec, device)
+        except ValueError as exc:  # a form this preset's dims do not have (FP8's 656-byte row needs 512/64)
+            out["forms"][name] = {"dtype": dtype, "kv_codec": kv_codec, "skipped": str(exc)}
+            continue
+        rows = []
+        for N in contexts:
+            dense = N * per_token["latent"]
+            sparse = min(config.index_topk, N) * per_token["latent"] + N * per_token["indexer"]
+            rows.append({"context": N, "dense_bytes": dense, "sparse_bytes": sparse,
+                         "sparse_latent_bytes": min(config.index_topk, N) * per_token["latent"],
+                         "sparse_indexer_bytes": N * per_token["indexer"], "dense_over_sparse": dense / sparse})
+        out["forms"][name] = {"dtype": dtype, "kv_codec": kv_codec, "bytes_per_token": per_token, "contexts": rows}
+    return out
+
+
 # --------------------------------------------------------------------------- the CLI
 
 
@@ -583,7 +717,13 @@ def run_bench(specs: list[str], preset: str, contexts: list[int], dtype: str, *,
         del prepared, times
     if results and all(r.get("skipped") for r in results):
         raise MLAInputError("no backend supports this combination: " + "; ".join(r["skipped"] for r in results))
-    return {"schema": BENCH_SCHEMA, "schema_version": 1,
+    # deepseek-v3.2 at 16k and 32k always (plus the command's contexts when it ran that preset); the command's
+    # own DSA preset at its contexts as well
+    sparse = {"sparse_decode_bytes": sparse_decode_bytes(
+        SPARSE_PRESET, sorted(set(SPARSE_CONTEXTS) | (set(contexts) if preset == SPARSE_PRESET else set())))}
+    if config.dsa and preset != SPARSE_PRESET:
+        sparse["sparse_decode_bytes_preset"] = sparse_decode_bytes(preset, sorted(set(contexts)))
+    return {"schema": BENCH_SCHEMA, "schema_version": 1, **sparse,
             "results": results, "device": device_info(device), "measured_bandwidth_gb_per_s": bw / 1e9,
             "naive_over_absorbed": speed_ratios(results),
             "command": {"preset": preset, "contexts": contexts, "dtype": dtype, "backends": specs, "batch": batch,
@@ -615,6 +755,21 @@ def format_table(report: dict[str, Any]) -> str:
     if ratios:
         lines += ["", "reference-naive / reference-absorbed time per step (absorbed speed-up):"]
         lines += [f"  context {k}: {v:.2f}x" for k, v in ratios.items()]
+    for key in ("sparse_decode_bytes", "sparse_decode_bytes_preset"):
+        sparse = report.get(key)
+        if not sparse:
+            continue
+        lines += ["", f"DeepSeek Sparse Attention decode, bytes read per step per row and layer at {sparse['preset']} "
+                      f"dims (index_topk {sparse['index_topk']}; measured B/token):"]
+        for form, f in sparse["forms"].items():
+            if f.get("skipped"):
+                lines.append(f"  {form:<18} skipped: {f['skipped']}")
+                continue
+            bpt = f["bytes_per_token"]
+            for r in f["contexts"]:
+                lines.append(f"  {form:<18} latent {bpt['latent']} + indexer {bpt['indexer']} B/token, context "
+                             f"{r['context']:>6}: dense {r['dense_bytes'] / 1e6:8.2f} MB, sparse "
+                             f"{r['sparse_bytes'] / 1e6:8.2f} MB, dense/sparse {r['dense_over_sparse']:.2f}x")
     return "\n".join(lines)
 
 

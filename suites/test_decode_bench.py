@@ -21,6 +21,10 @@ only properties of the measurement that a broken cache or backend breaks: the ti
 ``context`` cached tokens per row (the cache was rewound and appended one token), its output is finite
 and shaped [batch, 1, hidden], and the bytes a step must move exceed the weights'.
 
+``test_sparse_decode_step`` times a DeepSeek Sparse Attention backend's decode (v3.2-mini, contexts 256 and
+1016, far above its index_topk 16) against reference-absorbed's dense decode (v3-mini, the same MLA dims),
+interleaved, and records the bytes a step must read dense vs sparse (``bench.sparse_decode_bytes``).
+
 ``test_absorbed_faster_than_naive`` records reference-naive / reference-absorbed decode time at 1k, 4k,
 16k and 32k (batch 1), both timed in one run, interleaved round by round (median of several rounds),
 with GB/s and the machine's copy bandwidth read before every context and at the end. The seed's claim
@@ -105,3 +109,50 @@ SEED_CLAIM_RATIO = 2.0
 #: 8.9x fewer cache bytes, so under 1.3x it is not exploiting that.
 CLAIM_FLOOR = 1.3
 RATIO_ROUNDS = {1024: 7, 4096: 5, 16384: 5, 32768: 3}
+
+
+#: DeepSeek Sparse Attention decode: a DSA backend on v3.2-mini (v3-mini's MLA dims + a 4-head, 128-wide
+#: indexer, top-16) against reference-absorbed's dense decode on v3-mini (the same MLA dims without the
+#: indexer), at contexts far above index_topk (v3.2-mini's max_position_embeddings is 1024).
+SPARSE_PRESET, DENSE_PRESET = "v3.2-mini", "v3-mini"
+SPARSE_CONTEXTS = (256, 1016)
+SPARSE_ROUNDS = 7
+
+
+@pytest.mark.mla_section("decode-timing")
+@pytest.mark.parametrize("context", SPARSE_CONTEXTS, ids=[f"ctx{c}" for c in SPARSE_CONTEXTS])
+def test_sparse_decode_step(benchmark, mla_backend, context, mla_device, mla_figures):
+    """A DSA backend's decode step above index_topk vs reference-absorbed's dense step, both timed in one run,
+    interleaved round by round (medians), with the bytes a step must read: dense = N x latent B/token, sparse
+    = index_topk x latent + N x indexer B/token (bench.sparse_decode_bytes, measured from reference-dsa's cache
+    tensors). Figures, not a verdict: it asserts only that each timed step saw ``context`` cached tokens, gave a
+    finite output and (where the backend exposes last_topk_indices) selected index_topk keys. Requests the
+    ``benchmark`` fixture only so that ``--benchmark-only`` does not skip it."""
+    config = MLAConfig.preset(SPARSE_PRESET)
+    checks.require_support(mla_backend, config, dtype=DTYPE, device=mla_device)
+    sparse = bench.prepare(mla_backend, SPARSE_PRESET, DTYPE, context, 1, mla_device, steps=SPARSE_ROUNDS + WARMUP + 1)
+    dense = bench.prepare(get_backend("reference-absorbed"), DENSE_PRESET, DTYPE, context, 1, mla_device,
+                          steps=SPARSE_ROUNDS + WARMUP + 1)
+    t_sparse, t_dense = bench.time_interleaved([sparse, dense], SPARSE_ROUNDS, WARMUP)
+    model = bench.sparse_decode_bytes(SPARSE_PRESET, [context], forms=(("bfloat16", "none"),))
+    row = model["forms"]["bfloat16"]["contexts"][0]
+    med_s, med_d = statistics.median(t_sparse), statistics.median(t_dense)
+    mla_figures.update(context=context, index_topk=config.index_topk, sparse_median_s=med_s, dense_median_s=med_d,
+                       dense_over_sparse_time=med_d / med_s, sparse_fill=sparse.fill, flop_model=sparse.flop_model,
+                       sparse_flops=sparse.flops(), dense_flops=dense.flops(),
+                       bytes_per_token=model["forms"]["bfloat16"]["bytes_per_token"],
+                       dense_bytes=row["dense_bytes"], sparse_bytes=row["sparse_bytes"],
+                       dense_over_sparse_bytes=row["dense_over_sparse"])
+    benchmark.extra_info.update(mla_figures)
+    if sparse.resets:
+        sparse.reset()
+        out = sparse.step()
+        seen = sparse.cache.seq_lens.tolist()
+        assert seen == [context + 1], (f"{mla_backend.name}: a rewound decode step left {seen} tokens, expected "
+                                       f"{context + 1}: the timed steps did not see exactly {context} cached tokens")
+        assert bool(torch.isfinite(out).all()), f"{mla_backend.name}: non-finite decode output at context {context}"
+        idx = getattr(sparse.cache, "last_topk_indices", None)
+        if idx is not None:
+            n = int((idx >= 0).sum())
+            assert n == config.index_topk, (f"{mla_backend.name}: the decode step at context {context} selected {n} "
+                                            f"keys, expected index_topk = {config.index_topk}")
