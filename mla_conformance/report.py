@@ -20,6 +20,12 @@ Verdicts: a backend with a failed or errored test DOES NOT CONFORM; one with no 
 test (0 passed, failed, errored or xpassed) is NOT TESTED (``run`` exits non-zero); else it CONFORMS.
 ``failed`` = a conformance check found the output or bytes wrong; ``error`` = the backend raised or
 returned the wrong type/shape/dtype, or the test could not be set up.
+
+Ops (the op contract, :mod:`mla_conformance.ops`) are judged by the same rule, apart from the backends:
+their rows (``params["op"]``) count under neither a backend nor the backend-independent bucket. The
+report's ``op_results`` holds, per op, its verdict, counts, skip reasons, the declarations the run
+recorded (LSE base, empty-row convention, page sizes, KV formats, FP8 scale format, determinism, batch
+invariance) and its cases by section (one line per case, its outcome and measured figures).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from mla_conformance.errors import MLAInputError
 SCHEMA = "mla-conformance/report"
 SCHEMA_VERSION = 1
 MATRIX_SCHEMA = "mla-conformance/matrix"
+#: 3: op results in their own grid (``ops``: columns report / op, verdicts, declarations, rows)
+MATRIX_SCHEMA_VERSION = 3
 
 #: Significant digits of every float figure in conformance.json (1 - cos: :data:`COSINE_DIGITS`).
 SIG_DIGITS = 4
@@ -120,6 +128,11 @@ def _backend_of(test: dict) -> str:
     return test.get("backend") or (test.get("params") or {}).get("backend") or ""
 
 
+def _op_of(test: dict) -> str:
+    """The op a row judges (the op suite records it as ``params["op"]``, the report as ``op``); "" for none."""
+    return test.get("op") or (test.get("params") or {}).get("op") or ""
+
+
 def is_timing(test) -> bool:
     """Benchmarks' figures are clock readings: they go to timings.json, never into conformance.json."""
     return isinstance(test, dict) and test.get("section") == "decode-timing"
@@ -159,13 +172,92 @@ def run_id(report: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _skip_reasons(rows: list[dict]) -> list[dict[str, Any]]:
+    reasons: dict[str, int] = {}
+    for t in rows:
+        if t["outcome"] == "skipped":
+            reasons[t.get("reason", "?")] = reasons.get(t.get("reason", "?"), 0) + 1
+    return [{"reason": r, "count": n} for r, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def _executed(counts: dict[str, int]) -> int:
+    return sum(counts.get(k, 0) for k in ("passed", "failed", "error", "xpassed"))
+
+
+def _flat_numbers(value: Any, prefix: str = "") -> dict[str, float | int]:
+    """The numbers of a figures dict, nested keys joined by '.' (``out.rel_fro``); text and flags left out."""
+    out: dict[str, float | int] = {}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out.update(_flat_numbers(v, f"{prefix}{k}."))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        out[prefix[:-1]] = value
+    return out
+
+
+def op_case_of(test: dict) -> str:
+    """A row's one-line case: the ``case`` figure the op suite records, else (a row skipped or broken before
+    it described its case) the test's function and parameters other than the op."""
+    case = (test.get("figures") or {}).get("case")
+    if isinstance(case, str) and case:
+        return case
+    func = test["nodeid"].split("::")[-1].split("[")[0]
+    params = {k: v for k, v in (test.get("params") or {}).items() if k not in ("op", "backend")}
+    return func + (" (" + ", ".join(f"{k}={params[k]}" for k in sorted(params)) + ")" if params else "")
+
+
+def _is_tolerance(key: str) -> bool:
+    """A bound a figure was held to (``tolerance_out_rtol``), as opposed to what was measured."""
+    return key.rsplit(".", 1)[-1].startswith("tol")
+
+
+def _json_value(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _op_results(tests: list[dict], ops: list[str], declarations: dict) -> dict[str, dict[str, Any]]:
+    """Per op: verdict (the backends' rule), counts, skip reasons, its recorded declarations, and its cases
+    grouped by section (case, outcome, node id, reason, measured numbers)."""
+    out = {}
+    for op in sorted(set(ops) | {t["op"] for t in tests if t.get("op")}):
+        rows = [t for t in tests if t.get("op") == op]
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for t in rows:
+            counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+        sections: dict[str, list[dict[str, Any]]] = {}
+        for t in rows:
+            case = {"case": op_case_of(t), "outcome": t["outcome"], "nodeid": t["nodeid"]}
+            if t.get("reason"):
+                case["reason"] = t["reason"]
+            numbers = _flat_numbers(t.get("figures") or {})
+            measured = {k: v for k, v in numbers.items() if not _is_tolerance(k)}
+            tolerance = {k.rsplit(".", 1)[-1].removeprefix("tolerance_"): v for k, v in numbers.items()
+                         if _is_tolerance(k)}
+            row = (t.get("figures") or {}).get("tolerance")
+            if isinstance(row, str) and tolerance:
+                tolerance["row"] = row
+            if measured:
+                case["measured"] = measured
+            if tolerance:
+                case["tolerance"] = tolerance
+            sections.setdefault(t.get("section", "(no section)"), []).append(case)
+        decl = declarations.get(op)
+        out[op] = {"verdict": verdict_of(counts), "executed": _executed(counts), "summary": counts,
+                   "skip_reasons": _skip_reasons(rows),
+                   "declarations": ({k: _json_value(v) for k, v in decl.items()} if isinstance(decl, dict) else None),
+                   "sections": {s: sorted(c, key=lambda c: (c["case"], c["nodeid"])) for s, c in sorted(sections.items())}}
+    return out
+
+
 def build_report(results: dict, *, name: str, env: dict) -> dict[str, Any]:
     tests = []
     for t in results["tests"]:
         entry = {"nodeid": t["nodeid"], "outcome": t["outcome"]}
         if _backend_of(t):
             entry["backend"] = _backend_of(t)
-        params = {k: v for k, v in (t.get("params") or {}).items() if k != "backend"}
+        elif _op_of(t):
+            entry["op"] = _op_of(t)
+        params = {k: v for k, v in (t.get("params") or {}).items() if k not in ("backend", "op")}
         if params:
             entry["params"] = params
         if t.get("reason"):
@@ -181,23 +273,23 @@ def build_report(results: dict, *, name: str, env: dict) -> dict[str, Any]:
     backends = list(results.get("backends", []))
     summary: dict[str, dict[str, int]] = {b: dict.fromkeys(OUTCOMES, 0) for b in backends}
     for t in tests:
+        if t.get("op"):  # an op's row: judged in op_results, never under a backend or "independent"
+            continue
         key = t.get("backend", INDEPENDENT)
         summary.setdefault(key, dict.fromkeys(OUTCOMES, 0))
         summary[key][t["outcome"]] = summary[key].get(t["outcome"], 0) + 1
     verdicts = {}
     for b in sorted(k for k in summary if k != INDEPENDENT):
-        counts = summary[b]
-        reasons: dict[str, int] = {}
-        for t in tests:
-            if t.get("backend") == b and t["outcome"] == "skipped":
-                reasons[t.get("reason", "?")] = reasons.get(t.get("reason", "?"), 0) + 1
-        verdicts[b] = {"verdict": verdict_of(counts),
-                       "executed": sum(counts.get(k, 0) for k in ("passed", "failed", "error", "xpassed")),
-                       "skip_reasons": [{"reason": r, "count": n}
-                                        for r, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]}
+        verdicts[b] = {"verdict": verdict_of(summary[b]), "executed": _executed(summary[b]),
+                       "skip_reasons": _skip_reasons([t for t in tests if t.get("backend") == b])}
+    ops = list(results.get("ops") or [])
     report = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "name": name, "environment": env,
               "backends": backends, "exitstatus": results.get("exitstatus"), "summary": summary,
               "verdicts": verdicts, "float_significant_digits": SIG_DIGITS, "tests": tests}
+    op_results = _op_results(tests, ops, results.get("op_declarations") or {})
+    if op_results:  # a report of a run without ops reads as before
+        report["ops"] = ops
+        report["op_results"] = op_results
     report["run_id"] = run_id(report)
     return report
 
@@ -257,10 +349,12 @@ def margin(measured: float | None, tolerance: float | None) -> float | None:
 
 
 def _verdict_lines(report) -> list[str]:
+    verdicts = report.get("verdicts") or {}
+    if not report["summary"] and report.get("op_results"):
+        return ["## Verdicts", "", "No layer backend was under test in this run (ops only: see below)."]
     out = ["## Verdicts", "",
            "| backend | verdict | passed | failed | errors | skipped | xfailed | xpassed |",
            "|---|---|---:|---:|---:|---:|---:|---:|"]
-    verdicts = report.get("verdicts") or {}
     for backend, s in sorted(report["summary"].items(), key=lambda kv: (kv[0] == INDEPENDENT, kv[0])):
         v = verdicts.get(backend, {}).get("verdict", "" if backend == INDEPENDENT else verdict_of(s))
         out.append(f"| {backend} | {f'**{v}**' if v else '(not a backend)'} | {s.get('passed', 0)} | "
@@ -275,6 +369,81 @@ def _verdict_lines(report) -> list[str]:
             out += ["", f"**{backend}: NOT TESTED** ({v['executed']} conformance tests executed). "
                         + ("Skip reasons:" if v["skip_reasons"] else "No test of it was selected.")]
             out += [f"- {r['reason']} ({r['count']} test{'s' if r['count'] != 1 else ''})" for r in v["skip_reasons"]]
+    return out
+
+
+#: The op declarations in the report's op table: key, column heading.
+OP_DECLARATION_COLUMNS = (("lse_base", "LSE base"), ("empty_row", "empty row lse"),
+                          ("page_block_sizes", "page sizes"), ("kv_formats", "KV formats"),
+                          ("fp8_scale_format", "FP8 scales"), ("deterministic", "deterministic"),
+                          ("batch_invariant", "batch invariant"))
+
+
+def _declared_cell(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value))
+    return "" if value is None else str(value)
+
+
+def _op_verdict_lines(report) -> list[str]:
+    ops = report.get("op_results") or {}
+    if not ops:
+        return []
+    out = ["## Ops (the op contract)", "",
+           "Kernel-level implementations of one decode step over a paged latent cache (`--mla-op`), judged "
+           "by the backends' rule. The declarations are the ones each op made in this run (defaults filled "
+           "in where it declared nothing): the LSE base its lse is read in, what a query with no keys returns "
+           "(out 0 and this lse), the page sizes and KV formats it is tested on, how its FP8 caches are "
+           "scaled, and whether it promised bitwise determinism and batch invariance.", "",
+           "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed | "
+           + " | ".join(h for _, h in OP_DECLARATION_COLUMNS) + " |",
+           "|---|---|---:|---:|---:|---:|---:|---:|" + "---|" * len(OP_DECLARATION_COLUMNS)]
+    for op, v in sorted(ops.items()):
+        s, decl = v["summary"], v.get("declarations")
+        cells = ([_declared_cell(decl.get(k)) for k, _ in OP_DECLARATION_COLUMNS] if isinstance(decl, dict)
+                 else ["(not recorded)"] + [""] * (len(OP_DECLARATION_COLUMNS) - 1))
+        out.append(f"| {op} | **{v['verdict']}** | {s.get('passed', 0)} | {s.get('failed', 0)} | "
+                   f"{s.get('error', 0)} | {s.get('skipped', 0)} | {s.get('xfailed', 0)} | {s.get('xpassed', 0)} | "
+                   + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    for op, v in sorted(ops.items()):
+        if v["verdict"] == "NOT TESTED":
+            out += ["", f"**op {op}: NOT TESTED** ({v['executed']} conformance tests executed). "
+                        + ("Skip reasons:" if v["skip_reasons"] else "No test of it was selected.")]
+            out += [f"- {r['reason']} ({r['count']} test{'s' if r['count'] != 1 else ''})" for r in v["skip_reasons"]]
+    return out
+
+
+def _numbers_cell(numbers: dict) -> str:
+    return ", ".join(f"{k} {_fmt_e(v) if isinstance(v, float) else _fmt_int(v)}" for k, v in sorted(numbers.items())
+                     if k != "row")
+
+
+def _op_case_lines(report) -> list[str]:
+    ops = report.get("op_results") or {}
+    by_section: dict[str, list[tuple[str, dict]]] = {}
+    for op, v in ops.items():
+        for section, cases in v["sections"].items():
+            by_section.setdefault(section, []).extend((op, c) for c in cases)
+    if not by_section:
+        return []
+    out = ["## Op cases", "",
+           "Per section of the op suite, one row per case: its outcome and the figures it measured "
+           "(*tolerance*: the bounds it was held to, from `OP_TOLERANCES`; markers.md). Failing rows first."]
+    for section in sorted(by_section):
+        out += ["", f"### {section}", "", "| | op | case | measured | tolerance |", "|---|---|---|---|---|"]
+        rows = sorted(by_section[section], key=lambda oc: (oc[1]["outcome"] not in ("failed", "error"), oc[0],
+                                                           oc[1]["case"], oc[1]["nodeid"]))
+        for op, c in rows:
+            shown = _numbers_cell(c.get("measured") or {})
+            if c["outcome"] != "passed" and c.get("reason"):
+                reason = c["reason"] if len(c["reason"]) <= 200 else c["reason"][:199] + "…"
+                shown = (shown + "; " if shown else "") + reason
+            tol = c.get("tolerance") or {}
+            tol_cell = (f"{tol['row']}: " if tol.get("row") else "") + _numbers_cell(tol)
+            out.append(f"| {_mark(c) if c['outcome'] != 'skipped' else 'skip'} | {op} | {c['case']} | "
+                       f"{shown.replace('|', '/')} | {tol_cell.replace('|', '/')} |")
     return out
 
 
@@ -389,7 +558,7 @@ def render_markdown(report: dict[str, Any], plots: list[str] | None = None) -> s
                + (f", capability {env['capability']}" if env.get("capability") else "") + ")"
                + f" · torch {env['torch']} · transformers {env.get('transformers')} · python {env['python']}")
     out += [""] + _verdict_lines(report)
-    for part in (_failure_lines, _bytes_lines, _error_lines):
+    for part in (_op_verdict_lines, _failure_lines, _bytes_lines, _error_lines, _op_case_lines):
         lines = part(report)
         if lines:
             out += [""] + lines
@@ -887,6 +1056,16 @@ def run_command(args) -> int:
     if args.suites and not (suites / "test_cache_bytes.py").is_file():
         raise MLAInputError(f"--suites {args.suites}: not the suites directory (no test_cache_bytes.py)")
     name = _check_name(args.name or default_name())
+    from mla_conformance.backends import get_backend
+    from mla_conformance.ops import get_op
+
+    for spec in args.backend or []:
+        get_backend(spec)  # fail fast, naming the spec, before anything is written
+    for spec in args.op or []:
+        try:
+            get_op(spec)
+        except MLAInputError as exc:
+            raise MLAInputError(f"--op: {exc}") from None
     out = check_out_dir(args.out if args.out else Path("reports") / name, "report")
     device = check_device(args.device) if args.device else None
     if args.checkpoint:
@@ -896,10 +1075,6 @@ def run_command(args) -> int:
             validate_checkpoint(args.checkpoint)
         except MLAInputError as exc:
             raise MLAInputError(f"--checkpoint: {exc}") from None
-    from mla_conformance.backends import get_backend
-
-    for spec in args.backend or []:
-        get_backend(spec)  # fail fast, naming the spec
     from mla_conformance.resources import pytest_location_args
 
     with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
@@ -912,6 +1087,8 @@ def run_command(args) -> int:
             cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
         for spec in args.backend or []:
             cmd += ["--mla-backend", spec]
+        for spec in args.op or []:
+            cmd += ["--mla-op", spec]
         if args.checkpoint:
             cmd += ["--mla-checkpoint", args.checkpoint]
         if device:
@@ -936,11 +1113,12 @@ def run_command(args) -> int:
     plots = report.pop("_plots")
     written = ["conformance.json", "conformance.md", "timings.json"] + plots
     print(f"mla-conformance run: wrote {out}: {', '.join(written)} in {wall:.1f} s")
-    for b, v in sorted(report["verdicts"].items()):
-        s = report["summary"][b]
-        print(f"  {b}: {v['verdict']} ({s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
+    judged = [(b, v, report["summary"][b]) for b, v in sorted(report["verdicts"].items())]
+    judged += [(f"op {o}", v, v["summary"]) for o, v in sorted((report.get("op_results") or {}).items())]
+    for who, v, s in judged:
+        print(f"  {who}: {v['verdict']} ({s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
               f"{s['skipped']} skipped)")
-    not_tested = sorted(b for b, v in report["verdicts"].items() if v["verdict"] == "NOT TESTED")
+    not_tested = [who for who, v, _ in judged if v["verdict"] == "NOT TESTED"]
     if not_tested:
         print(f"mla-conformance run: NOT TESTED: {', '.join(not_tested)}: no conformance test executed "
               f"(skip reasons in {out / 'conformance.md'})", file=sys.stderr)
@@ -952,9 +1130,9 @@ def run_command(args) -> int:
 
 
 def check_key(test: dict) -> str:
-    """A test's row in the matrix: its function and its parameters other than the backend, by name."""
+    """A test's row in the matrix: its function and its parameters other than the backend or op, by name."""
     base = test["nodeid"].split("[", 1)[0]
-    params = {k: v for k, v in (test.get("params") or {}).items() if k != "backend"}
+    params = {k: v for k, v in (test.get("params") or {}).items() if k not in ("backend", "op")}
     if not params:
         return base
     return base + "[" + ", ".join(f"{k}={params[k]}" for k in sorted(params)) + "]"
@@ -1004,51 +1182,97 @@ def merge_reports(reports: list[tuple[str, dict]], warn=None) -> tuple[dict, str
             warn(f"{len(rids)} different reports are named {name!r} ("
                  + ", ".join(by_id[rid][0] for rid in sorted(rids)) + "): kept apart as "
                  + ", ".join(repr(label[rid]) for rid in sorted(rids)))
-    columns: list[str] = []
-    cells: dict[str, dict[str, dict]] = {}
-    col_verdicts: dict[str, str] = {}
+    layer = _Grid()
+    ops = _Grid()
     for rid in sorted(by_id, key=lambda i: label[i]):
         r = by_id[rid][1]
-        verdicts = r.get("verdicts") or {}
+        verdicts, op_results = r.get("verdicts") or {}, r.get("op_results") or {}
+        for backend, v in verdicts.items():  # a NOT TESTED backend has a column even with no row
+            layer.column(f"{label[rid]} / {backend}", v.get("verdict"))
+        for op, v in op_results.items():
+            ops.column(f"{label[rid]} / {op}", v.get("verdict"), v.get("declarations"))
         for t in r["tests"]:
+            op = _op_of(t) if not t.get("backend") else ""
+            if op:
+                col = f"{label[rid]} / {op}"
+                ops.column(col, op_results.get(op, {}).get("verdict"))
+                ops.cell(check_key(t), col, t)
+                continue
             backend = t.get("backend", INDEPENDENT)
             col = f"{label[rid]} / {backend}"
-            if col not in columns:
-                columns.append(col)
-                if backend != INDEPENDENT:
-                    col_verdicts[col] = verdicts.get(backend, {}).get(
-                        "verdict", verdict_of((r.get("summary") or {}).get(backend, {})))
-            check = check_key(t)
-            if col in cells.get(check, {}):
-                check = f"{check} ({t['nodeid']})"
-            cells.setdefault(check, {})[col] = {"outcome": t["outcome"],
-                                                **({"reason": t["reason"]} if t.get("reason") else {})}
-    columns.sort()
-    matrix = {"schema": MATRIX_SCHEMA, "schema_version": 2,
+            layer.column(col, None if backend == INDEPENDENT else verdicts.get(backend, {}).get(
+                "verdict", verdict_of((r.get("summary") or {}).get(backend, {}))))
+            layer.cell(check_key(t), col, t)
+    matrix = {"schema": MATRIX_SCHEMA, "schema_version": MATRIX_SCHEMA_VERSION,
               "hosts": sorted(({"name": r["name"], "label": label[rid], "run_id": rid,
                                 "environment": r["environment"]} for rid, (_, r) in by_id.items()),
                               key=lambda h: h["label"]),
-              "columns": columns, "verdicts": {c: col_verdicts[c] for c in columns if c in col_verdicts},
-              "rows": {k: cells[k] for k in sorted(cells)}}
-    symbol = {"passed": "pass", "failed": "**FAIL**", "error": "**ERROR**", "skipped": "skip", "xfailed": "xfail",
-              "xpassed": "XPASS"}
+              **layer.as_json()}
+    if ops.columns:
+        matrix["ops"] = {**ops.as_json(), "declarations": {c: ops.declarations[c] for c in sorted(ops.declarations)}}
     lines = ["# MLA conformance matrix", "",
              "Rows: checks (test and parameters); columns: report / backend. *FAIL*: a check found the output "
-             "or bytes wrong; *ERROR*: the backend raised or returned the wrong type/shape.", "",
-             "| check | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns),
-             "| **verdict** | " + " | ".join(col_verdicts.get(c, "") for c in columns) + " |"]
-    for check in sorted(cells):
-        row = []
-        for col in columns:
-            c = cells[check].get(col)
-            if c is None:
-                row.append("")
-            elif c["outcome"] == "skipped":
-                row.append(f"skip: {c.get('reason', '')[:80]}".replace("|", "/"))
-            else:
-                row.append(symbol.get(c["outcome"], c["outcome"]))
-        lines.append(f"| `{check}` | " + " | ".join(row) + " |")
+             "or bytes wrong; *ERROR*: the backend raised or returned the wrong type/shape.", ""]
+    lines += layer.markdown() if layer.columns else ["(no layer backend in these reports)"]
+    if ops.columns:
+        extra = [("LSE base", lambda c: _declared_cell((ops.declarations.get(c) or {}).get("lse_base"))),
+                 ("empty row lse", lambda c: _declared_cell((ops.declarations.get(c) or {}).get("empty_row")))]
+        lines += ["", "## Ops (the op contract)", "",
+                  "Rows: op checks; columns: report / op, with the LSE base and empty-row convention each op "
+                  "declared in that run.", ""]
+        lines += ops.markdown(extra)
     return matrix, "\n".join(lines) + "\n"
+
+
+class _Grid:
+    """One matrix: columns (report / backend or op), their verdicts, and rows of checks x columns."""
+
+    SYMBOL = {"passed": "pass", "failed": "**FAIL**", "error": "**ERROR**", "skipped": "skip", "xfailed": "xfail",
+              "xpassed": "XPASS"}
+
+    def __init__(self):
+        self.columns: list[str] = []
+        self.verdicts: dict[str, str] = {}
+        self.declarations: dict[str, Any] = {}
+        self.cells: dict[str, dict[str, dict]] = {}
+
+    def column(self, col: str, verdict: str | None, declarations: Any = None) -> None:
+        if col not in self.columns:
+            self.columns.append(col)
+        if verdict is not None:
+            self.verdicts.setdefault(col, verdict)
+        if declarations is not None:
+            self.declarations.setdefault(col, declarations)
+
+    def cell(self, check: str, col: str, t: dict) -> None:
+        if col in self.cells.get(check, {}):
+            check = f"{check} ({t['nodeid']})"
+        self.cells.setdefault(check, {})[col] = {"outcome": t["outcome"],
+                                                 **({"reason": t["reason"]} if t.get("reason") else {})}
+
+    def as_json(self) -> dict[str, Any]:
+        columns = sorted(self.columns)
+        return {"columns": columns, "verdicts": {c: self.verdicts[c] for c in columns if c in self.verdicts},
+                "rows": {k: self.cells[k] for k in sorted(self.cells)}}
+
+    def markdown(self, extra_rows=()) -> list[str]:
+        columns = sorted(self.columns)
+        lines = ["| check | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns),
+                 "| **verdict** | " + " | ".join(self.verdicts.get(c, "") for c in columns) + " |"]
+        for title, value in extra_rows:
+            lines.append(f"| **{title}** | " + " | ".join(value(c) for c in columns) + " |")
+        for check in sorted(self.cells):
+            row = []
+            for col in columns:
+                c = self.cells[check].get(col)
+                if c is None:
+                    row.append("")
+                elif c["outcome"] == "skipped":
+                    row.append(f"skip: {c.get('reason', '')[:80]}".replace("|", "/"))
+                else:
+                    row.append(self.SYMBOL.get(c["outcome"], c["outcome"]))
+            lines.append(f"| `{check}` | " + " | ".join(row) + " |")
+        return lines
 
 
 def merge_command(args) -> int:
@@ -1057,20 +1281,27 @@ def merge_command(args) -> int:
     matrix, md = merge_reports(reports)
     write_owned_dir(out, {"matrix.json": json.dumps(matrix, indent=1, sort_keys=True) + "\n", "matrix.md": md},
                     kind="matrix")
+    ops = matrix.get("ops")
     print(f"mla-conformance merge: {len(matrix['hosts'])} reports, {len(matrix['rows'])} checks x "
-          f"{len(matrix['columns'])} columns -> {out}/matrix.md")
+          f"{len(matrix['columns'])} columns" + (f"; ops: {len(ops['rows'])} checks x {len(ops['columns'])} columns"
+                                                  if ops else "") + f" -> {out}/matrix.md")
     return 0
 
 
 def add_cli(sub) -> None:
     p = sub.add_parser("run", help="run the conformance suite and write reports/<name>/conformance.{json,md}",
-                       description="Run the conformance suite on the built-in backends (or --backend SPEC...) "
-                                   "and write conformance.json, conformance.md and plots into --out, a new or "
-                                   "empty directory or one holding an earlier report of this tool (anything "
-                                   "else there is an error; nothing is touched). Arguments after `--` go to "
-                                   "pytest, e.g. `-- -k tiny -n 2`. Exits non-zero when a backend fails or is "
-                                   "NOT TESTED (no conformance test executed).")
-    p.add_argument("--backend", action="append", metavar="SPEC", help="backend spec (repeatable; default: built-ins)")
+                       description="Run the conformance suite on the built-in backends and op (or --backend "
+                                   "SPEC... and/or --op SPEC...) and write conformance.json, conformance.md and "
+                                   "plots into --out, a new or empty directory or one holding an earlier report "
+                                   "of this tool (anything else there is an error; nothing is touched). "
+                                   "Arguments after `--` go to pytest, e.g. `-- -k tiny -n 2`. Exits non-zero "
+                                   "when a backend or op fails or is NOT TESTED (no conformance test executed).")
+    p.add_argument("--backend", action="append", metavar="SPEC",
+                   help="backend spec (repeatable); with --op alone no backend runs; with neither, the built-in "
+                        "backends and the built-in op")
+    p.add_argument("--op", action="append", metavar="SPEC",
+                   help="op spec (the op contract; repeatable): a built-in op (reference-op), package.module:attr "
+                        "or path/to/file.py:attr; with --backend alone no op runs")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a real DeepSeek checkpoint for the checkpoint tests (config, weights and tokenizer "
                         "are checked before any test runs)")

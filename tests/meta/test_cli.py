@@ -157,6 +157,50 @@ def test_not_tested_backend_fails_the_run(tmp_path, capsys, fake_pytest):
     assert data["verdicts"]["reference-absorbed"]["verdict"] == "NOT TESTED"
 
 
+def _op_results(outcome="passed"):
+    return {"backends": [], "ops": ["reference-op"], "exitstatus": 0, "device": "cpu",
+            "op_declarations": {"reference-op": {"lse_base": "e", "empty_row": "+inf", "page_block_sizes": [64],
+                                                 "kv_formats": ["latent"], "fp8_scale_format": "pow2",
+                                                 "deterministic": True, "batch_invariant": True}},
+            "tests": [{"nodeid": "suites/test_op_numerics.py::test_deterministic[reference-op]", "outcome": outcome,
+                       "params": {"op": "reference-op"}, "device": "cpu", "section": "op-determinism",
+                       **({"reason": "reference-op: declined"} if outcome == "skipped" else
+                          {"figures": {"case": "B=4, s_q=2", "out_differing_values": 0}})}]}
+
+
+def test_run_op_passes_mla_op_and_writes_the_op_section(tmp_path, capsys, fake_pytest):
+    fake_pytest["results"] = _op_results()
+    out = tmp_path / "r"
+    rc, stdout, _ = _main(["run", "--out", str(out), "--op", "reference-op", "--op", "reference-op"], capsys)
+    cmd = fake_pytest["calls"][0]
+    assert rc == 0 and [cmd[i + 1] for i, a in enumerate(cmd) if a == "--mla-op"] == ["reference-op"] * 2
+    assert "--mla-backend" not in cmd and "op reference-op: CONFORMS (1 passed" in stdout
+    data = json.loads((out / "conformance.json").read_text())
+    assert data["ops"] == ["reference-op"] and data["op_results"]["reference-op"]["verdict"] == "CONFORMS"
+    assert data["op_results"]["reference-op"]["declarations"]["lse_base"] == "e" and data["verdicts"] == {}
+    assert "| reference-op | **CONFORMS** |" in (out / "conformance.md").read_text()
+    fake_pytest["results"] = _op_results("skipped")  # an op with no executed test fails the run, as a backend
+    rc, _, err = _main(["run", "--out", str(out), "--op", "reference-op"], capsys)
+    assert rc != 0 and "NOT TESTED: op reference-op" in err
+
+
+def test_run_without_backend_or_op_leaves_the_selection_to_the_plugin(tmp_path, capsys, fake_pytest):
+    assert _main(["run", "--out", str(tmp_path / "r")], capsys)[0] == 0
+    cmd = fake_pytest["calls"][0]
+    assert "--mla-backend" not in cmd and "--mla-op" not in cmd  # the plugin's defaults: backends and reference-op
+
+
+@pytest.mark.parametrize("spec, words", [("reference-opp", "did you mean 'reference-op'"),
+                                         ("nosuchpkg.mod:Op", "'nosuchpkg.mod:Op'"),
+                                         ("mla_conformance.ops:OpCase", "'mla_conformance.ops:OpCase'")])
+def test_run_bad_op_is_one_line_naming_the_option_writing_nothing(tmp_path, capsys, fake_pytest, spec, words):
+    out = tmp_path / "new" / "r"
+    rc, _, err = _main(["run", "--out", str(out), "--backend", "reference-absorbed", "--op", spec], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("mla-conformance run: error: --op: ") and words in err
+    assert not fake_pytest["calls"] and not (tmp_path / "new").exists()
+
+
 def test_merge_writes_owned_matrix_and_refuses_foreign(tmp_path, capsys):
     rep = R.build_report(_results(), name="h", env={"suite_version": "0", "python": "3", "torch": "2",
                                                     "device": "cpu"})
@@ -314,6 +358,6 @@ def test_budget_gives_a_fit_verdict(capsys):
 
 def test_matrix_names_what_runs(capsys):
     rc, out, _ = _main(["matrix", "--capability", "8.0"], capsys)
-    assert rc == 0 and "On SM80 (8.0): none of FlashMLA's; none of FlashInfer's; FlashInfer's FA2 MLA" in out
+    assert rc == 0 and "On SM80 (8.0): none of FlashMLA's; FlashInfer's flashinfer/fa2_mla" in out
     rc, out, _ = _main(["matrix", "--capability", "9.0"], capsys)
     assert "FlashMLA's flashmla/dense_decode" in out

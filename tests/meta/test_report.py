@@ -149,6 +149,135 @@ def test_floats_rounded_and_report_deterministic():
     assert R.round_floats({"cosine_diff": 2.540190280342358e-13}) == R.round_floats({"cosine_diff": 2.539080057317733e-13})
 
 
+# --------------------------------------------------------------------------- ops (the op contract)
+
+DECL = {"lse_base": "e", "empty_row": "+inf", "page_block_sizes": [16, 64], "kv_formats": ["latent"],
+        "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False}
+
+
+def _op(nodeid, outcome, op, section, reason=None, figures=None, **params):
+    t = {"nodeid": f"suites/{nodeid}", "outcome": outcome, "device": "cpu", "section": section,
+         "params": {"op": op, **params}}
+    if reason:
+        t["reason"] = reason
+    if figures:
+        t["figures"] = figures
+    return t
+
+
+def _op_fig(case, out_rel_fro, **extra):
+    return {"case": case, "check": "out/lse vs float64 oracle", "op": "x", "out_rel_fro": out_rel_fro,
+            "out_max_abs": 1.23456e-6, "lse_max_abs": 2.5e-7, "queries": 64, "tolerance": "float32",
+            "tolerance_out_rtol": 1e-5, "tolerance_out_atol": 2e-5, "tolerance_lse": 1e-5, "lse_base": "e", **extra}
+
+
+def op_results():
+    """A run with one layer backend and three ops: one conforming, one failing, one only skipped."""
+    res = {"backends": ["good"], "ops": ["good-op", "base2-op", "idle-op"], "exitstatus": 1, "device": "cpu",
+           "op_declarations": {"good-op": DECL, "base2-op": {**DECL, "lse_base": "2", "empty_row": "-inf",
+                                                             "deterministic": False},
+                               "idle-op": {**DECL, "kv_formats": ["latent", "fp8-e4m3-flashmla"]}},
+           "tests": [_numerics("good", "passed", 5.0e-7, 2.0e-6),
+                     _t("suites/test_budget.py::test_cli_json", "passed")]}
+    case = "B=4, s_q=2, h_q=8, page=16, float32, latent, non-causal, cpu"
+    for op, outcome, err in (("good-op", "passed", 3.9e-7), ("base2-op", "failed", 0.3)):
+        res["tests"] += [
+            _op(f"test_op_numerics.py::test_out_lse_vs_oracle[{op}-float32]", outcome, op, "op-numerics",
+                reason="base2-op: lse off by ln 2 at row 0" if outcome == "failed" else None,
+                figures=_op_fig(case, err), dtype="float32"),
+            _op(f"test_op_numerics.py::test_batch_invariant[{op}]", "skipped", op, "op-determinism",
+                reason=f"{op} does not declare batch_invariant"),
+        ]
+    res["tests"] += [_op("test_op_fp8.py::test_fp8_scales[idle-op]", "skipped", "idle-op", "op-fp8",
+                         reason="idle-op: no FP8 here")]
+    return res
+
+
+def test_op_section_verdicts_declarations_and_cases():
+    rep = R.build_report(op_results(), name="h", env=ENV)
+    assert set(rep["summary"]) == {"good", R.INDEPENDENT} and rep["summary"][R.INDEPENDENT]["passed"] == 1
+    assert rep["summary"]["good"]["passed"] == 1, "op rows count under no backend and not as independent"
+    assert rep["ops"] == ["good-op", "base2-op", "idle-op"]
+    ops = rep["op_results"]
+    assert {o: v["verdict"] for o, v in ops.items()} == {"good-op": "CONFORMS", "base2-op": "DOES NOT CONFORM",
+                                                         "idle-op": "NOT TESTED"}
+    assert ops["good-op"]["executed"] == 1 and ops["good-op"]["summary"]["skipped"] == 1
+    assert ops["idle-op"]["skip_reasons"] == [{"reason": "idle-op: no FP8 here", "count": 1}]
+    assert ops["base2-op"]["declarations"]["lse_base"] == "2" and ops["base2-op"]["declarations"]["empty_row"] == "-inf"
+    numerics = ops["good-op"]["sections"]["op-numerics"]
+    assert numerics == [{"case": "B=4, s_q=2, h_q=8, page=16, float32, latent, non-causal, cpu", "outcome": "passed",
+                         "nodeid": "suites/test_op_numerics.py::test_out_lse_vs_oracle[good-op-float32]",
+                         "measured": {"out_rel_fro": 3.9e-7, "out_max_abs": 1.235e-6, "lse_max_abs": 2.5e-7,
+                                      "queries": 64},
+                         "tolerance": {"row": "float32", "out_rtol": 1e-5, "out_atol": 2e-5, "lse": 1e-5}}]
+    assert ops["good-op"]["sections"]["op-determinism"] == [  # skipped before it described its case
+        {"case": "test_batch_invariant", "outcome": "skipped", "reason": "good-op does not declare batch_invariant",
+         "nodeid": "suites/test_op_numerics.py::test_batch_invariant[good-op]"}]
+    row = next(t for t in rep["tests"] if t["nodeid"].endswith("test_out_lse_vs_oracle[good-op-float32]"))
+    assert row["op"] == "good-op" and row["params"] == {"dtype": "float32"} and "backend" not in row
+
+
+def test_op_section_in_markdown():
+    md = R.render_markdown(R.build_report(op_results(), name="h", env=ENV))
+    ops = md[md.index("## Ops (the op contract)"):md.index("## Failures")]
+    assert "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed | LSE base | empty row lse | " \
+           "page sizes | KV formats | FP8 scales | deterministic | batch invariant |" in ops
+    assert "| base2-op | **DOES NOT CONFORM** | 0 | 1 | 0 | 1 | 0 | 0 | 2 | -inf | 16, 64 | latent | pow2 | no | no |" in ops
+    assert "| good-op | **CONFORMS** | 1 | 0 | 0 | 1 | 0 | 0 | e | +inf | 16, 64 | latent | pow2 | yes | no |" in ops
+    assert "**op idle-op: NOT TESTED** (0 conformance tests executed)" in ops and "- idle-op: no FP8 here (1 test)" in ops
+    assert "| good | **CONFORMS** |" in md and "| idle-op |" not in md[:md.index("## Ops")], "ops not in the backends' table"
+    cases = md[md.index("## Op cases"):]
+    assert cases.index("### op-determinism") < cases.index("### op-fp8") < cases.index("### op-numerics")
+    numerics = cases[cases.index("### op-numerics"):]
+    rows = [line for line in numerics.splitlines() if line.startswith("| **FAIL**") or line.startswith("| ok")]
+    assert rows[0].startswith("| **FAIL** | base2-op | B=4, s_q=2, h_q=8, page=16, float32, latent, non-causal, cpu | "
+                              "lse_max_abs 2.500e-07, out_max_abs 1.235e-06, out_rel_fro 3.000e-01, queries 64; "
+                              "base2-op: lse off by ln 2 at row 0 | float32: lse 1.000e-05, out_atol 2.000e-05, "
+                              "out_rtol 1.000e-05 |"), "failing rows first, measured figures and the bound"
+    assert rows[1].startswith("| ok | good-op |") and "out_rel_fro 3.900e-07" in rows[1]
+    assert "| skip | idle-op | test_fp8_scales | idle-op: no FP8 here |  |" in cases
+    assert "`suites/test_op_numerics.py::test_out_lse_vs_oracle[base2-op-float32]`" in md[md.index("## Failures"):]
+
+
+def test_op_section_deterministic_and_absent_without_ops():
+    a = R.build_report(op_results(), name="h", env=ENV)
+    res = op_results()
+    res["tests"].reverse()
+    res["ops"] = list(reversed(res["ops"]))
+    b = R.build_report(res, name="h", env=ENV)
+    assert json.dumps(a["op_results"], sort_keys=True) == json.dumps(b["op_results"], sort_keys=True)
+    assert R.render_markdown(a) == R.render_markdown(b)
+    plain = R.build_report(results(), name="h", env=ENV)
+    assert "ops" not in plain and "op_results" not in plain and "## Op" not in R.render_markdown(plain)
+    only_ops = op_results()
+    only_ops["backends"], only_ops["tests"] = [], [t for t in only_ops["tests"] if "op" in t.get("params", {})]
+    md = R.render_markdown(R.build_report(only_ops, name="h", env=ENV))
+    assert "No layer backend was under test in this run" in md and "| backend | verdict |" not in md
+
+
+def test_merge_keeps_op_results_in_their_own_grid(capsys):
+    a = R.build_report(op_results(), name="cpu-host", env=ENV)
+    res = op_results()
+    res["tests"][2]["outcome"] = "failed"  # good-op fails its numerics on the other host
+    res["op_declarations"]["good-op"] = {**DECL, "lse_base": "2"}
+    b = R.build_report(res, name="gpu-host", env={**ENV, "device": "cuda"})
+    m1, md1 = R.merge_reports([("a.json", a), ("b.json", b)])
+    m2, md2 = R.merge_reports([("b.json", b), ("a.json", a)])
+    assert (m1, md1) == (m2, md2) and m1["schema_version"] == R.MATRIX_SCHEMA_VERSION
+    assert not [c for c in m1["columns"] if "op" in c.split(" / ")[1]], "op columns stay out of the layer grid"
+    ops = m1["ops"]
+    assert ops["columns"] == ["cpu-host / base2-op", "cpu-host / good-op", "cpu-host / idle-op",
+                              "gpu-host / base2-op", "gpu-host / good-op", "gpu-host / idle-op"]
+    assert ops["verdicts"]["cpu-host / good-op"] == "CONFORMS" and ops["verdicts"]["gpu-host / good-op"] == "DOES NOT CONFORM"
+    assert ops["verdicts"]["gpu-host / idle-op"] == "NOT TESTED"
+    assert ops["declarations"]["gpu-host / good-op"]["lse_base"] == "2"
+    row = ops["rows"]["suites/test_op_numerics.py::test_out_lse_vs_oracle[dtype=float32]"]
+    assert row["cpu-host / good-op"]["outcome"] == "passed" and row["gpu-host / good-op"]["outcome"] == "failed"
+    grid = md1[md1.index("## Ops (the op contract)"):]
+    assert "| **LSE base** | 2 | e | e | 2 | 2 | e |" in grid and "| **empty row lse** | -inf | +inf |" in grid
+    assert R.INDEPENDENT not in grid and R.INDEPENDENT in md1[:md1.index("## Ops")]
+
+
 # --------------------------------------------------------------------------- merge
 
 
