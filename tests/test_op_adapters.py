@@ -1,0 +1,337 @@
+"""The kernel adapters of the op contract (mla_conformance.ops.flashmla, mla_conformance.ops.flashinfer): gating
+and their glue.
+
+On a host without the kernels every adapter declines with the support matrix's own sentence. Their glue
+(argument layout, metadata across FlashMLA releases, head and top-k padding, topk_length translation,
+FlashInfer's split q / ckv / kpe views and CSR page lists, lse base, causal queries before the first key)
+runs on the CPU against **stand-in kernel modules**: torch functions with the kernels' call signatures and
+documented input checks that compute with ReferenceOp / their own few lines. They stand in for the GPU
+kernel, not for the adapter under test; the real kernels run in the op suite where a device allows
+(``.gpu_check/op_adapters.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from mla_conformance import arch
+from mla_conformance.arch import DeviceInfo, PackageInfo
+from mla_conformance.ops import OpCase, declarations, get_op
+from mla_conformance.ops.flashinfer import FlashInferOp
+from mla_conformance.ops.flashmla import FlashMLAOp, FlashMLASparseOp
+from mla_conformance.ops.reference import ReferenceOp, encode_fp8_656, lse_to_natural
+
+BF16 = torch.bfloat16
+INT_MAX = 2**31 - 1
+
+KERNELS = {"flashmla": "flashmla/dense_decode", "flashmla-sparse": "flashmla/sparse_decode",
+           "flashinfer": "flashinfer/fa2_mla", "flashinfer-fa2": "flashinfer/fa2_mla"}
+CASES = {"flashmla": OpCase(batch=2, s_q=1, h_q=16, page_block_size=64, dtype=BF16),
+         "flashmla-sparse": OpCase(batch=2, s_q=1, h_q=64, page_block_size=64, dtype=BF16,
+                                   kv_format="fp8-e4m3-flashmla", topk=64),
+         "flashinfer": OpCase(batch=2, s_q=1, h_q=16, page_block_size=16, dtype=BF16),
+         "flashinfer-fa2": OpCase(batch=2, s_q=1, h_q=16, page_block_size=16, dtype=BF16)}
+
+
+# --------------------------------------------------------------------------- gating
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_adapter_declines_here_with_the_matrix_sentence(name):
+    op = get_op(name)
+    expected = arch.why_not(KERNELS[name], arch.detect("cpu"))
+    if expected is None:
+        pytest.skip(f"{KERNELS[name]} runs on this host")
+    assert op.name == name
+    assert op.unsupported_reason(CASES[name]) == expected
+    # a stand-in module changes nothing: the device is still judged
+    assert FlashMLAOp(flash_mla_module=types.SimpleNamespace()).unsupported_reason(CASES["flashmla"]) == \
+        arch.why_not("flashmla/dense_decode", arch.detect("cpu"))
+
+
+def test_declarations():
+    assert declarations(get_op("flashmla")) == {
+        "lse_base": "e", "empty_row": "+inf", "page_block_sizes": (64,), "kv_formats": ("latent",),
+        "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False}
+    sparse = declarations(get_op("flashmla-sparse"))
+    assert sparse["kv_formats"] == ("fp8-e4m3-flashmla",) and sparse["fp8_scale_format"] == "pow2"
+    fi = declarations(get_op("flashinfer"))
+    assert fi["lse_base"] == "2" and fi["empty_row"] == "-inf" and fi["kv_formats"] == ("latent",)
+    assert get_op("flashinfer-fa2").backend == "fa2" and get_op("flashinfer").backend == "auto"
+
+
+def _device(cap, name, *, packages=("flash_mla", "flashinfer")):
+    return DeviceInfo.from_capability(cap, name, cuda_version="12.9",
+                                      packages=[PackageInfo(p, True, "1.0") for p in packages])
+
+
+@pytest.mark.parametrize("op,case,needle", [
+    (FlashMLAOp, dict(dtype=torch.float16), "bfloat16 only"),
+    (FlashMLAOp, dict(page_block_size=16), "pages of 64 tokens, not 16"),
+    (FlashMLAOp, dict(kv_format="fp8-e4m3-flashmla"), "flashmla-sparse"),
+    (FlashMLAOp, dict(topk=64), "flashmla-sparse"),
+    (FlashMLASparseOp, dict(topk=None), "op flashmla"),
+    (FlashMLASparseOp, dict(causal=True), "not causal"),
+    (FlashMLASparseOp, dict(kv_format="latent"), "656-byte"),
+    (FlashMLASparseOp, dict(h_q=256), "not 256"),
+    (FlashInferOp, dict(dtype=torch.float32), "float16 or bfloat16"),
+    (FlashInferOp, dict(topk=16), "no top-k"),
+    (FlashInferOp, dict(attn_sink=True), "attention sink"),
+    (FlashInferOp, dict(kv_format="fp8-e4m3-flashmla"), "656-byte"),
+])
+def test_sentences_after_the_device(monkeypatch, op, case, needle):
+    """On a device the matrix accepts, what the kernel cannot take is the next sentence."""
+    monkeypatch.setattr(arch, "detect", lambda device=None: _device((9, 0), "NVIDIA H200"))
+    base = dict(batch=2, s_q=1, h_q=64, page_block_size=64, dtype=BF16)
+    if op is FlashMLASparseOp:
+        base.update(kv_format="fp8-e4m3-flashmla", topk=64)
+    stand_in = {FlashMLAOp: "flash_mla_module", FlashMLASparseOp: "flash_mla_module",
+                FlashInferOp: "flashinfer_module"}[op]
+    instance = op(**{stand_in: fake_flash_mla() if op is not FlashInferOp else fake_flashinfer()})
+    reason = instance.unsupported_reason(OpCase(**{**base, **case}))
+    assert reason and needle in reason, reason
+    assert instance.unsupported_reason(OpCase(**base)) is None
+
+
+def test_flashinfer_auto_is_gated_by_fa3_on_hopper_and_fa2_elsewhere(monkeypatch):
+    op = FlashInferOp()
+    assert op.kernel_id(_device((9, 0), "H100")) == "flashinfer/fa3_mla"
+    assert op.kernel_id(_device((8, 9), "L40S")) == "flashinfer/fa2_mla"
+    assert op.kernel_id(DeviceInfo.cpu()) == "flashinfer/fa2_mla"
+    assert FlashInferOp(backend="fa3").kernel_id(_device((8, 9), "L40S")) == "flashinfer/fa3_mla"
+    monkeypatch.setattr(arch, "detect", lambda device=None: _device((7, 5), "Tesla T4"))
+    reason = op.unsupported_reason(CASES["flashinfer"])
+    assert reason == arch.why_not("flashinfer/fa2_mla", _device((7, 5), "Tesla T4"))
+    assert "SM75" in reason and "Tesla T4" in reason
+    with pytest.raises(ValueError, match="backend 'fa4'"):
+        FlashInferOp(backend="fa4")
+
+
+# --------------------------------------------------------------------------- stand-in kernels (labelled)
+
+
+def fake_flash_mla(interface: str = "current", calls: list | None = None):
+    """STAND-IN for the ``flash_mla`` package: FlashMLA's call signatures and documented checks, ReferenceOp's
+    arithmetic. ``interface``: "current" (get_mla_metadata() -> FlashMLASchedMeta; topk_length, attn_sink) or
+    "sep2025" (get_mla_metadata(cache_seqlens, ..., is_fp8_kvcache, topk) -> tensors; no topk_length/attn_sink)."""
+    calls = [] if calls is None else calls
+    ref = ReferenceOp()
+
+    class FlashMLASchedMeta:
+        pass
+
+    def get_current(*args, **kwargs):
+        return FlashMLASchedMeta(), None
+
+    def get_sep2025(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q=None, is_fp8_kvcache=False,
+                    topk=None):
+        calls.append(("metadata", num_q_tokens_per_head_k, num_heads_q, is_fp8_kvcache, topk))
+        return torch.zeros(4, 8, dtype=torch.int32), torch.zeros(cache_seqlens.numel() + 1, dtype=torch.int32)
+
+    def kernel(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits=None,
+               softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None, attn_sink=None,
+               topk_length=None):
+        b, s_q, h_q, d = q.shape
+        assert q.dtype == BF16 and q.is_contiguous() and d == 576 and head_dim_v == 512
+        if interface == "current":
+            assert isinstance(tile_scheduler_metadata, FlashMLASchedMeta) and num_splits is None
+        if indices is None:
+            assert k_cache.dtype == BF16 and k_cache.shape[1] == 64 and k_cache.shape[2:] == (1, 576)
+            assert block_table.dtype == cache_seqlens.dtype == torch.int32 and block_table.is_contiguous()
+            assert attn_sink is None and topk_length is None
+        else:
+            assert not causal and is_fp8_kvcache and k_cache.dtype == torch.uint8 and k_cache.stride(1) == 656
+            assert h_q in (64, 128), f"FlashMLA sparse decode: Unsupported h_q: {h_q}"
+            assert indices.dtype == torch.int32 and indices.shape[:2] == (b, s_q) and indices.is_contiguous()
+            assert indices.shape[-1] % 64 == 0, "top-k is read in blocks of 64"
+            assert topk_length is None or (topk_length.dtype == torch.int32 and topk_length.shape == (b,))
+            assert attn_sink is None or (attn_sink.dtype == torch.float32 and attn_sink.shape == (h_q,))
+        calls.append(("kernel", b, s_q, h_q, None if indices is None else indices.shape[-1]))
+        scale = d ** -0.5 if softmax_scale is None else softmax_scale
+        out, lse = ref.decode(q, k_cache, block_table, cache_seqlens, softmax_scale=scale, causal=causal,
+                              indices=indices, topk_length=topk_length, attn_sink=attn_sink)
+        return out.to(BF16), lse
+
+    if interface == "current":
+        return types.SimpleNamespace(get_mla_metadata=get_current, flash_mla_with_kvcache=kernel, calls=calls)
+
+    def kernel_sep2025(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                       softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
+        assert tile_scheduler_metadata.dtype == num_splits.dtype == torch.int32
+        return kernel(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                      softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache, indices=indices)
+
+    return types.SimpleNamespace(get_mla_metadata=get_sep2025, flash_mla_with_kvcache=kernel_sep2025, calls=calls)
+
+
+def fake_flashinfer(calls: list | None = None):
+    """STAND-IN for ``flashinfer`` (``flashinfer.mla.BatchMLAPagedAttentionWrapper``): plan / run with FlashInfer's
+    layout (q_nope / q_pe, ckv [pages, page, 512] / kpe [pages, page, 64] read through strides, CSR page
+    lists), its causal rule (drop kv_idx + qo_len > kv_len + q_idx), lse in base 2, -inf for a query with no
+    keys; float32 math written here, from FlashInfer's tests/attention/test_deepseek_mla.py reference."""
+    calls = [] if calls is None else calls
+
+    class BatchMLAPagedAttentionWrapper:
+        def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                     kv_indices=None, kv_len_arr=None, backend="auto"):
+            assert backend in ("auto", "fa2", "fa3")
+            self.backend = backend
+
+        def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe,
+                 page_size, causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+            assert (head_dim_ckv, head_dim_kpe) == (512, 64)
+            assert kv_data_type in (torch.float16, torch.bfloat16) and q_data_type == kv_data_type
+            for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+                assert t.dtype == torch.int32
+            self.p = dict(qo=qo_indptr, kvp=kv_indptr, kvi=kv_indices, lens=kv_len_arr, h=num_heads,
+                          page=page_size, causal=causal, scale=sm_scale, dtype=q_data_type)
+            calls.append(("plan", self.backend, int(qo_indptr.numel() - 1), page_size, causal))
+
+        def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, **kwargs):
+            p = self.p
+            assert q_nope.dtype == q_pe.dtype == ckv_cache.dtype == kpe_cache.dtype == p["dtype"]
+            assert ckv_cache.dim() == kpe_cache.dim() == 3 and ckv_cache.shape[1] == p["page"]
+            assert ckv_cache.stride(-1) == kpe_cache.stride(-1) == 1 and ckv_cache.shape[-1] == 512
+            n, h = q_nope.shape[:2]
+            assert h == p["h"] and q_pe.shape == (n, h, 64)
+            o = torch.zeros(n, h, 512, dtype=q_nope.dtype)
+            l2 = torch.full((n, h), -math.inf, dtype=torch.float32)
+            for b in range(p["lens"].numel()):
+                q0, q1 = int(p["qo"][b]), int(p["qo"][b + 1])
+                pages = p["kvi"][int(p["kvp"][b]):int(p["kvp"][b + 1])].long()
+                L = int(p["lens"][b])
+                ckv = ckv_cache[pages].reshape(-1, 512)[:L].float()
+                kpe = kpe_cache[pages].reshape(-1, 64)[:L].float()
+                qo_len = q1 - q0
+                for i in range(qo_len):
+                    s = (q_nope[q0 + i].float() @ ckv.T + q_pe[q0 + i].float() @ kpe.T) * p["scale"]  # [h, L]
+                    keep = torch.arange(L) + qo_len <= L + i if p["causal"] else torch.ones(L, dtype=torch.bool)
+                    if not bool(keep.any()):
+                        if L > 0:  # qo_len > kv_len, causal: "not supported" in FlashInfer's tests; here NaN
+                            o[q0 + i], l2[q0 + i] = float("nan"), float("nan")
+                        continue
+                    s = s[:, keep]
+                    o[q0 + i] = (torch.softmax(s, -1) @ ckv[keep]).to(o.dtype)
+                    l2[q0 + i] = torch.logsumexp(s, -1) / math.log(2.0)
+            return (o, l2) if return_lse else o
+
+    return types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper),
+                                 calls=calls)
+
+
+# --------------------------------------------------------------------------- the glue, on the stand-ins
+
+
+def _paged(lens, page, *, fp8=False, seed=0, h_q=16, s_q=1):
+    """q [B, s_q, h_q, 576] bf16, a NaN-poisoned shuffled paged cache holding each row's keys, block table, lens."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    max_blocks = max(1, max(math.ceil(n / page) for n in lens)) + 1
+    num_blocks = B * max_blocks + 3
+    keys = torch.randn(num_blocks * page, 576, generator=gen)
+    kv = keys.to(BF16).view(num_blocks, page, 1, 576).clone()
+    bt = torch.randperm(num_blocks, generator=gen)[:B * max_blocks].view(B, max_blocks).to(torch.int32)
+    for b, n in enumerate(lens):  # NaN everywhere a row has no token
+        for j in range(max_blocks):
+            lo = max(0, n - j * page)
+            if lo < page:
+                kv[bt[b, j], lo:] = float("nan")
+    if fp8:
+        kv = encode_fp8_656(kv.float())
+    q = torch.randn(B, s_q, h_q, 576, generator=gen).to(BF16)
+    return q, kv, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+def _close(a, b, what):
+    a, b = a.double(), b.double()
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    same_inf = torch.isinf(a) == torch.isinf(b)
+    assert bool(same_inf.all()), f"{what}: infinities differ"
+    fin = torch.isfinite(b)
+    err = (a[fin] - b[fin]).abs().max().item() if bool(fin.any()) else 0.0
+    assert err <= 2e-2, f"{what}: max abs error {err:.3e}"
+
+
+@pytest.mark.parametrize("interface,s_q,causal", [("current", 3, True), ("sep2025", 1, False)])
+def test_flashmla_dense_glue_equals_reference_op(interface, s_q, causal):
+    q, kv, bt, lens = _paged([70, 0, 3], 64, s_q=s_q, h_q=8)
+    calls = []
+    op = FlashMLAOp(flash_mla_module=fake_flash_mla(interface, calls))
+    out, lse = op.decode(q, kv, bt, lens, softmax_scale=0.07, causal=causal)
+    ref_out, ref_lse = ReferenceOp().decode(q, kv, bt, lens, softmax_scale=0.07, causal=causal)
+    assert out.shape == (3, s_q, 8, 512) and lse.shape == (3, 8, s_q) and lse.dtype == torch.float32
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert ("kernel", 3, s_q, 8, None) in calls
+    if interface == "sep2025":
+        assert ("metadata", s_q * 8, 8, False, None) in calls
+
+
+@pytest.mark.parametrize("interface", ["current", "sep2025"])
+def test_flashmla_sparse_glue_pads_heads_and_topk_and_equals_reference_op(interface):
+    q, kv, bt, lens = _paged([40, 17], 16, fp8=True, h_q=3, s_q=2)
+    num_slots = kv.shape[0] * kv.shape[1]
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randint(0, 10**6, (2, 2, 10), generator=gen) % lens.long().view(2, 1, 1)  # written tokens only
+    idx = (bt.long().gather(1, (t // 16).flatten(1)).view(2, 2, 10) * 16 + t % 16).to(torch.int32)
+    idx[0, 0, 3], idx[0, 1, 4], idx[1, 0, 5] = -1, INT_MAX, num_slots  # invalid entries
+    idx[1, 1] = -1                                                        # a query with no valid index
+    topk_length = torch.tensor([10, 6], dtype=torch.int32)
+    sink = torch.tensor([0.5, math.inf, -math.inf])
+    calls = []
+    op = FlashMLASparseOp(flash_mla_module=fake_flash_mla(interface, calls))
+    kwargs = dict(softmax_scale=0.05, causal=False, indices=idx, topk_length=topk_length)
+    if interface == "current":
+        kwargs["attn_sink"] = sink
+    out, lse = op.decode(q, kv, bt, lens, **kwargs)
+    ref_out, ref_lse = ReferenceOp().decode(q, kv, bt, lens, **kwargs)
+    assert out.shape == (2, 2, 3, 512) and lse.shape == (2, 3, 2)
+    _close(out, ref_out, "out")
+    _close(lse, ref_lse, "lse")
+    assert bool(torch.isposinf(lse[1, :, 1]).all()) and bool((out[1, 1] == 0).all())
+    assert ("kernel", 2, 2, 64, 64) in calls  # 3 heads ran as 64, top-10 as 64
+    if interface == "sep2025":
+        assert ("metadata", 2 * 64, 64, True, 64) in calls
+
+
+def test_flashmla_sparse_declines_attn_sink_on_a_release_without_it(monkeypatch):
+    monkeypatch.setattr(arch, "detect", lambda device=None: _device((9, 0), "NVIDIA H200"))
+    case = OpCase(batch=1, s_q=1, h_q=64, page_block_size=64, dtype=BF16, kv_format="fp8-e4m3-flashmla", topk=64)
+    old = FlashMLASparseOp(flash_mla_module=fake_flash_mla("sep2025"))
+    assert old.unsupported_reason(case) is None
+    reason = old.unsupported_reason(OpCase(**{**case.__dict__, "attn_sink": True}))
+    assert reason and "attn_sink" in reason
+    assert FlashMLASparseOp(flash_mla_module=fake_flash_mla()).unsupported_reason(
+        OpCase(**{**case.__dict__, "attn_sink": True})) is None
+
+
+@pytest.mark.parametrize("page,s_q,causal", [(1, 4, True), (16, 1, False), (16, 2, False)])
+def test_flashinfer_glue_equals_reference_op_in_base_2(page, s_q, causal):
+    """Zero-length rows, a row shorter than s_q (causal queries with no keys), pages split across rows."""
+    q, kv, bt, lens = _paged([0, 2, 37], page, s_q=s_q, h_q=4)
+    q = q[:, :, :, :].transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous q
+    calls = []
+    op = FlashInferOp(flashinfer_module=fake_flashinfer(calls))
+    out, lse = op.decode(q, kv, bt, lens, softmax_scale=0.06, causal=causal)
+    ref_out, ref_lse = ReferenceOp().decode(q, kv, bt, lens, softmax_scale=0.06, causal=causal)
+    assert out.shape == (3, s_q, 4, 512) and lse.shape == (3, 4, s_q) and lse.dtype == torch.float32
+    empty = torch.isinf(ref_lse)
+    assert bool(torch.isneginf(lse[empty]).all()), "FlashInfer's empty rows: lse -inf, as declared"
+    assert bool((out.transpose(1, 2)[empty] == 0).all())
+    natural = lse_to_natural(lse, op.lse_base)
+    _close(natural[~empty], ref_lse[~empty], "lse (base 2 read as declared)")
+    _close(out, ref_out, "out")
+    assert calls == [("plan", "auto", 3, page, causal)]
+
+
+def test_flashinfer_lse_is_base_2_not_e():
+    """Read as natural log, the stand-in's base-2 lse is off by the factor log(2): the declaration matters."""
+    q, kv, bt, lens = _paged([33], 16, h_q=2)
+    _, lse = FlashInferOp(flashinfer_module=fake_flashinfer()).decode(q, kv, bt, lens, softmax_scale=0.06,
+                                                                      causal=False)
+    _, ref_lse = ReferenceOp().decode(q, kv, bt, lens, softmax_scale=0.06, causal=False)
+    assert torch.allclose(lse * math.log(2.0), ref_lse, atol=1e-3)
+    assert not torch.allclose(lse, ref_lse, atol=1e-2)
