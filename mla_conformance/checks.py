@@ -62,6 +62,45 @@ TOLERANCES: dict[str, Tolerance] = {
 #: Tighter bounds the float64 anchor test (tests/test_reference_anchor.py) holds each built-in to.
 ANCHOR_TOLERANCES = {"reference-naive": 1e-8, "reference-absorbed": 1e-8, "hf-transformers": 1e-5}
 
+
+@dataclasses.dataclass(frozen=True)
+class OpTolerance:
+    """Bounds on an op's (out, lse) against the float64 op oracle (mla_conformance.ops.reference.oracle), per
+    query with keys: |out - ref| <= out_rtol * |ref| + out_atol * rms(ref) elementwise (rms over the case's
+    queries with keys), |lse - ref| <= lse_tol * (1 + |ref|) in natural log (lse is float32 for every q dtype).
+    """
+
+    out_rtol: float
+    out_atol: float
+    lse_tol: float
+    reason: str
+
+
+#: The op tests' tolerance table, keyed by q's dtype (the FP8 656-byte cache has its own entry, with a
+#: bfloat16 q, against the oracle of the *dequantized* cache). out is rounded to q's dtype, so its relative
+#: error is at most half a step: 2^-8 in bfloat16, 2^-11 in float16, 2^-24 in float32.
+OP_TOLERANCES: dict[str, OpTolerance] = {
+    "float64": OpTolerance(1e-12, 1e-12, 1e-6, "float64 end to end: reference-op measures 1.6e-14 x rms on out; lse "
+                                              "is float32 by contract (half a step 6e-8; measured 4.4e-8)"),
+    "float32": OpTolerance(1e-5, 2e-5, 1e-5, "float32 dot products of 576 terms and sums over up to 300 keys: "
+                                            "reference-op measures 5.2e-6 x rms beyond out's rounding (h_q 64, s_q 8) "
+                                            "and 9e-7 x (1 + |lse|) on lse"),
+    "bfloat16": OpTolerance(2 ** -8, 2 ** -9, 1e-5, "out rounded to bfloat16: half a step is 2^-8 relative; the "
+                                                  "atol 2^-9 x rms covers a kernel that rounds its probabilities to "
+                                                  "bfloat16 before P.V (FlashMLA and FlashInfer do; up to 2^-9 x sum "
+                                                  "p|v|); reference-op measures 3e-7 x rms beyond out's rounding, "
+                                                  "lse 2.6e-7 (float32 scores)"),
+    "float16": OpTolerance(2 ** -11, 2 ** -12, 1e-5, "out rounded to float16: half a step is 2^-11 relative; atol "
+                                                   "2^-12 x rms for float16 probabilities in P.V; reference-op "
+                                                   "measures 2.1e-6 x rms beyond out's rounding, lse 8.2e-7"),
+    "fp8-e4m3-flashmla": OpTolerance(2 ** -8, 2 ** -9, 1e-5, "656-byte FP8 cache with a bfloat16 q, against the "
+                                                           "oracle of the dequantized cache (e4m3 x float32 tile "
+                                                           "scale, bf16 rope): out rounded to bfloat16 (2^-8), "
+                                                           "probabilities as for bfloat16; reference-op measures "
+                                                           "2.3e-5 x rms beyond out's rounding over the magnitude "
+                                                           "sweep 1/16..256 with fp32 scales, lse 1.8e-6"),
+}
+
 #: DeepSeek Sparse Attention: a backend's indexer scores (the optional ``last_indexer_scores``) against
 #: ``reference.indexer_scores_f64``, rows of the one table above (suites/test_dsa.py::test_indexer_scores).
 #: Here both bounds are relative to M[s,t] = sum_h |w_sh| sum_i |q_shi| |k_ti| (the float64 oracle's q, k after

@@ -3,13 +3,20 @@
 Options::
 
     --mla-backend SPEC     backend under test (repeatable; default: every built-in)
+    --mla-op SPEC          op under test (the kernel-level op contract, mla_conformance.ops; repeatable;
+                           default: mla_conformance.ops.DEFAULT_OPS)
     --mla-device DEV       cpu / cuda / cuda:N (default: cuda when available, else cpu)
     --mla-checkpoint DIR   a real DeepSeek checkpoint for the needs_checkpoint tests
     --mla-results FILE     write every test's outcome and measured figures as JSON (used by `run`)
 
 Any test that takes the ``mla_backend`` fixture runs once per backend, and the backend's name is the
-test id's parameter, e.g. ``test_cache_bytes.py::test_seed_table[reference-absorbed]``. The fixtures are
-namespaced (``mla_backend``, ``mla_figures``, ``mla_device``, ``mla_checkpoint``).
+test id's parameter, e.g. ``test_cache_bytes.py::test_seed_table[reference-absorbed]``; any test that takes
+``mla_op`` runs once per op (``test_op_numerics.py::test_out_lse_vs_oracle[reference-op-float32]``). The
+fixtures are namespaced (``mla_backend``, ``mla_op``, ``mla_figures``, ``mla_device``, ``mla_checkpoint``).
+
+Which tests run: with neither ``--mla-backend`` nor ``--mla-op`` the layer tests run the default backends
+and the op tests the default ops; ``--mla-backend`` alone deselects the op tests, ``--mla-op`` alone the
+layer tests (one summary line says how many and why); both options run both.
 
 The plugin loads in every pytest run of the environment it is installed in, so it stays out of the way of
 other projects: it parametrises only tests that request ``mla_backend``, and it imports torch and resolves
@@ -28,13 +35,14 @@ from pathlib import Path
 import pytest
 
 _BACKENDS_KEY = pytest.StashKey[list]()
+_OPS_KEY = pytest.StashKey[list]()
 _DEVICE_KEY = pytest.StashKey[str]()
 _RESULTS_KEY = pytest.StashKey[dict]()
 _ENGAGED_KEY = pytest.StashKey[dict]()  # "header": header printed; "items": suite tests collected; counts
 
 #: the plugin's fixtures: a test requesting any of them is a test of this suite
-FIXTURES = ("mla_backend", "mla_figures", "mla_device", "mla_checkpoint")
-_OPTIONS = ("--mla-backend", "--mla-device", "--mla-checkpoint", "--mla-results", "--mla-expect")
+FIXTURES = ("mla_backend", "mla_op", "mla_figures", "mla_device", "mla_checkpoint")
+_OPTIONS = ("--mla-backend", "--mla-op", "--mla-device", "--mla-checkpoint", "--mla-results", "--mla-expect")
 BENCHMARK_HINT = "pytest -m benchmark --benchmark-only -p no:xdist"
 
 
@@ -43,6 +51,11 @@ def pytest_addoption(parser):
     group.addoption("--mla-backend", action="append", default=None, metavar="SPEC",
                     help="backend under test: a built-in name, package.module:attr or path/file.py:attr "
                          "(repeatable; default: every built-in backend)")
+    group.addoption("--mla-op", action="append", default=None, metavar="SPEC",
+                    help="op under test (the kernel-level op contract, mla_conformance.ops): a built-in name, "
+                         "package.module:attr or path/file.py:attr (repeatable; default: the built-in "
+                         "reference-op). --mla-op alone runs the op tests only, --mla-backend alone the layer "
+                         "tests only, both run both")
     group.addoption("--mla-device", default=None, metavar="DEV",
                     help="device for the checks: cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     group.addoption("--mla-checkpoint", default=None, metavar="DIR",
@@ -118,6 +131,46 @@ def _backends(config) -> list:
     return backends
 
 
+def _ops(config) -> list:
+    """The ops under test (--mla-op, else DEFAULT_OPS), resolved once per session."""
+    ops = config.stash.get(_OPS_KEY, None)
+    if ops is not None:
+        return ops
+    from mla_conformance.errors import MLAInputError
+    from mla_conformance.ops import DEFAULT_OPS, get_op
+
+    specs = config.getoption("--mla-op") or list(DEFAULT_OPS)
+    ops = []
+    try:
+        for spec in specs:
+            ops.append(get_op(spec))
+    except MLAInputError as exc:
+        raise pytest.UsageError(f"--mla-op: {exc}") from None
+    names = [o.name for o in ops]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise pytest.UsageError(f"--mla-op: two ops share the name(s) {sorted(dupes)}; test ids need unique names")
+    config.stash[_OPS_KEY] = ops
+    return ops
+
+
+def _op_declarations(op) -> dict:
+    """The op's declarations, JSON-able (tuples as lists)."""
+    from mla_conformance.ops import declarations
+
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in declarations(op).items()}
+
+
+def _deselected_kind(config) -> str | None:
+    """Which kind of suite test this run leaves out: "op" (--mla-backend alone), "layer" (--mla-op alone)."""
+    backend, op = bool(config.getoption("--mla-backend")), bool(config.getoption("--mla-op"))
+    if backend and not op:
+        return "op"
+    if op and not backend:
+        return "layer"
+    return None
+
+
 def device_of(config) -> str:
     """The device the checks run on (--mla-device, else cuda when available, else cpu); resolved once."""
     dev = config.stash.get(_DEVICE_KEY, None)
@@ -189,6 +242,8 @@ def _configure(config):
         config.addinivalue_line("markers", line)
     if config.getoption("--mla-backend"):
         _backends(config)
+    if config.getoption("--mla-op"):
+        _ops(config)
     if config.getoption("--mla-device"):
         device_of(config)
     if config.getoption("--mla-results"):
@@ -223,7 +278,13 @@ def _header_lines(config) -> list[str]:
 
     from mla_conformance import __version__
 
-    lines = [f"mla-conformance {__version__}: backends {', '.join(b.name for b in _backends(config))}"]
+    kind = _deselected_kind(config)
+    parts = []
+    if kind != "layer":
+        parts.append(f"backends {', '.join(b.name for b in _backends(config))}")
+    if kind != "op":
+        parts.append(f"ops {', '.join(o.name for o in _ops(config))}")
+    lines = [f"mla-conformance {__version__}: {'; '.join(parts)}"]
     dev = device_of(config)
     if dev.startswith("cuda"):
         idx = torch.device(dev).index or 0
@@ -250,6 +311,10 @@ def pytest_generate_tests(metafunc):
         backends = _backends(metafunc.config)
         device_of(metafunc.config)
         metafunc.parametrize("mla_backend", backends, ids=[b.name for b in backends])
+    if "mla_op" in metafunc.fixturenames:
+        ops = _ops(metafunc.config)
+        device_of(metafunc.config)
+        metafunc.parametrize("mla_op", ops, ids=[o.name for o in ops])
 
 
 def _benchmark_selected(config) -> bool:
@@ -299,6 +364,16 @@ def pytest_collection_modifyitems(config, items):
     if not suite:
         return
     _engaged(config)["items"] = True
+    kind = _deselected_kind(config)
+    if kind is not None:  # --mla-backend alone: a verdict on backends, no op tests; --mla-op alone: the reverse
+        fixture = "mla_op" if kind == "op" else "mla_backend"
+        out = [item for item in suite if fixture in getattr(item, "fixturenames", ())]
+        if out:
+            ids = {id(item) for item in out}
+            items[:] = [item for item in items if id(item) not in ids]
+            suite = [item for item in suite if id(item) not in ids]
+            config.hook.pytest_deselected(items=out)
+            _engaged(config)["kind_deselected"] = (kind, len(out))
     if getattr(config.option, "update_snapshots", False):  # syrupy's --snapshot-update: goldens of a checkout only
         from mla_conformance.errors import MLAInputError
         from mla_conformance.resources import check_goldens_writable
@@ -362,6 +437,10 @@ def _is_failure(excinfo) -> bool:
     return excinfo is not None and isinstance(excinfo.value, AssertionError) and not isinstance(excinfo.value, BackendError)
 
 
+#: the results' names of the plugin's parametrised fixtures
+_PARAM_NAMES = {"mla_backend": "backend", "mla_op": "op"}
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -378,7 +457,7 @@ def pytest_runtest_makereport(item, call):
     params = getattr(item, "callspec", None)
     if params is not None:
         # the results' parameter names are the report's: the backend is "backend", not the fixture's name
-        entry["params"] = {("backend" if k == "mla_backend" else k): (getattr(v, "name", None) or str(v))
+        entry["params"] = {_PARAM_NAMES.get(k, k): (getattr(v, "name", None) or str(v))
                            for k, v in params.params.items()}
     entry["device"] = device_of(item.config)
     section = item.get_closest_marker("mla_section")
@@ -434,7 +513,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         reason = reason if len(reason) <= 200 else reason[:199] + "…"
         counts[reason] = counts.get(reason, 0) + 1
     deselected = engaged.get("benchmarks_deselected", 0)
-    if not counts and not deselected:
+    kind_deselected = engaged.get("kind_deselected")
+    if not counts and not deselected and not kind_deselected:
         return
     tr.write_sep("=", "mla-conformance skips by reason" if counts else "mla-conformance")
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -446,6 +526,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"… {len(rest)} more reasons ({sum(n for _, n in rest)} skips); -rs lists every one")
     if deselected:
         tr.write_line(f"{deselected} decode benchmarks deselected: run them with `{BENCHMARK_HINT}`")
+    if kind_deselected:
+        kind, n = kind_deselected
+        if kind == "op":
+            tr.write_line(f"{n} op tests deselected: --mla-backend was given without --mla-op (a verdict on "
+                          "backends); add --mla-op SPEC (e.g. --mla-op reference-op) to run them too")
+        else:
+            tr.write_line(f"{n} layer tests deselected: --mla-op was given without --mla-backend (a verdict on "
+                          "ops); add --mla-backend SPEC to run them too")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -459,8 +547,12 @@ def pytest_sessionfinish(session, exitstatus):
         return
     path = config.getoption("--mla-results")
     if path:
+        kind = _deselected_kind(config)
+        backends = [] if kind == "layer" else [b.name for b in _backends(config)]
+        ops = [] if kind == "op" else _ops(config)
         payload = {"exitstatus": int(exitstatus), "device": device_of(config),
-                   "backends": [b.name for b in _backends(config)],
+                   "backends": backends, "ops": [o.name for o in ops],
+                   "op_declarations": {o.name: _op_declarations(o) for o in ops},
                    "tests": [results[k] for k in sorted(results)]}
         tmp = Path(path).with_suffix(".tmp")
         tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str))

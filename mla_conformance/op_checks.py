@@ -1,0 +1,624 @@
+"""Checks of the op contract (:mod:`mla_conformance.ops`) shared by ``suites/test_op_*.py``.
+
+Three parts:
+
+* **inputs** (:func:`build`): paged caches behind shuffled block tables, NaN (0xFF bytes for the FP8 layout)
+  in every unused page and in the unfilled tail of each row's last page, unused block-table entries set to
+  :data:`INVALID_BLOCK`; every buffer the op is handed is a view at the start of a larger allocation whose
+  remaining bytes (the canary) are checked after the call, as are the inputs themselves (the op must not
+  write them). Inputs are deterministic (seeded) and built once per session (:func:`build` is cached), as is
+  the float64 oracle of each (:func:`oracle_of`);
+* **running** (:func:`run_op`): the op declines a case with ``unsupported_reason`` (the test skips with its
+  sentence); an op that raises or returns the wrong type, shape or dtype is a
+  :class:`~mla_conformance.errors.BackendError` / ``BackendOutputError`` (an *error*, not a failure);
+* **comparing** (:func:`compare`): out and lse against the oracle (lse converted from the op's declared
+  ``lse_base``; a query with no keys must give out exactly 0 and the declared ``empty_row`` infinity; NaN in a
+  query with keys fails), within :data:`mla_conformance.checks.OP_TOLERANCES`.
+
+Every failure message names the op, the case (:meth:`OpCase.describe`), the check and the measured numbers;
+``figures`` (the test's ``mla_figures``) is filled before anything is raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+
+from mla_conformance.errors import BackendError, BackendOutputError
+from mla_conformance.ops import D_QK, D_V, FP8_ROW_BYTES, OpCase, declared
+from mla_conformance.ops.reference import decode_fp8_656, encode_fp8_656, lse_to_natural, merge_by_lse, oracle
+
+#: page sizes the suite builds caches for (an op's declared page_block_sizes are intersected with these)
+KNOWN_PAGE_SIZES = (1, 16, 64)
+#: what unused block-table entries hold: a block id far outside any cache the suite builds
+INVALID_BLOCK = 2 ** 30
+INT_MAX = 2 ** 31 - 1
+#: bytes after every buffer handed to an op, filled with CANARY_BYTE and checked after the call
+CANARY_BYTES = 256
+CANARY_BYTE = 0xA5
+#: the logit scale of the op tests: DeepSeek's qk_head_dim 192 ** -0.5 (random q and keys of unit scale give
+#: logits of standard deviation ~1.7: a softmax far from uniform and far from one-hot)
+SOFTMAX_SCALE = 192 ** -0.5
+#: the invalid sparse index kinds: -1, one past the flattened cache, INT_MAX
+INVALID_KINDS = ("minus-one", "past-end", "int-max")
+
+NAN_HINT = ("the suite fills unused pages and the unfilled tail of each row's last page with NaN (0xFF bytes in "
+            "the FP8 layout) as a reused pool may hold: an op that reads keys past cache_seqlens and masks them "
+            "by multiplying with 0 or adding -inf to their scores gets NaN; select with torch.where or read only "
+            "the row's keys")
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def where(op, case: OpCase, check: str) -> str:
+    return f"{op.name} [{case.describe()}] {check}"
+
+
+# --------------------------------------------------------------------------- choosing cases
+
+
+def page_sizes(op) -> tuple[int, ...]:
+    """The page sizes the op declares that the suite knows how to build."""
+    return tuple(p for p in declared(op, "page_block_sizes") if p in KNOWN_PAGE_SIZES)
+
+
+def pick_page(op, prefer=(16, 64, 1)) -> int:
+    sizes = page_sizes(op)
+    for p in prefer:
+        if p in sizes:
+            return p
+    pytest.skip(f"{op.name}: declares page_block_sizes {declared(op, 'page_block_sizes')}, none of which the suite "
+                f"builds ({', '.join(map(str, KNOWN_PAGE_SIZES))})")
+
+
+def unsupported(op, case: OpCase) -> str | None:
+    """The op's sentence for a case it declines (a raising unsupported_reason is a BackendError)."""
+    __tracebackhide__ = True
+    if case.kv_format not in declared(op, "kv_formats"):
+        return f"declares kv_formats {declared(op, 'kv_formats')}, not {case.kv_format!r}"
+    if case.page_block_size not in declared(op, "page_block_sizes"):
+        return f"declares page_block_sizes {declared(op, 'page_block_sizes')}, not {case.page_block_size}"
+    try:
+        return op.unsupported_reason(case)
+    except Exception as exc:
+        raise BackendError(f"{op.name}: unsupported_reason({case.describe()}) raised {type(exc).__name__}: "
+                           f"{exc}") from exc
+
+
+def require(op, case: OpCase) -> OpCase:
+    __tracebackhide__ = True
+    reason = unsupported(op, case)
+    if reason:
+        pytest.skip(f"{op.name}: {reason}")
+    return case
+
+
+def first_supported(op, cases) -> OpCase:
+    """The first of ``cases`` the op accepts (e.g. float32 before bfloat16, latent before FP8), else skip
+    with the op's sentences."""
+    __tracebackhide__ = True
+    reasons: list[str] = []
+    for case in cases:
+        reason = unsupported(op, case)
+        if not reason:
+            return case
+        if reason not in reasons:
+            reasons.append(reason)
+    pytest.skip(f"{op.name}: {'; '.join(reasons)}")
+
+
+def make_case(op, *, lens, s_q=1, h_q=8, page=None, dtypes=("float32", "bfloat16"), kv_formats=("latent",),
+              topk=None, attn_sink=False, causal=False, device="cpu") -> OpCase:
+    """The first case the op accepts over ``kv_formats`` x ``dtypes`` (an FP8 cache takes a bfloat16 q)."""
+    __tracebackhide__ = True
+    page = pick_page(op) if page is None else page
+    cases = []
+    for fmt in kv_formats:
+        for dt in (("bfloat16",) if fmt != "latent" else dtypes):
+            cases.append(OpCase(batch=len(lens), s_q=s_q, h_q=h_q, page_block_size=page, dtype=getattr(torch, dt),
+                                kv_format=fmt, topk=topk, attn_sink=attn_sink, causal=causal, device=device))
+    return first_supported(op, cases)
+
+
+# --------------------------------------------------------------------------- canaried buffers
+
+
+class Buffer:
+    """A tensor handed to the op: a view at the start of a uint8 allocation with CANARY_BYTES after it."""
+
+    def __init__(self, name: str, value: torch.Tensor, *, device, pad_last: int = 0, transpose12: bool = False):
+        self.name = name
+        shape = list(value.shape)
+        alloc_shape = list(shape)
+        if transpose12:  # allocate [B, h, s, D]: the view is its transpose, non-contiguous
+            alloc_shape[1], alloc_shape[2] = alloc_shape[2], alloc_shape[1]
+        alloc_shape[-1] += pad_last
+        n = math.prod(alloc_shape) * value.element_size()
+        self.base = torch.full((n + CANARY_BYTES,), CANARY_BYTE, dtype=torch.uint8, device=device)
+        typed = self.base[:n].view(value.dtype).view(alloc_shape)
+        if pad_last:  # the padding inside the allocation is NaN (or 0xFF): read it and it shows
+            if value.is_floating_point():
+                typed[..., shape[-1]:] = float("nan")
+            else:
+                typed[..., shape[-1]:].view(torch.uint8).fill_(0xFF)
+        view = typed.transpose(1, 2) if transpose12 else typed
+        self.view = view[..., :shape[-1]]
+        self.view.copy_(value.to(device))
+        self.snapshot = self.base.clone()
+
+    def check(self, op, case: OpCase, check: str) -> None:
+        """The view and the bytes around it are what they were before the call (restored, then failed)."""
+        __tracebackhide__ = True
+        if torch.equal(self.base, self.snapshot):
+            return
+        diff = (self.base != self.snapshot).nonzero().flatten()
+        changed_view = not torch.equal(self._bytes_of_view(self.base), self._bytes_of_view(self.snapshot))
+        self.base.copy_(self.snapshot)  # later tests of the session share these inputs
+        n_view = self.view.numel() * self.view.element_size()
+        if changed_view:
+            raise AssertionError(f"{where(op, case, check)}: the op wrote its input {self.name} "
+                                 f"{tuple(self.view.shape)} {dtype_name(self.view.dtype)} ({int(diff.numel())} "
+                                 "byte(s) changed); inputs are read-only in the op contract")
+        first = int(diff[0])
+        raise AssertionError(f"{where(op, case, check)}: the op wrote {int(diff.numel())} byte(s) outside the input "
+                             f"{self.name} {tuple(self.view.shape)} (first at byte {first} of its allocation, "
+                             f"{first - n_view if first >= self.base.numel() - CANARY_BYTES else 'inside the strided padding'}"
+                             f"{' bytes past its end' if first >= self.base.numel() - CANARY_BYTES else ''}): "
+                             "the canary region after the buffer changed")
+
+    def _bytes_of_view(self, base: torch.Tensor) -> torch.Tensor:
+        v = self.view
+        n = self.base.numel() - CANARY_BYTES
+        typed = base[:n].view(v.dtype)
+        return torch.as_strided(typed, v.shape, v.stride(), v.storage_offset()).contiguous().view(torch.uint8)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What to build (hashable: inputs and oracles are cached per spec).
+
+    ``content``: "random" (latent N(0, magnitude^2)), "zeros" (all-zero keys), "probe-336" (every 128-value tile
+    of c has max |c| = 336 -- FP8 scale 1.0 under pow2, 0.75 under fp32 -- and every other token's last tile is
+    all zero). ``invalid``: sparse indices of that kind (:data:`INVALID_KINDS`) in a quarter of the entries;
+    ``all_invalid_rows``: rows whose every index is -1; ``topk_length``: pass topk_length (entries past it hold
+    valid indices the op must ignore); ``sink``: attn_sink values per head (cycled).
+    """
+
+    case: OpCase
+    lens: tuple[int, ...]
+    seed: int = 0
+    content: str = "random"
+    magnitude: float = 1.0
+    scale_format: str = "pow2"
+    noncontig_q: bool = False
+    invalid: str | None = None
+    all_invalid_rows: tuple[int, ...] = ()
+    topk_length: bool = False
+    sink: tuple[float, ...] | None = None
+    spare_pages: int = 2
+
+
+@dataclasses.dataclass
+class OpInputs:
+    spec: Spec
+    buffers: dict[str, Buffer]
+    softmax_scale: float
+    latent: list[torch.Tensor]          # per row: [L, 576] float64, the keys as the op should see them
+    slots: list[torch.Tensor]           # per row: the flat slot (block * page + offset) of each key
+    num_blocks: int
+
+    @property
+    def case(self) -> OpCase:
+        return self.spec.case
+
+    def tensor(self, name: str):
+        buf = self.buffers.get(name)
+        return None if buf is None else buf.view
+
+    def args(self) -> tuple:
+        return tuple(self.tensor(n) for n in ("q", "kv_cache", "block_table", "cache_seqlens"))
+
+    def kwargs(self) -> dict:
+        return {"softmax_scale": self.softmax_scale, "causal": self.case.causal,
+                **{n: self.tensor(n) for n in ("indices", "topk_length", "attn_sink") if n in self.buffers}}
+
+    def derive(self, **tensors) -> "OpInputs":
+        """The same inputs with some tensors replaced (each in its own canaried buffer)."""
+        buffers = dict(self.buffers)
+        for name, value in tensors.items():
+            buffers[name] = Buffer(name, value, device=self.case.device)
+        return dataclasses.replace(self, buffers=buffers)
+
+
+def _latent(spec: Spec, g: torch.Generator, L: int) -> torch.Tensor:
+    if spec.content == "zeros":
+        return torch.zeros(L, D_QK, dtype=torch.float64)
+    x = torch.randn(L, D_QK, generator=g, dtype=torch.float64)
+    if spec.content == "probe-336":
+        tiles = x[:, :D_V].unflatten(-1, (-1, 128))
+        tiles = tiles / tiles.abs().amax(-1, keepdim=True) * 336.0  # every tile's amax exactly 336
+        tiles[1::2, -1] = 0.0                                       # every other token: an all-zero tile
+        x = torch.cat([tiles.flatten(-2), x[:, D_V:] * 100.0], dim=-1)
+        return x
+    return x * spec.magnitude
+
+
+@functools.lru_cache(maxsize=64)
+def build(spec: Spec) -> OpInputs:
+    """Deterministic inputs for a spec (cached: the op's calls are checked to leave them unchanged)."""
+    case = spec.case
+    g = torch.Generator().manual_seed(1000 + spec.seed)
+    page, B = case.page_block_size, case.batch
+    lens = spec.lens
+    assert len(lens) == B, (lens, case)
+    n_pages = [-(-L // page) for L in lens]
+    num_blocks = sum(n_pages) + spec.spare_pages
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(n_pages) + 1
+    block_table = torch.full((B, max_blocks), INVALID_BLOCK, dtype=torch.int32)
+    fp8 = case.kv_format == "fp8-e4m3-flashmla"
+    row_bytes = FP8_ROW_BYTES if fp8 else D_QK
+    if fp8:
+        cache = torch.full((num_blocks, page, 1, row_bytes), 0xFF, dtype=torch.uint8)
+    else:
+        cache = torch.full((num_blocks, page, 1, D_QK), float("nan"), dtype=case.dtype)
+    latents, slots = [], []
+    used = 0
+    for b, L in enumerate(lens):
+        ids = perm[used:used + n_pages[b]]
+        used += n_pages[b]
+        block_table[b, :n_pages[b]] = ids.to(torch.int32)
+        lat = _latent(spec, g, L)
+        pos = torch.arange(L)
+        slot = ids[pos // page] * page + pos % page
+        if fp8:
+            rows = encode_fp8_656(lat, spec.scale_format)
+            seen = decode_fp8_656(rows, torch.float64)
+        else:
+            rows = lat.to(case.dtype)
+            seen = rows.to(torch.float64)
+        cache.view(num_blocks * page, row_bytes)[slot] = rows
+        latents.append(seen)
+        slots.append(slot)
+    q_scale = 1.0 / 110.0 if spec.content == "probe-336" else 1.0
+    q = (torch.randn(B, case.s_q, case.h_q, D_QK, generator=g, dtype=torch.float64) * q_scale).to(case.dtype)
+    dev = case.device
+    buffers = {
+        "q": Buffer("q", q, device=dev, pad_last=64 if spec.noncontig_q else 0, transpose12=spec.noncontig_q),
+        "kv_cache": Buffer("kv_cache", cache, device=dev),
+        "block_table": Buffer("block_table", block_table, device=dev),
+        "cache_seqlens": Buffer("cache_seqlens", torch.tensor(lens, dtype=torch.int32), device=dev),
+    }
+    if case.topk is not None:
+        idx, topk_length = _indices(spec, g, slots, num_blocks * page)
+        buffers["indices"] = Buffer("indices", idx, device=dev)
+        if topk_length is not None:
+            buffers["topk_length"] = Buffer("topk_length", topk_length, device=dev)
+    if case.attn_sink:
+        values = spec.sink or (0.0, 2.0, 4.0, math.inf, -math.inf, 6.0)
+        sink = torch.tensor([values[h % len(values)] for h in range(case.h_q)], dtype=torch.float32)
+        buffers["attn_sink"] = Buffer("attn_sink", sink, device=dev)
+    return OpInputs(spec, buffers, SOFTMAX_SCALE, latents, slots, num_blocks)
+
+
+def _indices(spec: Spec, g: torch.Generator, slots, n_slots: int):
+    """Sparse indices over every written slot of the cache (any row's: block_table does not restrict them)."""
+    case = spec.case
+    B, s_q, k = case.batch, case.s_q, case.topk
+    written = torch.cat(slots)
+    assert written.numel() >= k, f"the cache holds {written.numel()} keys, fewer than top-{k}"
+    idx = torch.empty(B, s_q, k, dtype=torch.int64)
+    for b in range(B):
+        for i in range(s_q):
+            idx[b, i] = written[torch.randperm(written.numel(), generator=g)[:k]]
+    if spec.invalid is not None:
+        bad = {"minus-one": -1, "past-end": n_slots, "int-max": INT_MAX}[spec.invalid]
+        mask = torch.rand(B, s_q, k, generator=g) < 0.25
+        mask[..., 0] = True   # at least one invalid entry per query, and never all of them
+        mask[..., 1] = False
+        idx[mask] = bad
+    for b in spec.all_invalid_rows:
+        idx[b] = -1
+    topk_length = None
+    if spec.topk_length:
+        topk_length = torch.tensor([max(1, (k * (b + 1)) // (B + 1)) for b in range(B)], dtype=torch.int32)
+        topk_length[0] = k  # one row uses every entry
+    return idx.to(torch.int32), topk_length
+
+
+@functools.lru_cache(maxsize=64)
+def oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 oracle (out [B, s_q, h_q, 512], natural lse [B, h_q, s_q], +inf for no keys) of a spec."""
+    inp = build(spec)
+    t = {n: (b.view.detach().cpu() if b is not None else None) for n, b in inp.buffers.items()}
+    return oracle(t["q"], t["kv_cache"], t["block_table"], t["cache_seqlens"], softmax_scale=inp.softmax_scale,
+                  causal=spec.case.causal, indices=t.get("indices"), topk_length=t.get("topk_length"),
+                  attn_sink=t.get("attn_sink"))
+
+
+# --------------------------------------------------------------------------- running the op
+
+
+def run_op(op, inp: OpInputs, check: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call ``op.decode`` on the inputs (the test skips with the op's sentence when it declines the case);
+    returns (out, lse) after checking their types, shapes and dtypes (BackendOutputError) and that no input
+    and no canary changed (AssertionError)."""
+    __tracebackhide__ = True
+    case = inp.case
+    require(op, case)
+    try:
+        result = op.decode(*inp.args(), **inp.kwargs())
+    except Exception as exc:
+        for buf in inp.buffers.values():
+            buf.base.copy_(buf.snapshot)
+        raise BackendError(f"{where(op, case, check)}: decode() raised {type(exc).__name__}: {exc}") from exc
+    for buf in inp.buffers.values():
+        buf.check(op, case, check)
+    return validate(op, case, result, check)
+
+
+def validate(op, case: OpCase, result, check: str) -> tuple[torch.Tensor, torch.Tensor]:
+    __tracebackhide__ = True
+    w = where(op, case, check)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise BackendOutputError(f"{w}: decode() returned {type(result).__name__}, not (out, lse)")
+    out, lse = result
+    B, s_q, h_q = case.batch, case.s_q, case.h_q
+    if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
+        raise BackendOutputError(f"{w}: decode() returned ({type(out).__name__}, {type(lse).__name__}), not two "
+                                 "Tensors")
+    if tuple(out.shape) != (B, s_q, h_q, D_V) or not out.is_floating_point():
+        raise BackendOutputError(f"{w}: out is {dtype_name(out.dtype)} {tuple(out.shape)}, expected a floating "
+                                 f"[B, s_q, h_q, 512] = {(B, s_q, h_q, D_V)}")
+    if tuple(lse.shape) != (B, h_q, s_q) or lse.dtype != torch.float32:
+        raise BackendOutputError(f"{w}: lse is {dtype_name(lse.dtype)} {tuple(lse.shape)}, expected float32 "
+                                 f"[B, h_q, s_q] = {(B, h_q, s_q)}")
+    return out, lse
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def tolerance_for(case: OpCase):
+    from mla_conformance.checks import OP_TOLERANCES
+
+    key = "fp8-e4m3-flashmla" if case.kv_format == "fp8-e4m3-flashmla" else dtype_name(case.dtype)
+    return key, OP_TOLERANCES[key]
+
+
+def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures: dict, lse_base=None,
+            empty_lse=None, scale: float = 1.0, against: str = "the float64 oracle") -> dict:
+    """out / lse of the op against a reference (out float64, lse natural float64 with +inf for no keys).
+
+    ``lse`` is converted from ``lse_base`` (default: the op's declaration); a query with no keys must return out
+    exactly 0 and lse ``empty_lse`` (default: the op's ``empty_row``). Tolerances: OP_TOLERANCES[case] x scale.
+    Fills ``figures`` first, then raises AssertionError naming the op, case, check and numbers."""
+    __tracebackhide__ = True
+    key, tol = tolerance_for(case)
+    base = declared(op, "lse_base") if lse_base is None else lse_base
+    if empty_lse is None:
+        empty_lse = math.inf if declared(op, "empty_row") == "+inf" else -math.inf
+    w = where(op, case, check)
+    out = out.detach().cpu().to(torch.float64)
+    raw_lse = lse.detach().cpu().to(torch.float64)
+    ref_out = ref_out.to(torch.float64)
+    ref_lse = ref_lse.to(torch.float64)
+    empty = torch.isinf(ref_lse) & (ref_lse > 0)                  # [B, h, s_q]
+    has_keys = ~empty
+    empty_q = empty.transpose(1, 2)                                # [B, s_q, h]
+    valid_out = ~empty_q[..., None].expand_as(out)
+    rtol, atol = tol.out_rtol * scale, tol.out_atol * scale
+    ref_valid = ref_out[valid_out]
+    rms = float(ref_valid.pow(2).mean().sqrt()) if ref_valid.numel() else 0.0
+    err = (out - ref_out).abs()
+    err = torch.where(valid_out, err, torch.zeros_like(err))
+    bound = rtol * ref_out.abs() + atol * rms
+    nat = lse_to_natural(raw_lse, base)
+    lse_err = torch.where(has_keys, (nat - ref_lse).abs(), torch.zeros_like(nat))
+    lse_bound = tol.lse_tol * scale * (1.0 + ref_lse.abs())
+    figures.update({
+        "case": case.describe(), "check": check, "op": op.name,
+        "out_max_abs": float(torch.nan_to_num(err, nan=math.inf).max()) if err.numel() else 0.0,
+        "out_rel_fro": float((torch.nan_to_num(out, nan=0.0)[valid_out] - ref_valid).norm() / ref_valid.norm())
+        if ref_valid.numel() and float(ref_valid.norm()) else 0.0,
+        "out_ref_rms": rms,
+        "lse_max_abs": float(torch.nan_to_num(lse_err, nan=math.inf).max()) if lse_err.numel() else 0.0,
+        "queries": int(empty.numel()), "queries_without_keys": int(empty.sum()),
+        "tolerance": key, "tolerance_out_rtol": rtol, "tolerance_out_atol": atol, "tolerance_lse": tol.lse_tol * scale,
+        "lse_base": base,
+    })
+    # NaN / inf in a query that has keys
+    bad = ~torch.isfinite(out) & valid_out
+    if bool(bad.any()):
+        b, s, h, d = (int(i) for i in bad.nonzero()[0])
+        kind = "NaN" if math.isnan(float(out[b, s, h, d])) else "inf"
+        raise AssertionError(f"{w}: out has {int(bad.sum())} non-finite value(s) in queries with keys: {kind} at "
+                             f"(b, s, h, d) = ({b}, {s}, {h}, {d}) (cache_seqlens[{b}] of the case: keys exist); "
+                             f"{NAN_HINT}")
+    bad = ~torch.isfinite(raw_lse) & has_keys
+    if bool(bad.any()):
+        b, h, s = (int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{w}: lse has {int(bad.sum())} non-finite value(s) in queries with keys: "
+                             f"{float(raw_lse[b, h, s])} at (b, h, s) = ({b}, {h}, {s}), expected "
+                             f"{float(ref_lse[b, h, s]):.6g} (natural log); {NAN_HINT}")
+    # queries with no keys: out exactly 0, lse the declared infinity
+    if bool(empty.any()):
+        nonzero = (out != 0) & ~valid_out
+        if bool(nonzero.any()):
+            b, s, h, d = (int(i) for i in nonzero.nonzero()[0])
+            raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys, so out must be exactly 0; got "
+                                 f"{float(out[b, s, h, d])} at head {h}, channel {d} ({int(nonzero.sum())} value(s) "
+                                 "not 0)")
+        wrong = (raw_lse != empty_lse) & empty
+        if bool(wrong.any()):
+            b, h, s = (int(i) for i in wrong.nonzero()[0])
+            raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys: lse must be {empty_lse} (empty_row = "
+                                 f"{declared(op, 'empty_row')!r} declared), got {float(raw_lse[b, h, s])} at head {h} "
+                                 f"({int(wrong.sum())} such value(s))")
+    # lse of queries with keys
+    over = lse_err > lse_bound
+    if bool(over.any()):
+        b, h, s = _unravel(int((lse_err / lse_bound).nan_to_num(nan=math.inf).flatten().argmax()), lse_err.shape)
+        got, exp = float(nat[b, h, s]), float(ref_lse[b, h, s])
+        hint = ""
+        if exp and abs(float(raw_lse[b, h, s]) * math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)) and base == "e":
+            hint = "; the lse matches base 2 (lse x ln 2 equals the oracle): declare lse_base = '2'"
+        elif exp and abs(float(raw_lse[b, h, s]) / math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)) and base == "2":
+            hint = "; the lse matches the natural log: declare lse_base = 'e' (or return base 2)"
+        raise AssertionError(f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural "
+                             f"log) at (b, h, s) = ({b}, {h}, {s}): got {got:.6g} (raw {float(raw_lse[b, h, s]):.6g}, "
+                             f"declared base {base}), expected {exp:.6g}; tolerance {float(lse_bound[b, h, s]):.3e} "
+                             f"({key}: {tol.lse_tol * scale:g} x (1 + |lse|)); {int(over.sum())} of {int(has_keys.sum())} "
+                             f"queries over{hint}")
+    # out of queries with keys
+    over = (err > bound) & valid_out
+    if bool(over.any()):
+        ratio = torch.where(valid_out, err / bound.clamp_min(1e-300), torch.zeros_like(err))
+        b, s, h, d = _unravel(int(ratio.flatten().argmax()), err.shape)
+        raise AssertionError(f"{w}: out differs from {against}: max abs error {float(err.max()):.3e}; worst against "
+                             f"its tolerance at (b, s, h, d) = ({b}, {s}, {h}, {d}): got {float(out[b, s, h, d]):.6g}, "
+                             f"expected {float(ref_out[b, s, h, d]):.6g}, error {float(err[b, s, h, d]):.3e}, "
+                             f"tolerance {float(bound[b, s, h, d]):.3e} ({key}: {rtol:g} x |ref| + {atol:g} x rms "
+                             f"{rms:.3g}); {int(over.sum())} of {int(valid_out.sum())} values over, rel_fro "
+                             f"{figures['out_rel_fro']:.3e}")
+    return figures
+
+
+def _unravel(flat: int, shape) -> tuple[int, ...]:
+    out = []
+    for n in reversed(tuple(shape)):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+def check_against_oracle(op, spec: Spec, *, check: str, figures: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build (cached), run, compare with the oracle (cached); returns the op's (out, lse)."""
+    __tracebackhide__ = True
+    require(op, spec.case)
+    inp = build(spec)
+    out, lse = run_op(op, inp, check)
+    ref_out, ref_lse = oracle_of(spec)
+    compare(op, spec.case, out, lse, ref_out, ref_lse, check=check, figures=figures)
+    return out, lse
+
+
+def bitwise_equal(op, case: OpCase, a, b, *, check: str, what: str, figures: dict) -> None:
+    """Two (out, lse) pairs bitwise equal (NaN equal to NaN of the same bits)."""
+    __tracebackhide__ = True
+    for name, x, y in (("out", a[0], b[0]), ("lse", a[1], b[1])):
+        x, y = x.detach().cpu(), y.detach().cpu()
+        same = x.shape == y.shape and x.dtype == y.dtype and torch.equal(
+            x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        if not same:
+            diff = (x.to(torch.float64) - y.to(torch.float64)).abs()
+            n = int((x != y).sum()) if x.shape == y.shape else -1
+            figures.update({f"{name}_differing_values": n, f"{name}_max_abs_difference": float(diff.max())})
+            raise AssertionError(f"{where(op, case, check)}: {what}: {name} is not bitwise the same: {n} of {x.numel()} "
+                                 f"values differ, max abs difference {float(diff.max()):.3e}")
+    figures.update({"out_differing_values": 0, "lse_differing_values": 0})
+
+
+def require_declared(op, key: str, what: str) -> None:
+    __tracebackhide__ = True
+    if not declared(op, key):
+        pytest.skip(f"{op.name}: does not declare {key} (the op contract's optional declaration `{key} = True`), "
+                    f"so {what} is not checked")
+
+
+__all__ = ["KNOWN_PAGE_SIZES", "INVALID_BLOCK", "INT_MAX", "INVALID_KINDS", "SOFTMAX_SCALE", "Spec", "OpInputs",
+           "Buffer", "build", "oracle_of", "run_op", "validate", "compare", "check_against_oracle", "bitwise_equal",
+           "make_case", "pick_page", "page_sizes", "require", "require_declared", "first_supported", "unsupported",
+           "tolerance_for", "merge_by_lse", "lse_to_natural"]
+
+
+# --------------------------------------------------------------------------- derived inputs
+
+
+def split_at_pages(inp: OpInputs) -> tuple[OpInputs, OpInputs]:
+    """Each row's keys split at a page boundary (its first half of pages, rounded down, then the rest) into
+    two inputs over the same cache: the first with block_table[:, :k] and cache_seqlens min(L, k * page), the
+    second with the remaining pages and L - k * page keys. A row of one page has an empty first part."""
+    case = inp.case
+    page = case.page_block_size
+    bt = inp.tensor("block_table").cpu()
+    bt1 = torch.full_like(bt, INVALID_BLOCK)
+    bt2 = torch.full_like(bt, INVALID_BLOCK)
+    lens1, lens2 = [], []
+    for b, L in enumerate(inp.spec.lens):
+        n = -(-L // page)
+        k = n // 2
+        bt1[b, :k] = bt[b, :k]
+        bt2[b, :n - k] = bt[b, k:n]
+        lens1.append(min(L, k * page))
+        lens2.append(L - min(L, k * page))
+    one = inp.derive(block_table=bt1, cache_seqlens=torch.tensor(lens1, dtype=torch.int32))
+    two = inp.derive(block_table=bt2, cache_seqlens=torch.tensor(lens2, dtype=torch.int32))
+    return one, two
+
+
+def single_row(inp: OpInputs, b: int) -> OpInputs:
+    """Row b alone (the same pages, the same block-table width), for batch invariance."""
+    case = dataclasses.replace(inp.case, batch=1)
+    spec = dataclasses.replace(inp.spec, case=case, lens=(inp.spec.lens[b],))
+    tensors = {n: inp.tensor(n)[b:b + 1].cpu() for n in ("q", "block_table", "cache_seqlens")}
+    new = inp.derive(**tensors)
+    return dataclasses.replace(new, spec=spec, latent=[inp.latent[b]], slots=[inp.slots[b]])
+
+
+def selected_slots(inp: OpInputs, b: int, i: int = 0) -> torch.Tensor:
+    """The valid flat slots a sparse query (b, i) selects (topk_length and invalid entries applied)."""
+    idx = inp.tensor("indices")[b, i].cpu().long()
+    tl = inp.tensor("topk_length")
+    n = idx.numel() if tl is None else min(int(tl[b]), idx.numel())
+    idx = idx[:n]
+    return idx[(idx >= 0) & (idx < inp.num_blocks * inp.case.page_block_size)]
+
+
+def dense_of_selection(inp: OpInputs, seed: int = 7) -> OpInputs:
+    """Dense, non-causal inputs whose row b holds exactly the keys sparse query (b, 0) selects, copied byte for
+    byte from the sparse cache into a new poisoned, shuffled paged cache (s_q must be 1)."""
+    case = inp.case
+    assert case.s_q == 1, "dense_of_selection needs one query per row"
+    page = case.page_block_size
+    g = torch.Generator().manual_seed(seed)
+    kv = inp.tensor("kv_cache").cpu()
+    flat = kv.reshape(-1, kv.shape[-1])
+    sel = [selected_slots(inp, b) for b in range(case.batch)]
+    lens = [int(s.numel()) for s in sel]
+    n_pages = [-(-L // page) for L in lens]
+    num_blocks = sum(n_pages) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    cache = torch.full((num_blocks, page, 1, kv.shape[-1]), 0xFF if kv.dtype == torch.uint8 else float("nan"),
+                       dtype=kv.dtype)
+    bt = torch.full((case.batch, max(n_pages) + 1), INVALID_BLOCK, dtype=torch.int32)
+    used = 0
+    for b, L in enumerate(lens):
+        ids = perm[used:used + n_pages[b]]
+        used += n_pages[b]
+        bt[b, :n_pages[b]] = ids.to(torch.int32)
+        pos = torch.arange(L)
+        cache.view(num_blocks * page, kv.shape[-1])[ids[pos // page] * page + pos % page] = flat[sel[b]]
+    dense_case = dataclasses.replace(case, topk=None, attn_sink=False, causal=False)
+    spec = dataclasses.replace(inp.spec, case=dense_case, lens=tuple(lens), invalid=None, all_invalid_rows=(),
+                               topk_length=False, sink=None)
+    buffers = {n: Buffer(n, t, device=case.device) for n, t in
+               (("q", inp.tensor("q").cpu()), ("kv_cache", cache), ("block_table", bt),
+                ("cache_seqlens", torch.tensor(lens, dtype=torch.int32)))}
+    return OpInputs(spec, buffers, inp.softmax_scale, [], sel, num_blocks)
+
+
+def as_reference(out: torch.Tensor, lse: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An op's (out, lse) as a comparison reference: float64 out, natural lse with +inf for no keys."""
+    nat = lse_to_natural(lse.detach().cpu().to(torch.float64), base)
+    nat = torch.where(torch.isinf(nat), torch.full_like(nat, math.inf), nat)
+    return out.detach().cpu().to(torch.float64), nat

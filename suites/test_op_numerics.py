@@ -1,0 +1,76 @@
+"""Op contract (mla_conformance.ops): out and lse against the float64 oracle, the split-KV merge, determinism and
+batch invariance. Every test runs once per op (--mla-op; the test id carries its name); inputs are poisoned
+paged caches behind shuffled block tables with canaries after every buffer (mla_conformance.op_checks).
+Tolerances: mla_conformance.checks.OP_TOLERANCES."""
+
+import pytest
+import torch
+
+from mla_conformance import op_checks as oc
+from mla_conformance.ops import declared
+from mla_conformance.ops.reference import merge_by_lse
+
+LENS = (37, 100, 5, 64)
+
+
+@pytest.mark.mla_section("op-numerics")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_out_lse_vs_oracle(mla_op, dtype, mla_device, mla_figures):
+    """out and lse (converted from the declared lse_base) of a 4-row batch, 2 queries each, non-causal."""
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, dtypes=(dtype,), device=mla_device)
+    oc.check_against_oracle(mla_op, oc.Spec(case, LENS), check="out/lse vs float64 oracle", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op-split-kv")
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_split_kv_merge(mla_op, s_q, mla_device, mla_figures):
+    """Each row's keys split at a page boundary into two calls; their results merged by LSE (in the declared
+    base) equal the single call. Rows of one page have an empty first part (its lse is the declared infinity)."""
+    lens = (100, 37, 5, 64)
+    case = oc.make_case(mla_op, lens=lens, s_q=s_q, h_q=8, device=mla_device)
+    if max(lens) <= case.page_block_size:
+        pytest.skip(f"{mla_op.name}: page size {case.page_block_size} leaves every row one page: nothing to split")
+    spec = oc.Spec(case, lens)
+    inp = oc.build(spec)
+    check = "split-KV merge by LSE equals the single call"
+    whole = oc.run_op(mla_op, inp, check)
+    one, two = oc.split_at_pages(inp)
+    p1 = oc.run_op(mla_op, one, check + " (first pages)")
+    p2 = oc.run_op(mla_op, two, check + " (last pages)")
+    base = declared(mla_op, "lse_base")
+    out, lse = merge_by_lse(p1[0], p1[1], p2[0], p2[1], base)
+    ref_out, ref_lse = oc.as_reference(*whole, base)
+    # both sides carry the op's rounding: twice its tolerance; the merged lse is natural log, +inf when empty
+    oc.compare(mla_op, case, out, lse, ref_out, ref_lse, check=check, figures=mla_figures, lse_base="e",
+               empty_lse=float("inf"), scale=2.0, against="the single call")
+
+
+@pytest.mark.mla_section("op-determinism")
+def test_deterministic(mla_op, mla_device, mla_figures):
+    """The same call twice gives bitwise the same out and lse (where the op declares deterministic)."""
+    oc.require_declared(mla_op, "deterministic", "bitwise determinism")
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=16, device=mla_device)
+    inp = oc.build(oc.Spec(case, LENS))
+    check = "deterministic: two identical calls"
+    first = oc.run_op(mla_op, inp, check)
+    second = oc.run_op(mla_op, inp, check)
+    mla_figures["case"] = case.describe()
+    oc.bitwise_equal(mla_op, case, first, second, check=check, what="declares deterministic = True but the second "
+                     "call", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op-determinism")
+def test_batch_invariant(mla_op, mla_device, mla_figures):
+    """A row's out and lse are bitwise the same alone and in the batch (where the op declares batch_invariant)."""
+    oc.require_declared(mla_op, "batch_invariant", "batch invariance")
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=16, device=mla_device)
+    inp = oc.build(oc.Spec(case, LENS))
+    check = "batch invariant: a row alone vs in the batch"
+    out, lse = oc.run_op(mla_op, inp, check)
+    mla_figures["case"] = case.describe()
+    for b in (0, 2):
+        alone = oc.single_row(inp, b)
+        got = oc.run_op(mla_op, alone, check)
+        oc.bitwise_equal(mla_op, case, (out[b:b + 1], lse[b:b + 1]), got, check=check,
+                         what=f"declares batch_invariant = True but row {b} (cache_seqlens {LENS[b]}) alone",
+                         figures=mla_figures)

@@ -1,0 +1,85 @@
+"""Op contract: sparse decode (indices into the flattened paged cache, FlashMLA's convention): invalid entries
+(-1, one past the cache, INT_MAX), topk_length, rows with every index invalid, attn_sink (with +-inf), and
+sparse equal to dense over the selected keys. Every test runs once per op (--mla-op) that accepts a sparse case
+(latent cache first, else the FP8 one)."""
+
+import pytest
+
+from mla_conformance import op_checks as oc
+from mla_conformance.ops import declared
+
+LENS = (40, 70, 30)
+TOPK = 32
+FORMATS = ("latent", "fp8-e4m3-flashmla")
+
+
+def sparse_case(op, device, *, s_q=2, attn_sink=False, lens=LENS):
+    return oc.make_case(op, lens=lens, s_q=s_q, h_q=8, topk=TOPK, attn_sink=attn_sink, kv_formats=FORMATS,
+                        device=device)
+
+
+def spec_of(op, case, **kw):
+    return oc.Spec(case, case_lens(case), scale_format=declared(op, "fp8_scale_format"), **kw)
+
+
+def case_lens(case):
+    return LENS if case.batch == len(LENS) else LENS[:case.batch]
+
+
+@pytest.mark.mla_section("op-sparse")
+def test_sparse_vs_oracle(mla_op, mla_device, mla_figures):
+    """top-32 indices per query over any row's keys (block_table does not restrict them), 2 queries per row."""
+    case = sparse_case(mla_op, mla_device)
+    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=20), check="sparse decode vs oracle",
+                            figures=mla_figures)
+
+
+@pytest.mark.mla_section("op-sparse")
+@pytest.mark.parametrize("kind", oc.INVALID_KINDS)
+def test_sparse_invalid_indices(mla_op, kind, mla_device, mla_figures):
+    """A quarter of the entries invalid (-1, num_blocks * page_block_size, INT_MAX): ignored."""
+    case = sparse_case(mla_op, mla_device)
+    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=21, invalid=kind),
+                            check=f"sparse invalid indices ({kind})", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op-sparse")
+def test_sparse_topk_length(mla_op, mla_device, mla_figures):
+    """topk_length[b] < topk: the entries past it hold valid indices, which must be ignored."""
+    case = sparse_case(mla_op, mla_device)
+    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=22, topk_length=True), check="sparse topk_length",
+                            figures=mla_figures)
+
+
+@pytest.mark.mla_section("op-sparse")
+def test_sparse_all_invalid_rows(mla_op, mla_device, mla_figures):
+    """A row whose every index is -1: out 0 and lse the declared empty_row infinity."""
+    case = sparse_case(mla_op, mla_device)
+    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=23, invalid="minus-one", all_invalid_rows=(1,)),
+                            check="sparse row with every index invalid", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op-sparse")
+def test_attn_sink(mla_op, mla_device, mla_figures):
+    """attn_sink per head (0, 2, 4, +inf, -inf, 6, cycled): out scaled by exp(lse) / (exp(lse) + exp(sink)),
+    0 for +inf, unchanged for -inf; lse unchanged."""
+    case = sparse_case(mla_op, mla_device, attn_sink=True)
+    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=24), check="attn_sink (with +-inf)",
+                            figures=mla_figures)
+
+
+@pytest.mark.mla_section("op-sparse")
+def test_sparse_equals_dense(mla_op, mla_device, mla_figures):
+    """Sparse decode of one query per row equals dense decode over a cache holding exactly the keys it selects
+    (copied byte for byte, in index order, into a new shuffled, poisoned paged cache)."""
+    case = sparse_case(mla_op, mla_device, s_q=1)
+    inp = oc.build(spec_of(mla_op, case, seed=25, invalid="minus-one"))
+    dense = oc.dense_of_selection(inp)
+    oc.require(mla_op, dense.case)
+    check = "sparse equals dense over the selected keys"
+    sparse_out = oc.run_op(mla_op, inp, check)
+    dense_out = oc.run_op(mla_op, dense, check + " (dense call)")
+    ref_out, ref_lse = oc.as_reference(*dense_out, declared(mla_op, "lse_base"))
+    # both sides carry the op's rounding: twice its tolerance
+    oc.compare(mla_op, case, *sparse_out, ref_out, ref_lse, check=check, figures=mla_figures, scale=2.0,
+               against="the dense call over the selected keys")
