@@ -1,5 +1,5 @@
-"""The ``flashmla`` backend (mla_conformance.backends.flashmla): gating, its glue around the kernel, and
-the kernel itself where a device allows.
+"""The ``flashmla`` backend (mla_conformance.backends.flashmla: OpBackend over the ``flashmla`` op of
+mla_conformance.ops.flashmla): gating, its glue around the kernel, and the kernel itself where a device allows.
 
 Without an SM90 GPU and the ``flash_mla`` package every check of the suite skips it with the support
 matrix's sentence. The glue (absorbed query layout, paged cache, get_mla_metadata across FlashMLA
@@ -84,6 +84,19 @@ def test_an_sm120_is_told_it_needs_sm90(monkeypatch):
     monkeypatch.setattr(arch, "detect", lambda device=None: DeviceInfo.from_capability((12, 0), "RTX 5090"))
     reason = FlashMLA().unsupported_reason(LITE, dtype=BF16, device="cuda", kv_codec="none")
     assert reason.startswith("FlashMLA dense decode needs SM90") and "SM120" in reason
+
+
+def test_flashmla_is_projections_plus_the_flashmla_op():
+    """The layer backend is OpBackend over FlashMLAOp: `flashmla` and `op:flashmla` decline alike on this host."""
+    from mla_conformance.ops.flashmla import FlashMLAOp
+    from mla_conformance.ops.layer import OpBackend
+
+    backend = FlashMLA()
+    assert isinstance(backend, OpBackend) and isinstance(backend.op, FlashMLAOp) and backend.op.name == "flashmla"
+    assert backend.name == "flashmla" and get_backend("op:flashmla").name == "op:flashmla"
+    here = why_not(KERNEL_ID, detect("cpu"))
+    if here is not None:
+        assert get_backend("op:flashmla").unsupported_reason(LITE, dtype=BF16, device="cpu", kv_codec="none") == here
 
 
 def test_spec_and_declared_parts():

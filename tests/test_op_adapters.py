@@ -207,16 +207,23 @@ def fake_flashinfer(calls: list | None = None):
                 ckv = ckv_cache[pages].reshape(-1, 512)[:L].float()
                 kpe = kpe_cache[pages].reshape(-1, 64)[:L].float()
                 qo_len = q1 - q0
-                for i in range(qo_len):
-                    s = (q_nope[q0 + i].float() @ ckv.T + q_pe[q0 + i].float() @ kpe.T) * p["scale"]  # [h, L]
-                    keep = torch.arange(L) + qo_len <= L + i if p["causal"] else torch.ones(L, dtype=torch.bool)
-                    if not bool(keep.any()):
-                        if L > 0:  # qo_len > kv_len, causal: "not supported" in FlashInfer's tests; here NaN
-                            o[q0 + i], l2[q0 + i] = float("nan"), float("nan")
-                        continue
-                    s = s[:, keep]
-                    o[q0 + i] = (torch.softmax(s, -1) @ ckv[keep]).to(o.dtype)
-                    l2[q0 + i] = torch.logsumexp(s, -1) / math.log(2.0)
+                s = (torch.einsum("qhd,kd->qhk", q_nope[q0:q1].float(), ckv)
+                     + torch.einsum("qhd,kd->qhk", q_pe[q0:q1].float(), kpe)) * p["scale"]   # [qo_len, h, L]
+                i = torch.arange(qo_len)[:, None]
+                keep = (torch.arange(L)[None, :] + qo_len <= L + i) if p["causal"] else torch.ones(qo_len, L, dtype=torch.bool)
+                s = s.masked_fill(~keep[:, None, :], -math.inf)
+                none = ~keep.any(-1)                                                          # [qo_len]
+                lse_e = torch.logsumexp(s, -1)
+                prob = torch.exp(s - torch.where(none[:, None], 0.0, lse_e)[..., None])
+                o[q0:q1] = torch.einsum("qhk,kd->qhd", prob, ckv).to(o.dtype)
+                l2[q0:q1] = lse_e / math.log(2.0)
+                # a query with no keys: out 0, lse -inf (write_empty_o); causal with qo_len > kv_len is "not
+                # supported" in FlashInfer's tests: this stand-in returns NaN there
+                bad = none & (L > 0) & bool(p["causal"])
+                o[q0:q1][none] = 0
+                l2[q0:q1][none] = -math.inf
+                o[q0:q1][bad] = float("nan")
+                l2[q0:q1][bad] = float("nan")
             return (o, l2) if return_lse else o
 
     return types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper),
