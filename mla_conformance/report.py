@@ -90,11 +90,11 @@ def environment(device: str) -> dict[str, Any]:
     env: dict[str, Any] = {"suite_version": __version__, "python": platform.python_version(),
                            "torch": torch.__version__, "platform": platform.platform(terse=True),
                            "machine": platform.machine(), "device": device}
-    try:
-        import transformers
+    from importlib import metadata
 
-        env["transformers"] = transformers.__version__
-    except ImportError:
+    try:  # the installed release, read without importing it (0.5 s)
+        env["transformers"] = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
         env["transformers"] = None
     if device.startswith("cuda") and torch.cuda.is_available():
         idx = torch.device(device).index or 0

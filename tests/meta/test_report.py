@@ -1,9 +1,9 @@
 """Reports: verdicts (failed / error / NOT TESTED), the error table with tolerance and margin, slot
 overhead, skips grouped, determinism, and `merge` keeping every row.
 
-Most tests build reports from hand-made results dicts in-process; one real `mla-conformance run` (on
-a small subset, the two reference backends) runs twice -- once plain, once with `-n 2` -- and must
-give byte-identical conformance.json.
+Most tests build reports from hand-made results dicts in-process; one real `mla-conformance run` (a
+small subset: the two reference backends and reference-op) runs twice -- once plain, once with `-n 2` --
+shared by the tests that need a real run: byte-identical conformance.json and .md, the op section, merge.
 """
 
 import json
@@ -320,37 +320,105 @@ def test_merge_rejects_non_reports(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- one real run, twice
 
+#: A small run that reaches every kind of report row: the V2-Lite cache probe (bytes table, the naive /
+#: absorbed ratio, plots) and one numerics row per layer backend, and reference-op in two op sections.
+SUBSET = ("seed_table or (test_against_float64 and tiny and float32 and prefill and not decode) "
+          "or (test_out_lse_vs_oracle and float32) or test_deterministic")
+#: The suite modules SUBSET draws from; the others are not even collected (collection is most of the cost).
+SUBSET_FILES = ("test_cache_bytes.py", "test_numerics.py", "test_op_numerics.py")
 
-def test_run_plain_and_xdist_are_byte_identical_and_merge(tmp_path, capsys):
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """`mla-conformance run` on SUBSET twice, into a/ plain and into b/ with `-n 2` (two worker processes, one
+    torch thread each, their results handed to the controller). The pytest command `run` builds is run in
+    this process, where torch is already imported, instead of a fresh interpreter: that saves an interpreter,
+    torch and transformers per run; the command line, the results file and everything after are `run`'s
+    own (CI's `mla-conformance run` starts the real subprocess). Returns (tmp dir, [a, b], exit codes)."""
     from mla_conformance.cli import main
+    from mla_conformance.resources import suites_dir
 
-    outs = []
-    for name, mode in (("a", ["-p", "no:xdist"]), ("b", ["-n", "2"])):
-        out = tmp_path / name
-        rc = main(["run", "--out", str(out), "--name", "host", "--backend", "reference-naive", "--backend",
-                   "reference-absorbed", "--", "-q", *mode, "-k", SUBSET])
-        captured = capsys.readouterr()
-        assert rc == 0, captured.out[-3000:] + captured.err[-2000:]
-        outs.append(out)
-    a, b = (o / "conformance.json" for o in outs)
-    assert a.read_bytes() == b.read_bytes(), "conformance.json differs between a plain run and -n 2"
-    report = json.loads(a.read_text())
+    real = R.subprocess.run
+
+    def pytest_here(cmd, *a, **kw):
+        if "--mla-results" not in cmd:
+            return real(cmd, *a, **kw)
+        assert cmd[1:3] == ["-m", "pytest"], cmd
+        # the plugin is imported already, so pytest cannot assertion-rewrite it: say nothing about that
+        return R.subprocess.CompletedProcess(cmd, int(pytest.main([*cmd[3:], "-W",
+                                                                   "ignore::pytest.PytestAssertRewriteWarning"])))
+
+    tmp = tmp_path_factory.mktemp("two-runs")
+    ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
+    outs, rcs = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(R.subprocess, "run", pytest_here)
+        for name, mode in (("a", ["-p", "no:xdist"]), ("b", ["-n", "2"])):
+            outs.append(tmp / name)
+            rcs.append(main(["run", "--out", str(tmp / name), "--name", "host", "--backend", "reference-naive",
+                             "--backend", "reference-absorbed", "--op", "reference-op", "--", "-q", *mode,
+                             "-k", SUBSET, *ignore]))
+    return tmp, outs, rcs
+
+
+def test_run_plain_and_xdist_are_byte_identical(two_runs):
+    tmp, outs, rcs = two_runs
+    assert rcs == [0, 0]
+    for fname in ("conformance.json", "conformance.md"):
+        assert (outs[0] / fname).read_bytes() == (outs[1] / fname).read_bytes(), \
+            f"{fname} differs between a plain run and -n 2"
+    report = json.loads((outs[0] / "conformance.json").read_text())
     assert report["schema"] == "mla-conformance/report" and report["schema_version"] == 1
-    assert report["summary"]["reference-absorbed"]["passed"] >= 2
+    assert report["summary"]["reference-absorbed"]["passed"] == 2
     assert report["verdicts"]["reference-naive"]["verdict"] == "CONFORMS"
     md = (outs[0] / "conformance.md").read_text()
     assert "29,952" in md and "266,240" in md and "8.888889" in md
     assert "(bytes_per_token.png)" in md and "(attention_error.png)" in md
     assert (outs[0] / "bytes_per_token.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (outs[0] / "timings.json").exists() and (outs[0] / R.MARKER).exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directories left behind"
+    assert not [p for p in tmp.iterdir() if p.name.startswith(".")], "temporary directories left behind"
 
-    assert main(["merge", str(a), str(b), "--out", str(tmp_path / "matrix")]) == 0
-    matrix = json.loads((tmp_path / "matrix" / "matrix.json").read_text())
-    assert "host / reference-absorbed" in matrix["columns"] and len(matrix["hosts"]) == 1
-    row = matrix["rows"]["suites/test_cache_bytes.py::test_seed_table"]
-    assert row["host / reference-naive"]["outcome"] == "passed"
-    assert "| check |" in (tmp_path / "matrix" / "matrix.md").read_text()
+
+def test_run_op_writes_the_op_section(two_runs):
+    """`run --op reference-op`: the op's verdict, the declarations the run recorded, its cases and figures."""
+    _, outs, _ = two_runs
+    report = json.loads((outs[0] / "conformance.json").read_text())
+    op = report["op_results"]["reference-op"]
+    assert report["ops"] == ["reference-op"] and op["verdict"] == "CONFORMS" and op["executed"] == 2
+    assert op["declarations"]["lse_base"] == "e" and op["declarations"]["empty_row"] == "+inf"
+    assert set(op["sections"]) == {"op-numerics", "op-determinism"}
+    (case,) = op["sections"]["op-numerics"]
+    assert case["outcome"] == "passed" and "float32" in case["case"] and case["tolerance"]["row"] == "float32"
+    assert 0 < case["measured"]["out_rel_fro"] < case["tolerance"]["out_rtol"]
+    assert not [t for t in report["tests"] if t.get("op") and t.get("backend")]
+    md = (outs[0] / "conformance.md").read_text()
+    assert "| reference-op | **CONFORMS** | 2 | 0 | 0 | 0 | 0 | 0 | e | +inf |" in md
+    assert "### op-numerics" in md and "### op-determinism" in md
+
+
+def test_run_reports_merge_across_hosts(two_runs):
+    tmp, outs, _ = two_runs
+    from mla_conformance.cli import main
+
+    a, b = (o / "conformance.json" for o in outs)
+    gpu = json.loads(a.read_text())  # the same run as another host's: a name of its own, one op case failing
+    gpu["name"] = "gpu-host"
+    case = next(t for t in gpu["tests"] if t.get("op") and t["section"] == "op-numerics")
+    case["outcome"] = "failed"
+    gpu["op_results"]["reference-op"]["verdict"] = "DOES NOT CONFORM"
+    (tmp / "gpu.json").write_text(json.dumps(gpu))
+    assert main(["merge", str(a), str(b), str(tmp / "gpu.json"), "--out", str(tmp / "matrix")]) == 0
+    matrix = json.loads((tmp / "matrix" / "matrix.json").read_text())
+    assert [h["label"] for h in matrix["hosts"]] == ["gpu-host", "host"], "a and b are one report, counted once"
+    assert "host / reference-absorbed" in matrix["columns"] and "gpu-host / reference-naive" in matrix["columns"]
+    assert matrix["rows"]["suites/test_cache_bytes.py::test_seed_table"]["host / reference-naive"]["outcome"] == "passed"
+    ops = matrix["ops"]
+    assert ops["columns"] == ["gpu-host / reference-op", "host / reference-op"]
+    assert ops["verdicts"] == {"gpu-host / reference-op": "DOES NOT CONFORM", "host / reference-op": "CONFORMS"}
+    row = ops["rows"]["suites/test_op_numerics.py::test_out_lse_vs_oracle[dtype=float32]"]
+    assert row == {"gpu-host / reference-op": {"outcome": "failed"}, "host / reference-op": {"outcome": "passed"}}
+    md = (tmp / "matrix" / "matrix.md").read_text()
+    assert "| check |" in md and "## Ops (the op contract)" in md and "| **LSE base** | e | e |" in md
 
 
 def test_sections_come_from_records_not_test_names():
