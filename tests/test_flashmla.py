@@ -281,3 +281,46 @@ def test_flashmla_kernel_matches_reference_absorbed(scenario, mla_device, mla_fi
     assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, (
         f"flashmla vs reference-absorbed, {scenario}: {checks.format_metrics(m)}")
     assert cache.seq_lens.tolist() == lengths.tolist()
+
+
+# --------------------------------------------------------------------------- flashmla-sparse (DSA), on a CPU stand-in
+
+
+def test_flashmla_sparse_gating_sentences():
+    from mla_conformance.backends.flashmla import FlashMLASparse
+
+    backend = get_backend("flashmla-sparse")
+    assert isinstance(backend, FlashMLASparse) and backend.cache_format == "latent+indexer"
+    dsa = MLAConfig.preset("v3.2-mini")
+    here = why_not("flashmla/sparse_decode", detect("cpu"))
+    if here is not None:
+        assert backend.unsupported_reason(dsa, dtype=BF16, device="cpu", kv_codec="fp8-e4m3-flashmla") == here
+    assert "FP8 656-byte cache only" in backend.unsupported_reason(dsa, dtype=BF16, device="cpu", kv_codec="none")
+    assert "dense MLA" in backend.unsupported_reason(LITE, dtype=BF16, device="cpu", kv_codec="fp8-e4m3-flashmla")
+    reason = backend.unsupported_reason(MLAConfig.preset("tiny-dsa"), dtype=BF16, device="cpu",
+                                        kv_codec="fp8-e4m3-flashmla")
+    assert "kv_lora_rank 512 and qk_rope_head_dim 64" in reason
+
+
+def test_flashmla_sparse_glue_equals_reference_dsa(mla_figures):
+    """reference-dsa's FP8 cache and selection, the attention in FlashMLASparseOp over a stand-in flash_mla
+    (tests/test_op_adapters.py): same selection, outputs within the bf16 tolerance of reference-dsa's."""
+    from mla_conformance.backends.flashmla import FlashMLASparse
+    from tests.test_op_adapters import fake_flash_mla
+
+    calls = []
+    backend = FlashMLASparse(flash_mla_module=fake_flash_mla("current", calls))
+    scenario = checks.SCENARIOS["varlen_batch"]
+    w = checks.weights_for("v3.2-mini", BF16)
+    x = checks.inputs_for(w.config, scenario)
+    out, cache = checks.run_scenario(backend, w, x, scenario, kv_codec="fp8-e4m3-flashmla")
+    ref, ref_cache = checks.run_scenario(get_backend("reference-dsa"), w, x, scenario, kv_codec="fp8-e4m3-flashmla")
+    assert torch.equal(cache.last_topk_indices, ref_cache.last_topk_indices)
+    lengths = checks.scenario_lengths(scenario)
+    valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
+    m = checks.error_metrics(out[valid], ref[valid])
+    mla_figures.update(m)
+    tol = checks.TOLERANCES["bfloat16"]
+    assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, checks.format_metrics(m)
+    # 2 heads ran as 64, top-16 as 64; one call per attend (prefill of 23, then 4 decode steps)
+    assert [c for c in calls if c[0] == "kernel"] == [("kernel", 3, 23, 64, 64)] + [("kernel", 3, 1, 64, 64)] * 4

@@ -94,6 +94,7 @@ BUILTINS: dict[str, str] = {
     "hf-transformers": "mla_conformance.backends.hf:HFTransformers",
     "flashmla": "mla_conformance.backends.flashmla:FlashMLA",
     "reference-dsa": "mla_conformance.backends.reference:ReferenceDSA",
+    "flashmla-sparse": "mla_conformance.backends.flashmla:FlashMLASparse",
 }
 
 #: Backends a default run checks.

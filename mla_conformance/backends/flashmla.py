@@ -83,4 +83,87 @@ class FlashMLA(OpBackend):
                                  kv_codec=kv_codec, page_block_size=page_block_size)
 
 
-__all__ = ["FlashMLA", "KERNEL_ID", "mla_metadata"]
+class FlashMLASparse:
+    """``flashmla-sparse``: DeepSeek Sparse Attention (V3.2) with FlashMLA's sparse decode over the FP8 656-byte cache.
+
+    reference-dsa's cache (``fp8-e4m3-flashmla``: the 656-byte latent row plus the packed FP8 indexer key,
+    788 B/token), projections and lightning-indexer selection (top-min(index_topk, len) per query, causal),
+    then the attention over the selected tokens in :class:`mla_conformance.ops.flashmla.FlashMLASparseOp`:
+    the [B, capacity, 656] latent buffer is handed to the kernel as pages of one token ([B * capacity, 1, 1,
+    656], no copy), each selected position p of row b as the flat index ``b * capacity + p`` (-1 stays -1),
+    ``causal=False`` (the selection is already causal). The query absorbs W_UK, the output W_UV, as
+    everywhere. Gating: DSA configs with kv_codec ``fp8-e4m3-flashmla`` (bfloat16, kv_lora 512 + rope 64),
+    then the op's sentences (the matrix's for ``flashmla/sparse_decode`` first).
+    """
+
+    name = "flashmla-sparse"
+    cache_format = "latent+indexer"
+    supports_paging = False
+    kv_codecs = (FP8_CODEC,)
+    kernel_id = "flashmla/sparse_decode"
+
+    def __init__(self, flash_mla_module=None):
+        from mla_conformance.backends.reference import ReferenceDSA
+        from mla_conformance.ops.flashmla import FlashMLASparseOp
+
+        self.op = FlashMLASparseOp(flash_mla_module=flash_mla_module)
+        self._dsa = ReferenceDSA()  # its cache, projections and indexer selection
+
+    def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        from mla_conformance.codecs import get_codec
+        from mla_conformance.ops import OpCase
+
+        if not getattr(config, "dsa", False):
+            return ("flashmla-sparse runs DeepSeek Sparse Attention (index_topk set) through FlashMLA's sparse "
+                    "decode; this config is dense MLA (the flashmla backend drives dense decode)")
+        if kv_codec != FP8_CODEC:
+            return (f"FlashMLA's sparse decode reads the FP8 656-byte cache only: kv_codec {FP8_CODEC!r}, "
+                    f"not {kv_codec!r}")
+        reason = get_codec(kv_codec).unsupported_reason(config, dtype)
+        if reason:
+            return reason
+        case = OpCase(batch=1, s_q=1, h_q=int(config.num_attention_heads), page_block_size=1, dtype=dtype,
+                      kv_format="fp8-e4m3-flashmla", topk=int(config.index_topk), causal=False, device=str(device))
+        return self.op.unsupported_reason(case)
+
+    def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none", page_block_size=None):
+        if kv_codec != FP8_CODEC:
+            raise ValueError(f"{self.name} stores kv_codec {FP8_CODEC!r} only, not {kv_codec!r}")
+        return self._dsa.new_cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device,
+                                   kv_codec=kv_codec, page_block_size=page_block_size)
+
+    def attend(self, weights, hidden_states, positions, cache, lengths=None):
+        from mla_conformance import reference as ref
+        from mla_conformance.cache import FP8IndexerLatentCache
+
+        if hidden_states.dtype != weights.dtype:
+            raise ValueError(f"hidden_states are {hidden_states.dtype} but weights are {weights.dtype}")
+        if not isinstance(cache, FP8IndexerLatentCache):
+            raise TypeError(f"{self.name}: expected the FP8 latent + indexer cache of new_cache(), got "
+                            f"{type(cache).__name__}")
+        cfg = weights.config
+        B, S = hidden_states.shape[:2]
+        lengths, new_lens = cache.write_plan(positions, lengths)
+        q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
+        cache.write_latent(c, k_pe, lengths)
+        T = int(new_lens.max())
+        allowed = cache.allowed(lengths, new_lens, S, T)
+        idx = self._dsa.select(weights, hidden_states, positions, cache, lengths, new_lens, allowed)
+        cache.last_topk_indices = idx
+        kv = cache.tensors()["kv"]                                                    # [B, capacity, 656] uint8
+        capacity = kv.shape[1]
+        k_cache = kv.view(B * capacity, 1, 1, kv.shape[-1])                           # pages of one token
+        rows = torch.arange(B, device=idx.device).view(B, 1, 1)
+        flat = torch.where(idx >= 0, rows * capacity + idx, torch.full_like(idx, -1)).to(torch.int32)
+        w_uk, w_uv = ref.split_kv_b(weights)
+        q = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_pe], dim=-1)  # [B, S, H, 576]
+        block_table = torch.arange(B * capacity, dtype=torch.int32, device=kv.device).view(B, capacity)
+        o_lat, _lse = self.op.decode(q.to(torch.bfloat16), k_cache, block_table, new_lens.to(torch.int32),
+                                     softmax_scale=cfg.softmax_scale, causal=False, indices=flat)
+        o = torch.einsum("bshc,hdc->bshd", o_lat.to(q.dtype), w_uv)
+        out = o.flatten(-2) @ weights["o_proj.weight"].T
+        cache.commit(new_lens)
+        return out.to(hidden_states.dtype)
+
+
+__all__ = ["FlashMLA", "FlashMLASparse", "KERNEL_ID", "mla_metadata"]
