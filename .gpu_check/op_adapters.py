@@ -14,7 +14,9 @@ reference-op on the same device as a control:
 
 * ``pytest suites --mla-op NAME --mla-device cuda`` (the op suite: suites/test_op_*.py);
 * unless ``--ops-only``: ``pytest suites/test_numerics.py suites/test_paged_cache.py --mla-backend op:NAME
-  --mla-device cuda`` for the dense ops (the layer suite's numerics and paging through the wrapper).
+  --mla-device cuda`` for the dense ops (the layer suite's numerics and paging through the wrapper), and
+  ``pytest suites/test_dsa.py suites/test_cache_bytes.py --mla-backend flashmla-sparse`` (the DSA layer
+  backend over FlashMLA's sparse decode: v3.2-mini with the FP8 cache).
 
 Then it prints one table: op, suite, passed / failed / errors / skipped, wall seconds, the device
 (capability, name, CUDA, package versions), and the ids of failing tests with the first line of each
@@ -44,6 +46,7 @@ OPS = {  # op name -> the package it needs
 }
 DENSE_OPS = ("reference-op", "flashmla", "flashinfer", "flashinfer-fa2")
 LAYER_TESTS = ["suites/test_numerics.py", "suites/test_paged_cache.py"]
+DSA_LAYER_TESTS = ["suites/test_dsa.py", "suites/test_cache_bytes.py"]
 
 
 def importable(package: str | None) -> str | None:
@@ -130,6 +133,9 @@ def main(argv=None) -> int:
         runs = [("op suite", ["suites", "--mla-op", op, "--mla-device", args.device])]
         if not args.ops_only and op in DENSE_OPS:
             runs.append(("layer via op:", [*LAYER_TESTS, "--mla-backend", f"op:{op}", "--mla-device", args.device]))
+        if not args.ops_only and op == "flashmla-sparse":  # the DSA layer backend over FlashMLASparseOp
+            runs.append(("layer DSA", [*DSA_LAYER_TESTS, "--mla-backend", "flashmla-sparse", "--mla-device",
+                                       args.device]))
         for label, pytest_args in runs:
             print(f"running {op}: {label} ...", flush=True)
             rows.append((op, label, run_pytest(pytest_args, args.timeout), None))
