@@ -6,15 +6,19 @@ markers.md keeps its prose by hand; its tables are written between marker commen
     | ... |
     <!-- end generated -->
 
-and rewritten in place by ``mla-conformance docs`` from :data:`mla_conformance.checks.TOLERANCES`,
-:data:`mla_conformance.codecs.CODECS` (bytes per token at DeepSeek-V2-Lite dims in BF16) with
-:data:`mla_conformance.codecs.ERROR_BOUNDS`, and :data:`mla_conformance.arch.MATRIX`.
+and rewritten in place by ``mla-conformance docs`` from the pytest options the plugin registers
+(:func:`mla_conformance.plugin.pytest_addoption`), :data:`mla_conformance.checks.TOLERANCES` and
+``OP_TOLERANCES``, :data:`mla_conformance.codecs.CODECS` (bytes per token at DeepSeek-V2-Lite dims in BF16)
+with :data:`mla_conformance.codecs.ERROR_BOUNDS`, :data:`mla_conformance.arch.MATRIX`, and the op suite's
+sections (the ``mla_section("op-...")`` markers of ``suites/test_op_*.py``, read from the source).
 ``mla-conformance docs --check`` changes nothing and exits 1 naming the sections that differ.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import math
 import re
 import sys
 from decimal import Decimal
@@ -62,7 +66,43 @@ def _table(headers: tuple[str, ...], align: tuple[str, ...], rows: list[tuple[An
     return "\n".join(lines) + "\n"
 
 
+def bound(x: float) -> str:
+    """A bound that is a small power of two (half a step of a float format) as 2^-k, else :func:`num`."""
+    if 0 < x < 1e-2:
+        mant, exp = math.frexp(x)
+        if mant == 0.5:
+            return f"2^{exp - 1}"
+    return num(x)
+
+
 # --------------------------------------------------------------------------- the tables
+
+
+class _OptionRecorder:
+    """A stand-in for pytest's parser: records what ``pytest_addoption`` registers."""
+
+    def __init__(self):
+        self.options: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+
+    def getgroup(self, *args, **kwargs):
+        return self
+
+    def addoption(self, *names, **kwargs):
+        self.options.append((names, kwargs))
+
+
+def options_table() -> str:
+    from mla_conformance import plugin
+
+    rec = _OptionRecorder()
+    plugin.pytest_addoption(rec)
+    rows = []
+    for names, kw in rec.options:
+        metavar = kw.get("metavar")
+        form = ", ".join(f"`{n}{' ' + metavar if metavar else ''}`" for n in names)
+        rows.append((form, kw.get("help", "") + (" (repeatable)" if kw.get("action") == "append"
+                                                  and "repeatable" not in kw.get("help", "") else "")))
+    return _table(("option", "meaning"), ("l", "l"), rows)
 
 
 def tolerances_table() -> str:
@@ -70,6 +110,43 @@ def tolerances_table() -> str:
 
     rows = [(dtype, num(t.rel_fro), num(t.max_rel), t.reason) for dtype, t in TOLERANCES.items()]
     return _table(("dtype", "rel_fro", "max_rel", "reason"), ("l", "r", "r", "l"), rows)
+
+
+def op_tolerances_table() -> str:
+    from mla_conformance import checks
+
+    table = getattr(checks, "OP_TOLERANCES", None)
+    if table is None:
+        return "*(no `OP_TOLERANCES` table in `mla_conformance/checks.py` yet)*\n"
+    rows = [(f"`{key}`", bound(t.out_rtol), bound(t.out_atol), bound(t.lse_tol), t.reason) for key, t in table.items()]
+    return _table(("q dtype / KV format", "out rtol", "out atol (x rms)", "lse tol (x (1 + abs lse))", "reason"),
+                  ("l", "r", "r", "r", "l"), rows)
+
+
+def _sections_of(path: Path) -> list[tuple[str, str]]:
+    """(section, test function) for each test of a suite module with an ``mla_section`` marker, from its source."""
+    out = []
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.name.startswith("test_"):
+            continue
+        for deco in node.decorator_list:
+            if (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute) and deco.func.attr == "mla_section"
+                    and deco.args and isinstance(deco.args[0], ast.Constant)):
+                out.append((str(deco.args[0].value), node.name))
+    return out
+
+
+def op_sections_table() -> str:
+    from mla_conformance.resources import suites_dir
+
+    sections: dict[str, list[str]] = {}
+    for path in sorted(suites_dir().glob("test_op_*.py")):
+        for section, test in _sections_of(path):
+            sections.setdefault(section, []).append(f"`{path.name}::{test}`")
+    if not sections:
+        return "*(no op suite in this installation: no suites/test_op_*.py)*\n"
+    return _table(("section", "tests (each once per op)"), ("l", "l"),
+                  [(f"`{sec}`", ", ".join(tests)) for sec, tests in sorted(sections.items())])
 
 
 def codecs_table() -> str:
@@ -120,8 +197,11 @@ def support_matrix_table() -> str:
 
 #: Section name -> the function writing its body, in markers.md order.
 SECTIONS: dict[str, Callable[[], str]] = {
+    "options": options_table,
     "support_matrix": support_matrix_table,
     "tolerances": tolerances_table,
+    "op_sections": op_sections_table,
+    "op_tolerances": op_tolerances_table,
     "kv_codecs": codecs_table,
 }
 
@@ -188,10 +268,12 @@ def add_cli(subparsers: Any) -> None:
     """Register ``mla-conformance docs``."""
     p = subparsers.add_parser(
         "docs",
-        help="rewrite markers.md's generated tables (tolerances, codecs, support matrix) from the code",
+        help="rewrite markers.md's generated tables (options, tolerances, op sections, codecs, support matrix) "
+             "from the code",
         description="Rewrite the tables of markers.md between '<!-- generated: NAME (...) -->' and "
-                    "'<!-- end generated -->' from TOLERANCES, CODECS + ERROR_BOUNDS and the kernel support "
-                    "matrix; with --check, change nothing and exit 1 naming the stale sections.",
+                    "'<!-- end generated -->' from the plugin's options, TOLERANCES and OP_TOLERANCES, the op "
+                    "suite's sections, CODECS + ERROR_BOUNDS and the kernel support matrix; with --check, change "
+                    "nothing and exit 1 naming the stale sections.",
     )
     p.add_argument("--check", action="store_true", help="exit 1 when a generated section differs from the code")
     p.add_argument("--path", default=str(DEFAULT_PATH) if DEFAULT_PATH else None, metavar="FILE",
