@@ -62,7 +62,7 @@ class FlashInferOp:
         self._module = flashinfer_module
         self.backend = backend
         self.workspace_bytes = int(workspace_bytes)
-        self._workspace: dict[str, torch.Tensor] = {}
+        self._wrappers: dict[str, object] = {}
 
     # ------------------------------------------------------------------ gating
     def kernel_id(self, info) -> str:
@@ -113,11 +113,14 @@ class FlashInferOp:
         return None
 
     # ------------------------------------------------------------------ decode
-    def _workspace_for(self, device: torch.device) -> torch.Tensor:
+    def _wrapper_for(self, device: torch.device):
+        """One wrapper per device (its workspaces are allocated once; plan() is called per decode)."""
         key = str(device)
-        if key not in self._workspace:
-            self._workspace[key] = torch.empty(self.workspace_bytes, dtype=torch.int8, device=device)
-        return self._workspace[key]
+        if key not in self._wrappers:
+            fi = self._flashinfer()
+            workspace = torch.empty(self.workspace_bytes, dtype=torch.int8, device=device)
+            self._wrappers[key] = fi.mla.BatchMLAPagedAttentionWrapper(workspace, backend=self.backend)
+        return self._wrappers[key]
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
                topk_length=None, attn_sink=None):
@@ -144,8 +147,7 @@ class FlashInferOp:
         ckv = kv_cache[:, :, 0, :D_V]
         kpe = kv_cache[:, :, 0, D_V:]
 
-        fi = self._flashinfer()
-        wrapper = fi.mla.BatchMLAPagedAttentionWrapper(self._workspace_for(dev), backend=self.backend)
+        wrapper = self._wrapper_for(dev)
         wrapper.plan(qo_indptr, kv_indptr, kv_indices, lens, h_q, D_V, D_ROPE, page, bool(causal),
                      float(softmax_scale), q.dtype, kv_cache.dtype)
         out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
