@@ -46,10 +46,11 @@ SOFTMAX_SCALE = 192 ** -0.5
 #: the invalid sparse index kinds: -1, one past the flattened cache, INT_MAX
 INVALID_KINDS = ("minus-one", "past-end", "int-max")
 
-NAN_HINT = ("the suite fills unused pages and the unfilled tail of each row's last page with NaN (0xFF bytes in "
-            "the FP8 layout) as a reused pool may hold: an op that reads keys past cache_seqlens and masks them "
-            "by multiplying with 0 or adding -inf to their scores gets NaN; select with torch.where or read only "
-            "the row's keys")
+NAN_HINT = ("either poison was read -- the suite fills unused pages, the unfilled tail of each row's last page "
+            "(0xFF bytes in the FP8 layout) and a non-contiguous q's padding with NaN, as a reused pool may hold: an "
+            "op that reads keys past cache_seqlens and masks them by multiplying with 0 or adding -inf to their "
+            "scores gets NaN; select with torch.where or read only the row's keys -- or the op's own arithmetic "
+            "overflowed (exp without the running max, 0/0)")
 
 
 def dtype_name(dtype) -> str:
@@ -160,17 +161,17 @@ class Buffer:
         diff = (self.base != self.snapshot).nonzero().flatten()
         changed_view = not torch.equal(self._bytes_of_view(self.base), self._bytes_of_view(self.snapshot))
         self.base.copy_(self.snapshot)  # later tests of the session share these inputs
-        n_view = self.view.numel() * self.view.element_size()
         if changed_view:
             raise AssertionError(f"{where(op, case, check)}: the op wrote its input {self.name} "
                                  f"{tuple(self.view.shape)} {dtype_name(self.view.dtype)} ({int(diff.numel())} "
                                  "byte(s) changed); inputs are read-only in the op contract")
         first = int(diff[0])
-        raise AssertionError(f"{where(op, case, check)}: the op wrote {int(diff.numel())} byte(s) outside the input "
-                             f"{self.name} {tuple(self.view.shape)} (first at byte {first} of its allocation, "
-                             f"{first - n_view if first >= self.base.numel() - CANARY_BYTES else 'inside the strided padding'}"
-                             f"{' bytes past its end' if first >= self.base.numel() - CANARY_BYTES else ''}): "
-                             "the canary region after the buffer changed")
+        end = self.base.numel() - CANARY_BYTES
+        at = (f"starting at byte {first - end} after its end" if first >= end else
+              f"starting at byte {first} of its allocation, in the padding between its strided elements")
+        raise AssertionError(f"{where(op, case, check)}: the op wrote {int(diff.numel())} byte(s) outside its input "
+                             f"{self.name} {tuple(self.view.shape)} {dtype_name(self.view.dtype)} ({at}): the canary "
+                             "region after the buffer changed; an op writes only the tensors it returns")
 
     def _bytes_of_view(self, base: torch.Tensor) -> torch.Tensor:
         v = self.view
@@ -505,6 +506,7 @@ def check_against_oracle(op, spec: Spec, *, check: str, figures: dict) -> tuple[
     """Build (cached), run, compare with the oracle (cached); returns the op's (out, lse)."""
     __tracebackhide__ = True
     require(op, spec.case)
+    figures.update(case=spec.case.describe(), check=check, op=op.name)
     inp = build(spec)
     out, lse = run_op(op, inp, check)
     ref_out, ref_lse = oracle_of(spec)

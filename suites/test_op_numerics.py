@@ -33,6 +33,7 @@ def test_split_kv_merge(mla_op, s_q, mla_device, mla_figures):
     spec = oc.Spec(case, lens)
     inp = oc.build(spec)
     check = "split-KV merge by LSE equals the single call"
+    mla_figures.update(case=case.describe(), check=check)
     whole = oc.run_op(mla_op, inp, check)
     one, two = oc.split_at_pages(inp)
     p1 = oc.run_op(mla_op, one, check + " (first pages)")

@@ -77,6 +77,7 @@ def test_sparse_equals_dense(mla_op, mla_device, mla_figures):
     dense = oc.dense_of_selection(inp)
     oc.require(mla_op, dense.case)
     check = "sparse equals dense over the selected keys"
+    mla_figures.update(case=case.describe(), check=check)
     sparse_out = oc.run_op(mla_op, inp, check)
     dense_out = oc.run_op(mla_op, dense, check + " (dense call)")
     ref_out, ref_lse = oc.as_reference(*dense_out, declared(mla_op, "lse_base"))

@@ -58,12 +58,15 @@ def decode_fp8_656(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     """uint8 [..., 656] -> [..., 576] in ``dtype``: e4m3 x its float32 tile scale, then the bf16 rope."""
     if rows.dtype != torch.uint8 or rows.shape[-1] != FP8_ROW_BYTES:
         raise ValueError(f"expected uint8 [..., {FP8_ROW_BYTES}] rows, got {rows.dtype} {tuple(rows.shape)}")
-    q = rows[..., :D_V].contiguous().view(torch.float8_e4m3fn).to(dtype)
+    # e4m3 x its float32 scale in float32 at least (FlashMLA's dequantize: nope.float() * scale, then the
+    # result's dtype): a bfloat16 result must not round an fp32 scale to bfloat16 before the product
+    compute = torch.promote_types(dtype, torch.float32)
+    q = rows[..., :D_V].contiguous().view(torch.float8_e4m3fn).to(compute)
     s = rows[..., D_V:D_V + 16].contiguous()
     if sys.byteorder != "little":
         s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2).contiguous()
-    scale = s.view(torch.float32).to(dtype)
-    c = (q.unflatten(-1, (-1, FP8_TILE)) * scale[..., None]).flatten(-2)
+    scale = s.view(torch.float32).to(compute)
+    c = (q.unflatten(-1, (-1, FP8_TILE)) * scale[..., None]).flatten(-2).to(dtype)
     k_pe = rows[..., D_V + 16:].contiguous().view(torch.bfloat16).to(dtype)
     return torch.cat([c, k_pe], dim=-1)
 
@@ -103,9 +106,14 @@ def merge_by_lse(out1, lse1, out2, lse2, base: str = "e"):
     lse = torch.where(tot > 0, m_safe + torch.log(tot), torch.full_like(tot, math.inf))
     a1 = torch.where(tot > 0, w1 / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(tot))
     a2 = torch.where(tot > 0, w2 / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(tot))
-    o1 = torch.nan_to_num(out1.to(torch.float64))
-    o2 = torch.nan_to_num(out2.to(torch.float64))
+    # a part of weight 0 (no keys) contributes nothing whatever its out holds; NaN in a part that has keys
+    # stays NaN (never zeroed here: the merge must not hide a broken part)
+    o1 = torch.where((a1 > 0).transpose(1, 2)[..., None], out1.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    o2 = torch.where((a2 > 0).transpose(1, 2)[..., None], out2.to(torch.float64), torch.zeros((), dtype=torch.float64))
     out = o1 * a1.transpose(1, 2)[..., None] + o2 * a2.transpose(1, 2)[..., None]
+    nan = torch.isnan(l1) | torch.isnan(l2)  # a NaN lse stays NaN (it is not a part without keys)
+    lse = torch.where(nan, torch.full_like(lse, math.nan), lse)
+    out = torch.where(nan.transpose(1, 2)[..., None], torch.full_like(out, math.nan), out)
     return out, lse
 
 
@@ -131,7 +139,7 @@ def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, in
         for i in range(s_q):
             if indices is not None:
                 row = indices[b, i].detach().cpu().long()
-                n = row.numel() if topk_length is None else min(int(topk_length[b]), row.numel())
+                n = row.numel() if topk_length is None else max(0, min(int(topk_length[b]), row.numel()))
                 keys = [int(t) for t in row[:n] if 0 <= int(t) < num_blocks * page]
                 slots = torch.tensor(keys, dtype=torch.long)
             else:

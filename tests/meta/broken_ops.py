@@ -137,3 +137,117 @@ class WrongLseLayout(ReferenceOp):
     def decode(self, *args, **kwargs):
         out, lse = super().decode(*args, **kwargs)
         return out, lse.transpose(1, 2).contiguous()
+
+
+class WritesPastBlockTable(ReferenceOp):
+    """Pads the block table in place with a -1 terminator one entry past its end (a buffer overrun the
+    canary after every input buffer catches)."""
+
+    name = "broken-writes-past-block-table"
+
+    def decode(self, q, kv_cache, block_table, cache_seqlens, **kwargs):
+        out = super().decode(q, kv_cache, block_table, cache_seqlens, **kwargs)
+        flat = torch.as_strided(block_table, (block_table.numel() + 1,), (1,), block_table.storage_offset())
+        flat[-1] = -1
+        return out
+
+
+class IgnoresQStrides(ReferenceOp):
+    """Reads q's storage as if q were contiguous (a kernel handed q.data_ptr() without its strides)."""
+
+    name = "broken-ignores-q-strides"
+
+    def decode(self, q, *args, **kwargs):
+        strides, acc = [], 1
+        for n in reversed(q.shape):
+            strides.insert(0, acc)
+            acc *= n
+        q = torch.as_strided(q, q.shape, strides, q.storage_offset())
+        return super().decode(q, *args, **kwargs)
+
+
+class NaiveSoftmax(ReferenceOp):
+    """exp(score) without subtracting the running max, in float32: the sum overflows once lse passes
+    log(3.4e38) = 88.72 and out becomes inf / inf = NaN (magnitudes large enough to expose it: SGLang #6101)."""
+
+    name = "broken-naive-softmax"
+
+    def decode(self, *args, **kwargs):
+        out, lse = super().decode(*args, **kwargs)
+        over = lse > math.log(torch.finfo(torch.float32).max)                # where float32 exp sums overflow
+        out = torch.where(over.transpose(1, 2)[..., None], torch.full_like(out, math.nan), out)
+        return out, torch.where(over, torch.full_like(lse, math.inf), lse)
+
+
+class IgnoresTopkLength(ReferenceOp):
+    """Accepts topk_length and uses every index of the row."""
+
+    name = "broken-ignores-topk-length"
+
+    def decode(self, *args, topk_length=None, **kwargs):
+        return super().decode(*args, **kwargs)
+
+
+class Nondeterministic(ReferenceOp):
+    """Declares deterministic but alternates between two reduction precisions from call to call (as an
+    atomics-based split-KV reduction changes its order): right within tolerance, not bitwise repeatable."""
+
+    name = "broken-nondeterministic"
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, q, kv_cache, *args, **kwargs):
+        self.calls += 1
+        if self.calls % 2 or q.dtype == torch.float64:
+            return super().decode(q, kv_cache, *args, **kwargs)
+        kv = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.double()
+        out, lse = super().decode(q.double(), kv, *args, **kwargs)
+        return out.to(q.dtype), lse
+
+
+class BatchVariant(ReferenceOp):
+    """Declares batch_invariant but takes another reduction path for a batch of one row (as kernels pick a
+    split-KV plan from the batch size)."""
+
+    name = "broken-batch-variant"
+
+    def decode(self, q, kv_cache, *args, **kwargs):
+        if q.shape[0] > 1 or q.dtype == torch.float64:
+            return super().decode(q, kv_cache, *args, **kwargs)
+        kv = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.double()
+        out, lse = super().decode(q.double(), kv, *args, **kwargs)
+        return out.to(q.dtype), lse
+
+
+class HeadsCapped(ReferenceOp):
+    """Launches at most 64 heads: the output of heads 64 and up is never written (zeros here; FlashInfer
+    #3125: a grid too large leaves output unwritten with no exception)."""
+
+    name = "broken-heads-capped-at-64"
+
+    def decode(self, q, *args, **kwargs):
+        out, lse = super().decode(q, *args, **kwargs)
+        out[:, :, 64:] = 0
+        lse[:, 64:] = 0
+        return out, lse
+
+
+class AssumesPage64(ReferenceOp):
+    """Declares pages of 1, 16 and 64 tokens but finds position p at block_table[b, p // 64], offset p % 64,
+    whatever the cache's page size."""
+
+    name = "broken-assumes-page-64"
+
+    def decode(self, q, kv_cache, block_table, cache_seqlens, *, causal, indices=None, **kwargs):
+        page = kv_cache.shape[1]
+        if indices is not None or causal or page == 64:
+            return super().decode(q, kv_cache, block_table, cache_seqlens, causal=causal, indices=indices, **kwargs)
+        B, s_q = q.shape[:2]
+        T = int(cache_seqlens.max()) if B else 0
+        pos = torch.arange(T, device=q.device)
+        col = torch.clamp(pos // 64, max=block_table.shape[1] - 1)
+        slots = block_table.long()[:, col] * page + pos % 64                       # [B, T]
+        slots = torch.where(pos[None, :] < cache_seqlens.long()[:, None], slots, torch.full_like(slots, -1))
+        idx = slots.clamp(-1, 2 ** 31 - 1).to(torch.int32)[:, None, :].expand(B, s_q, T).contiguous()
+        return super().decode(q, kv_cache, block_table, cache_seqlens, causal=False, indices=idx, **kwargs)

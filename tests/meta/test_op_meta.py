@@ -1,0 +1,186 @@
+"""Every op check can fail, and correct ops pass: each broken op of tests/meta/broken_ops.py must come out
+*failed* (an AssertionError verdict naming the op, not an error, a skip or a pass) in the op tests named for it;
+the ops written independently of reference-op (tests/meta/independent_op.py) pass every op test, the one that
+implements only the base contract with explicit skips for what it does not declare; crashing ops are *errors*.
+All of it in one in-process pytest session through the plugin (--mla-op, --mla-results), as a user runs it."""
+
+import ast
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.meta
+ROOT = Path(__file__).resolve().parent.parent.parent
+SUITES = ROOT / "suites"
+OPS = "tests/meta/broken_ops.py"
+
+#: broken op -> (spec, the name it reports, the op tests (file::function[params after the op name]) that must fail it)
+BROKEN_OPS = {
+    "lse-base2-as-e": (f"{OPS}:Base2DeclaredE", "broken-lse-base2-as-e",
+                       ["test_op_numerics.py::test_out_lse_vs_oracle[-float32]", "test_op_numerics.py::test_split_kv_merge[-1]",
+                        "test_op_sparse.py::test_sparse_vs_oracle[]"]),
+    "nan-empty-rows": (f"{OPS}:NanForEmptyRows", "broken-nan-empty-rows",
+                       ["test_op_paging.py::test_empty_and_single_key_rows[]",
+                        "test_op_sparse.py::test_sparse_all_invalid_rows[]", "test_op_numerics.py::test_split_kv_merge[-2]"]),
+    "reads-page-tail": (f"{OPS}:ReadsPageTail", "broken-reads-page-tail",
+                        ["test_op_paging.py::test_poisoned_pages[]", "test_op_fp8.py::test_fp8_all_zero_kv[]"]),
+    "top-left-causal": (f"{OPS}:TopLeftCausal", "broken-top-left-causal",
+                        ["test_op_paging.py::test_multi_token_decode[-4-causal]"]),
+    "minus-one-last-token": (f"{OPS}:MinusOneIsLastToken", "broken-minus-one-last-token",
+                             ["test_op_sparse.py::test_sparse_invalid_indices[-minus-one]",
+                              "test_op_sparse.py::test_sparse_equals_dense[]"]),
+    "attn-sink-ignored": (f"{OPS}:SinkIgnored", "broken-attn-sink-ignored", ["test_op_sparse.py::test_attn_sink[]"]),
+    "fp8-exponent-only": (f"{OPS}:Fp8ExponentOnly", "broken-fp8-exponent-only", ["test_op_fp8.py::test_fp8_scale_probe[]"]),
+    "fp8-scales-as-bf16": (f"{OPS}:Fp8ScalesAsBf16", "broken-fp8-scales-as-bf16",
+                           ["test_op_fp8.py::test_fp8_scale_probe[]", "test_op_fp8.py::test_fp8_vs_dequantized_oracle[]"]),
+    "writes-past-block-table": (f"{OPS}:WritesPastBlockTable", "broken-writes-past-block-table",
+                                ["test_op_paging.py::test_poisoned_pages[]"]),
+    "ignores-q-strides": (f"{OPS}:IgnoresQStrides", "broken-ignores-q-strides", ["test_op_paging.py::test_noncontiguous_q[]"]),
+    "naive-softmax": (f"{OPS}:NaiveSoftmax", "broken-naive-softmax", ["test_op_fp8.py::test_fp8_magnitude_sweep[-x256]"]),
+    "ignores-topk-length": (f"{OPS}:IgnoresTopkLength", "broken-ignores-topk-length",
+                            ["test_op_sparse.py::test_sparse_topk_length[]"]),
+    "nondeterministic": (f"{OPS}:Nondeterministic", "broken-nondeterministic", ["test_op_numerics.py::test_deterministic[]"]),
+    "batch-variant": (f"{OPS}:BatchVariant", "broken-batch-variant", ["test_op_numerics.py::test_batch_invariant[]"]),
+    "heads-capped": (f"{OPS}:HeadsCapped", "broken-heads-capped-at-64", ["test_op_paging.py::test_head_counts[-128]"]),
+    "assumes-page-64": (f"{OPS}:AssumesPage64", "broken-assumes-page-64", ["test_op_paging.py::test_page_sizes[-16]"]),
+}
+
+#: correct ops: every op test runs on them; "all" must pass, "skips" may skip what they do not declare
+CORRECT_OPS = {
+    "independent": ("tests/meta/independent_op.py:IndependentOp", "independent-op", "all"),
+    "base-contract": ("tests/meta/independent_op.py:BaseContractOp", "base-contract-op", "skips"),
+}
+#: the sentences base-contract-op may skip with (its own unsupported_reason, or an absent declaration)
+BASE_CONTRACT_SKIPS = ("implements dense decode only", "takes no attn_sink", "declares kv_formats ('latent',)",
+                       "declares page_block_sizes (64,)", "does not declare deterministic",
+                       "does not declare batch_invariant")
+
+#: crashes and contract violations are errors, not verdicts
+ERROR_OPS = {
+    "raises": (f"{OPS}:RaisesOnDecode", "broken-op-raises", "test_op_numerics.py::test_out_lse_vs_oracle[-float32]"),
+    "lse-layout": (f"{OPS}:WrongLseLayout", "broken-op-lse-layout", "test_op_numerics.py::test_out_lse_vs_oracle[-float32]"),
+}
+
+
+def _node(test: str, name: str) -> str:
+    path, rest = test.split("::")
+    func, params = rest.split("[")
+    return f"suites/{path}::{func}[{name}{params}"
+
+
+CELLS = [(key, test, _node(test, name)) for key, (_, name, tests) in BROKEN_OPS.items() for test in tests]
+ERRORS = [(key, _node(test, name)) for key, (_, name, test) in ERROR_OPS.items()]
+
+
+def op_tests() -> set[str]:
+    """file::function of every test in suites/test_op_*.py (each requests mla_op)."""
+    found = set()
+    for path in sorted(SUITES.glob("test_op_*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                assert "mla_op" in [a.arg for a in node.args.args], f"{path.name}::{node.name} takes no mla_op"
+                found.add(f"{path.name}::{node.name}")
+    return found
+
+
+class _Select:
+    """Keeps the named cells of the broken and erroring ops and every op test of the correct ops."""
+
+    def __init__(self, wanted: set[str], correct: set[str]):
+        self.wanted, self.correct = wanted, correct
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        def keep(item):
+            op = getattr(getattr(item, "callspec", None), "params", {}).get("mla_op")
+            return item.nodeid in self.wanted or getattr(op, "name", None) in self.correct
+        kept = [item for item in items if keep(item)]
+        config.hook.pytest_deselected(items=[item for item in items if not keep(item)])
+        items[:] = kept
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """One pytest session, in this process, over suites/test_op_*.py with every op of the tables."""
+    results = tmp_path_factory.mktemp("op-meta") / "results.json"
+    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=", "--rootdir", str(ROOT),
+            "--mla-results", str(results), "--mla-device", "cpu", *map(str, sorted(SUITES.glob("test_op_*.py")))]
+    for spec, _, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]:
+        path, attr = spec.split(":")
+        args += ["--mla-op", f"{ROOT / path}:{attr}"]
+    wanted = {n for _, _, n in CELLS} | {n for _, n in ERRORS}
+    log = io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: one intra-op thread, not spinning threads fighting a busy host
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            code = pytest.main(args, plugins=[_Select(wanted, {name for _, name, _ in CORRECT_OPS.values()})])
+    finally:
+        torch.set_num_threads(threads)
+    assert results.is_file(), f"the op meta run wrote no results (exit {code}):\n{log.getvalue()[-4000:]}"
+    assert code == 1, f"expected exit 1 (test failures), got {code}:\n{log.getvalue()[-4000:]}"
+    payload = json.loads(results.read_text())
+    payload["by_id"] = {t["nodeid"]: t for t in payload["tests"]}
+    return payload
+
+
+def test_every_op_test_is_failed_by_a_broken_op():
+    tests = op_tests()
+    covered = {test.split("[")[0] for _, test, _ in CELLS}
+    assert not sorted(tests - covered), f"op tests no broken op is shown to fail: {sorted(tests - covered)}"
+    assert not sorted(covered - tests), f"cells for op tests that do not exist: {sorted(covered - tests)}"
+
+
+@pytest.mark.parametrize("key,test,nodeid", CELLS, ids=[f"{t.split('::')[1].split('[')[0]}<-{k}" for k, t, _ in CELLS])
+def test_broken_op_fails_its_check(run, key, test, nodeid):
+    got = run["by_id"].get(nodeid)
+    assert got is not None, f"{nodeid} did not run"
+    name = BROKEN_OPS[key][1]
+    assert got["outcome"] == "failed", f"{nodeid}: expected a failure of {name}, got {got['outcome']}: {got.get('reason', '')}"
+    reason = got.get("reason", "")
+    assert reason.startswith(f"{name} [B="), f"{nodeid}: the failure does not name the op and the case: {reason}"
+    assert got.get("figures", {}).get("case"), f"{nodeid}: no case figure recorded: {got}"
+
+
+@pytest.mark.parametrize("key", list(CORRECT_OPS))
+def test_correct_op_passes(run, key):
+    _, name, mode = CORRECT_OPS[key]
+    rows = [t for t in run["tests"] if t.get("params", {}).get("op") == name]
+    expected = sum(1 for t in run["tests"] if t.get("params", {}).get("op") == CORRECT_OPS["independent"][1])
+    assert len(rows) == expected and rows, f"{name}: {len(rows)} op tests ran, expected {expected}"
+    bad = [f"{t['nodeid']}: {t['outcome']} {t.get('reason', '')}" for t in rows if t["outcome"] not in ("passed", "skipped")]
+    assert not bad, f"{name} does not pass:\n" + "\n".join(bad)
+    skipped = [t for t in rows if t["outcome"] == "skipped"]
+    if mode == "all":
+        assert not skipped, f"{name} declares every optional part but skipped: {[t['nodeid'] for t in skipped]}"
+    else:
+        odd = [f"{t['nodeid']}: {t.get('reason')}" for t in skipped if not t.get("reason", "").startswith(f"{name}: ")
+               or not any(s in t["reason"] for s in BASE_CONTRACT_SKIPS)]
+        assert not odd, f"{name} skipped for reasons other than what it does not declare:\n" + "\n".join(odd)
+        assert len(skipped) >= 10 and len(rows) - len(skipped) >= 20, f"{name}: {len(rows) - len(skipped)} passed, " \
+                                                                        f"{len(skipped)} skipped"
+
+
+@pytest.mark.parametrize("key,nodeid", ERRORS, ids=[k for k, _ in ERRORS])
+def test_crash_is_an_error(run, key, nodeid):
+    got = run["by_id"].get(nodeid)
+    assert got is not None, f"{nodeid} did not run"
+    assert got["outcome"] == "error", f"{nodeid}: {got['outcome']}: {got.get('reason', '')}"
+    assert got.get("reason", "").startswith(("BackendError", "BackendOutputError")), got
+
+
+def test_results_record_ops_and_declarations(run):
+    names = [name for _, name, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
+    assert run["ops"] == names and run["backends"] == []
+    decl = run["op_declarations"]["independent-op"]
+    assert decl == {"lse_base": "2", "empty_row": "-inf", "page_block_sizes": [1, 16, 64],
+                    "kv_formats": ["latent", "fp8-e4m3-flashmla"], "fp8_scale_format": "fp32",
+                    "deterministic": True, "batch_invariant": True}, decl
+    assert run["op_declarations"]["base-contract-op"]["page_block_sizes"] == [64]
+    row = run["by_id"]["suites/test_op_numerics.py::test_out_lse_vs_oracle[independent-op-float32]"]
+    assert row["params"] == {"op": "independent-op", "dtype": "float32"} and row["section"] == "op-numerics", row
+    assert {"case", "out_max_abs", "out_rel_fro", "lse_max_abs", "tolerance_out_rtol", "tolerance_lse"} <= set(row["figures"])

@@ -1,0 +1,167 @@
+"""The op suite's own tools: reference-op anchored to the row-by-row float64 oracle, the FP8 656-byte codec to
+FlashMLA's tests/quant.py semantics (scale = 2^ceil(log2(max(amax / 448, 1e-4))) under pow2, e4m3 of
+value / scale, float32 scales, bf16 rope; dequantize = e4m3.float() * scale), merge_by_lse's round trip, and
+the inputs op_checks builds (poison, invalid block ids, shuffled tables, canaries)."""
+
+import math
+
+import pytest
+import torch
+
+from mla_conformance import op_checks as oc
+from mla_conformance.ops import OpCase
+from mla_conformance.ops.reference import (ReferenceOp, decode_fp8_656, encode_fp8_656, fp8_scales, lse_to_natural,
+                                           merge_by_lse, natural_to_base, oracle)
+
+F64 = torch.float64
+
+
+def _case(**kw):
+    base = dict(batch=3, s_q=1, h_q=4, page_block_size=16, dtype=F64)
+    base.update(kw)
+    return OpCase(**base)
+
+
+ANCHOR_SPECS = {
+    "dense-causal-s_q4": oc.Spec(_case(s_q=4, causal=True), (3, 40, 17)),
+    "dense-page1-empty": oc.Spec(_case(batch=4, page_block_size=1), (0, 1, 5, 9)),
+    "sparse-topk_length-sink": oc.Spec(_case(s_q=2, topk=16, attn_sink=True, h_q=6), (30, 20, 10), invalid="int-max",
+                                       topk_length=True),
+    "fp8-fp32-scales": oc.Spec(_case(s_q=2, causal=True, kv_format="fp8-e4m3-flashmla"), (37, 64, 5),
+                               scale_format="fp32", magnitude=16.0),
+}
+
+
+@pytest.mark.parametrize("name", list(ANCHOR_SPECS))
+def test_reference_op_matches_the_oracle(name):
+    """reference-op (batched, torch.where masking) and the oracle (row by row) agree in float64 to 1e-12 on out;
+    lse is float32 by contract (half a step, 6e-8 relative)."""
+    spec = ANCHOR_SPECS[name]
+    inp = oc.build(spec)
+    out, lse = oc.run_op(ReferenceOp(), inp, "anchor")
+    ref_out, ref_lse = oc.oracle_of(spec)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), name
+    assert float((out.double() - ref_out).abs().max()) <= 1e-12 * max(1.0, float(ref_out.abs().max())), name
+    finite = torch.isfinite(ref_lse)
+    assert float(((lse.double() - ref_lse).abs() / (1 + ref_lse.abs()))[finite].max()) <= 1.2e-7, name
+
+
+# --------------------------------------------------------------------------- FP8 codec vs FlashMLA's quant.py
+
+
+def _flashmla_quantize(latent_bf16: torch.Tensor) -> torch.Tensor:
+    """FlashMLA tests/quant.py, V32_FP8Sparse layout, written from its semantics: per 128-value tile
+    scale_inv = amax(|x|).float() / 448 cast to ue8m0 as 2^ceil(log2(clamp_min(scale_inv, 1e-4))), nope =
+    (x.float() / scale_inv) as e4m3, the 4 scales as float32 bytes, the rope as the input's bf16 bytes."""
+    n = latent_bf16.shape[0]
+    out = torch.empty(n, 656, dtype=torch.uint8)
+    scales = torch.empty(n, 4, dtype=torch.float32)
+    for t in range(4):
+        tile = latent_bf16[:, t * 128:(t + 1) * 128]
+        inv = tile.abs().max(dim=-1).values.float() / 448.0
+        inv = torch.pow(2, torch.clamp_min(inv, 1e-4).log2().ceil()).to(torch.float32)
+        scales[:, t] = inv
+        out[:, t * 128:(t + 1) * 128] = (tile.float() / inv[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    out[:, 512:528] = scales.view(torch.uint8)
+    out[:, 528:] = latent_bf16[:, 512:].contiguous().view(torch.uint8)
+    return out
+
+
+def _flashmla_dequantize(rows: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's dequantize_k_cache (V32): bf16 result, nope.float() * its float32 scale, rope as stored."""
+    nope = rows[:, :512].contiguous().view(torch.float8_e4m3fn).float().unflatten(-1, (4, 128))
+    scale = rows[:, 512:528].contiguous().view(torch.float32)
+    c = (nope * scale[..., None]).flatten(-2).to(torch.bfloat16)
+    return torch.cat([c, rows[:, 528:].contiguous().view(torch.bfloat16)], dim=-1)
+
+
+def test_fp8_codec_matches_flashmla_quant():
+    g = torch.Generator().manual_seed(0)
+    mags = torch.logspace(-7, 3, 64, dtype=torch.float64)
+    x = (torch.randn(64, 576, generator=g, dtype=torch.float64) * mags[:, None]).to(torch.bfloat16)
+    x[3, 128:256] = 0  # an all-zero tile
+    ours = encode_fp8_656(x, "pow2")
+    theirs = _flashmla_quantize(x)
+    assert torch.equal(ours, theirs), f"{int((ours != theirs).sum())} bytes differ from FlashMLA's quantize"
+    assert torch.equal(decode_fp8_656(ours, torch.bfloat16).view(torch.int16),
+                       _flashmla_dequantize(theirs).view(torch.int16))
+
+
+def test_fp8_scale_formats_on_the_probes():
+    """A tile whose amax is 336: scale 1.0 under pow2 (336 / 448 = 0.75 rounded up to a power of two), 0.75 under
+    fp32 (not a power of two: 1.5 x 2^-1); an all-zero tile: 2^-13 under pow2 (1e-4 rounded up), 1e-4 under fp32."""
+    c = torch.zeros(2, 512)
+    c[0, :128] = torch.linspace(-336, 300, 128)
+    assert fp8_scales(c, "pow2")[0, 0].item() == 1.0 and fp8_scales(c, "fp32")[0, 0].item() == 0.75
+    assert fp8_scales(c, "pow2")[1, 0].item() == 2.0 ** -13
+    assert fp8_scales(c, "fp32")[1, 0].item() == pytest.approx(1e-4, rel=1e-7)
+    for fmt in ("pow2", "fp32"):
+        rows = encode_fp8_656(torch.cat([c, torch.zeros(2, 64)], -1), fmt)
+        back = decode_fp8_656(rows, F64)
+        assert torch.equal(back[1], torch.zeros(576, dtype=F64)), fmt  # all zero stays exactly zero
+        # fp32: amax / scale is 448, e4m3's largest value, and 448 x 0.75 gives 336 back exactly; pow2: 336 / 1.0
+        # lies between the e4m3 values 320 and 352 (step 32 above 256) and rounds to even, 320
+        assert float(back[0, :128].abs().max()) == {"fp32": 336.0, "pow2": 320.0}[fmt], fmt
+    with pytest.raises(ValueError, match="fp8 scale format"):
+        fp8_scales(c, "ue8m0")
+
+
+# --------------------------------------------------------------------------- merge_by_lse
+
+
+@pytest.mark.parametrize("base", ["e", "2"])
+@pytest.mark.parametrize("empty", ["+inf", "-inf"])
+def test_merge_by_lse_round_trip(base, empty):
+    """Keys split in two (one row's first part empty) and merged by LSE give the oracle of all the keys."""
+    spec = oc.Spec(_case(batch=3, s_q=2), (40, 16, 7))
+    inp = oc.build(spec)
+    whole_out, whole_lse = oc.oracle_of(spec)
+    one, two = oc.split_at_pages(inp)
+    parts = []
+    for part in (one, two):
+        t = {n: b.view for n, b in part.buffers.items()}
+        o, l = oracle(t["q"], t["kv_cache"], t["block_table"], t["cache_seqlens"], softmax_scale=part.softmax_scale,
+                      causal=False)
+        l = natural_to_base(l, base)
+        if empty == "-inf":
+            l = torch.where(torch.isinf(l), torch.full_like(l, -math.inf), l)
+        parts.append((o, l))
+    assert bool(torch.isinf(parts[0][1][2]).all())  # row 2 (7 keys, one page): its first part has no keys
+    out, lse = merge_by_lse(parts[0][0], parts[0][1], parts[1][0], parts[1][1], base)
+    assert float((out - whole_out).abs().max()) < 1e-12
+    assert float((lse - whole_lse).abs().max()) < 1e-12
+    # two empty parts: out 0, lse +inf; a NaN lse stays NaN
+    inf = torch.full((1, 1, 1), math.inf, dtype=F64)
+    o, l = merge_by_lse(torch.zeros(1, 1, 1, 2), inf, torch.zeros(1, 1, 1, 2), -inf, base)
+    assert torch.equal(o, torch.zeros(1, 1, 1, 2, dtype=F64)) and l.item() == math.inf
+    o, l = merge_by_lse(torch.ones(1, 1, 1, 2), torch.full((1, 1, 1), math.nan), torch.ones(1, 1, 1, 2), inf, base)
+    assert math.isnan(l.item()) and bool(torch.isnan(o).all())
+    assert lse_to_natural(torch.tensor([1.0]), "2").item() == pytest.approx(math.log(2.0))
+
+
+# --------------------------------------------------------------------------- the suite's inputs
+
+
+def test_inputs_are_poisoned_shuffled_and_canaried():
+    spec = oc.Spec(OpCase(batch=3, s_q=2, h_q=4, page_block_size=16, dtype=torch.bfloat16), (37, 32, 0),
+                   noncontig_q=True, spare_pages=3)
+    inp = oc.build(spec)
+    kv, bt = inp.tensor("kv_cache"), inp.tensor("block_table")
+    assert bt.dtype == torch.int32 and inp.tensor("cache_seqlens").dtype == torch.int32
+    assert bt[0, :3].tolist() != sorted(bt[0, :3].tolist()) or bt[1, :2].tolist() != sorted(bt[1, :2].tolist())
+    assert (bt[0, 3:] == oc.INVALID_BLOCK).all() and (bt[2] == oc.INVALID_BLOCK).all()
+    used = set(bt[bt != oc.INVALID_BLOCK].tolist())
+    unused = [b for b in range(kv.shape[0]) if b not in used]
+    assert len(unused) == 3 and torch.isnan(kv[unused].float()).all()
+    assert torch.isnan(kv[int(bt[0, 2]), 37 - 32:].float()).all()     # row 0's last page: 5 keys, then NaN
+    assert not torch.isnan(kv[int(bt[0, 2]), :5].float()).any()
+    assert not torch.isnan(kv[int(bt[1, 1])].float()).any()           # row 1 ends on a page boundary
+    q = inp.tensor("q")
+    assert not q.is_contiguous() and q.shape == (3, 2, 4, 576)
+    for name, buf in inp.buffers.items():
+        assert (buf.base[-oc.CANARY_BYTES:] == oc.CANARY_BYTE).all(), name
+    fp8 = oc.build(oc.Spec(OpCase(batch=1, s_q=1, h_q=1, page_block_size=16, dtype=torch.bfloat16,
+                                  kv_format="fp8-e4m3-flashmla"), (5,)))
+    kv8 = fp8.tensor("kv_cache")
+    assert kv8.dtype == torch.uint8 and kv8.shape[-1] == 656
+    assert (kv8[int(fp8.tensor("block_table")[0, 0]), 5:] == 0xFF).all()
