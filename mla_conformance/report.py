@@ -197,18 +197,23 @@ def _flat_numbers(value: Any, prefix: str = "") -> dict[str, float | int]:
 
 def op_case_of(test: dict) -> str:
     """A row's one-line case: the ``case`` figure the op suite records, else (a row skipped or broken before
-    it described its case) the test's function and parameters other than the op."""
+    it described its case) the test's parameters other than the op, "" when it has none."""
     case = (test.get("figures") or {}).get("case")
     if isinstance(case, str) and case:
         return case
-    func = test["nodeid"].split("::")[-1].split("[")[0]
     params = {k: v for k, v in (test.get("params") or {}).items() if k not in ("op", "backend")}
-    return func + (" (" + ", ".join(f"{k}={params[k]}" for k in sorted(params)) + ")" if params else "")
+    return ", ".join(f"{k}={params[k]}" for k in sorted(params))
 
 
 def _is_tolerance(key: str) -> bool:
     """A bound a figure was held to (``tolerance_out_rtol``), as opposed to what was measured."""
     return key.rsplit(".", 1)[-1].startswith("tol")
+
+
+def op_check_of(test: dict) -> str:
+    """What a row checked: the ``check`` figure the op suite records, else the test's function name."""
+    check = (test.get("figures") or {}).get("check")
+    return check if isinstance(check, str) and check else test["nodeid"].split("::")[-1].split("[")[0]
 
 
 def _json_value(v: Any) -> Any:
@@ -226,7 +231,7 @@ def _op_results(tests: list[dict], ops: list[str], declarations: dict) -> dict[s
             counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
         sections: dict[str, list[dict[str, Any]]] = {}
         for t in rows:
-            case = {"case": op_case_of(t), "outcome": t["outcome"], "nodeid": t["nodeid"]}
+            case = {"check": op_check_of(t), "case": op_case_of(t), "outcome": t["outcome"], "nodeid": t["nodeid"]}
             if t.get("reason"):
                 case["reason"] = t["reason"]
             numbers = _flat_numbers(t.get("figures") or {})
@@ -245,7 +250,8 @@ def _op_results(tests: list[dict], ops: list[str], declarations: dict) -> dict[s
         out[op] = {"verdict": verdict_of(counts), "executed": _executed(counts), "summary": counts,
                    "skip_reasons": _skip_reasons(rows),
                    "declarations": ({k: _json_value(v) for k, v in decl.items()} if isinstance(decl, dict) else None),
-                   "sections": {s: sorted(c, key=lambda c: (c["case"], c["nodeid"])) for s, c in sorted(sections.items())}}
+                   "sections": {s: sorted(c, key=lambda c: (c["check"], c["case"], c["nodeid"]))
+                                for s, c in sorted(sections.items())}}
     return out
 
 
@@ -429,12 +435,12 @@ def _op_case_lines(report) -> list[str]:
     if not by_section:
         return []
     out = ["## Op cases", "",
-           "Per section of the op suite, one row per case: its outcome and the figures it measured "
+           "Per section of the op suite, one row per check and case: its outcome and the figures it measured "
            "(*tolerance*: the bounds it was held to, from `OP_TOLERANCES`; markers.md). Failing rows first."]
     for section in sorted(by_section):
-        out += ["", f"### {section}", "", "| | op | case | measured | tolerance |", "|---|---|---|---|---|"]
+        out += ["", f"### {section}", "", "| | op | check | case | measured | tolerance |", "|---|---|---|---|---|---|"]
         rows = sorted(by_section[section], key=lambda oc: (oc[1]["outcome"] not in ("failed", "error"), oc[0],
-                                                           oc[1]["case"], oc[1]["nodeid"]))
+                                                           oc[1]["check"], oc[1]["case"], oc[1]["nodeid"]))
         for op, c in rows:
             shown = _numbers_cell(c.get("measured") or {})
             if c["outcome"] != "passed" and c.get("reason"):
@@ -442,8 +448,8 @@ def _op_case_lines(report) -> list[str]:
                 shown = (shown + "; " if shown else "") + reason
             tol = c.get("tolerance") or {}
             tol_cell = (f"{tol['row']}: " if tol.get("row") else "") + _numbers_cell(tol)
-            out.append(f"| {_mark(c) if c['outcome'] != 'skipped' else 'skip'} | {op} | {c['case']} | "
-                       f"{shown.replace('|', '/')} | {tol_cell.replace('|', '/')} |")
+            out.append(f"| {_mark(c) if c['outcome'] != 'skipped' else 'skip'} | {op} | {c['check'].replace('|', '/')} | "
+                       f"{c['case'].replace('|', '/')} | {shown.replace('|', '/')} | {tol_cell.replace('|', '/')} |")
     return out
 
 

@@ -205,13 +205,15 @@ def test_op_section_verdicts_declarations_and_cases():
     assert ops["idle-op"]["skip_reasons"] == [{"reason": "idle-op: no FP8 here", "count": 1}]
     assert ops["base2-op"]["declarations"]["lse_base"] == "2" and ops["base2-op"]["declarations"]["empty_row"] == "-inf"
     numerics = ops["good-op"]["sections"]["op-numerics"]
-    assert numerics == [{"case": "B=4, s_q=2, h_q=8, page=16, float32, latent, non-causal, cpu", "outcome": "passed",
+    assert numerics == [{"check": "out/lse vs float64 oracle",
+                         "case": "B=4, s_q=2, h_q=8, page=16, float32, latent, non-causal, cpu", "outcome": "passed",
                          "nodeid": "suites/test_op_numerics.py::test_out_lse_vs_oracle[good-op-float32]",
                          "measured": {"out_rel_fro": 3.9e-7, "out_max_abs": 1.235e-6, "lse_max_abs": 2.5e-7,
                                       "queries": 64},
                          "tolerance": {"row": "float32", "out_rtol": 1e-5, "out_atol": 2e-5, "lse": 1e-5}}]
     assert ops["good-op"]["sections"]["op-determinism"] == [  # skipped before it described its case
-        {"case": "test_batch_invariant", "outcome": "skipped", "reason": "good-op does not declare batch_invariant",
+        {"check": "test_batch_invariant", "case": "", "outcome": "skipped",
+         "reason": "good-op does not declare batch_invariant",
          "nodeid": "suites/test_op_numerics.py::test_batch_invariant[good-op]"}]
     row = next(t for t in rep["tests"] if t["nodeid"].endswith("test_out_lse_vs_oracle[good-op-float32]"))
     assert row["op"] == "good-op" and row["params"] == {"dtype": "float32"} and "backend" not in row
@@ -230,12 +232,13 @@ def test_op_section_in_markdown():
     assert cases.index("### op-determinism") < cases.index("### op-fp8") < cases.index("### op-numerics")
     numerics = cases[cases.index("### op-numerics"):]
     rows = [line for line in numerics.splitlines() if line.startswith("| **FAIL**") or line.startswith("| ok")]
-    assert rows[0].startswith("| **FAIL** | base2-op | B=4, s_q=2, h_q=8, page=16, float32, latent, non-causal, cpu | "
+    assert rows[0].startswith("| **FAIL** | base2-op | out/lse vs float64 oracle | "
+                              "B=4, s_q=2, h_q=8, page=16, float32, latent, non-causal, cpu | "
                               "lse_max_abs 2.500e-07, out_max_abs 1.235e-06, out_rel_fro 3.000e-01, queries 64; "
                               "base2-op: lse off by ln 2 at row 0 | float32: lse 1.000e-05, out_atol 2.000e-05, "
                               "out_rtol 1.000e-05 |"), "failing rows first, measured figures and the bound"
     assert rows[1].startswith("| ok | good-op |") and "out_rel_fro 3.900e-07" in rows[1]
-    assert "| skip | idle-op | test_fp8_scales | idle-op: no FP8 here |  |" in cases
+    assert "| skip | idle-op | test_fp8_scales |  | idle-op: no FP8 here |  |" in cases
     assert "`suites/test_op_numerics.py::test_out_lse_vs_oracle[base2-op-float32]`" in md[md.index("## Failures"):]
 
 
