@@ -4,6 +4,12 @@ Embeddings, norms, MLP/MoE and the LM head are transformers' own DeepseekV2 modu
 checkpoint directory by ``DeepseekV2ForCausalLM.from_pretrained``; only attention is replaced, by
 ``backend.attend`` over the backend's own cache (one per layer). Prompts are batched with right padding,
 so generation also exercises the backend's varlen path.
+
+DeepSeek Sparse Attention: a model directory whose config.json carries ``index_n_heads``,
+``index_head_dim`` and ``index_topk`` (the tiny model's DSA variant, :func:`make_dsa_variant`) runs through a
+DSA backend (``--backend reference-dsa``). transformers' DeepseekV2 modules load the dense parts and ignore
+the indexer tensors; each layer's indexer (``model.layers.{L}.self_attn.indexer.*``) is read from the
+directory's safetensors with :meth:`MLAWeights.from_checkpoint`.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +57,24 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
     return model.to(device).eval()
 
 
-def layer_weights(model, config: MLAConfig) -> list[MLAWeights]:
+def layer_weights(model, config: MLAConfig, model_dir: str | Path | None = None) -> list[MLAWeights]:
+    """Each layer's attention weights from the loaded model; a DSA config's indexer tensors (which
+    DeepseekV2 modules do not hold) from ``model_dir``'s safetensors (default: the directory the model was
+    loaded from)."""
     out = []
     names = list(expected_shapes(config))
+    model_dir = model_dir or getattr(model.config, "_name_or_path", None)
     for i, layer in enumerate(model.model.layers):
         params = dict(layer.self_attn.named_parameters())
-        out.append(MLAWeights(config, {n: params[n].detach() for n in names}, source=f"model.layers.{i}.self_attn"))
+        tensors = {n: params[n].detach() for n in names if not n.startswith("indexer.")}
+        if config.dsa:
+            if not model_dir or not Path(model_dir).is_dir():
+                raise CheckpointError(f"layer {i}: this config has DeepSeek Sparse Attention but no model directory "
+                                      "to read the indexer tensors from")
+            ref = next(iter(tensors.values()))
+            ckpt = MLAWeights.from_checkpoint(model_dir, layer=i, config=config)
+            tensors.update({n: ckpt[n].to(device=ref.device, dtype=ref.dtype) for n in names if n.startswith("indexer.")})
+        out.append(MLAWeights(config, tensors, source=f"model.layers.{i}.self_attn"))
     return out
 
 
@@ -232,17 +251,193 @@ def _generate_cli(args) -> int:
 
 
 def add_cli(sub) -> None:
+    from mla_conformance.cli import positive_int
+
     p = sub.add_parser("generate", help="greedy generation with attention running through a backend")
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: the embedded tiny model)")
     p.add_argument("--backend", default="reference-absorbed", metavar="SPEC")
     p.add_argument("--kv-codec", default="none", metavar="NAME")
     p.add_argument("--prompts", action="append", metavar="SET", help="prompt set name in the prompts file (repeatable)")
     p.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS), metavar="FILE")
-    from mla_conformance.cli import positive_int
-
     p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens to generate per prompt, >= 1 (default: each prompt's expected answer length)")
     p.add_argument("--dtype", default="float32", help="float32, float64, bfloat16 or float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_generate_cli)
+
+    v = sub.add_parser("dsa-variant", help="write a DeepSeek Sparse Attention variant of a dense model (indexer added)",
+                       description="Copy a dense MLA model directory and add a lightning indexer per layer plus the DSA "
+                                   "fields to its config.json, so `generate --model OUT --backend reference-dsa` runs it. "
+                                   "With --warmup-steps the indexer is trained as DeepSeek-V3.2's dense warm-up stage "
+                                   "trains it (everything else frozen; KL to the dense model's head-averaged attention) "
+                                   "on token-id sequences: --train-sequences FILE (a JSON list of lists), or in a "
+                                   "checkout held-out episodes of fixtures/train_tiny.py's tasks (seed 11, none of them a "
+                                   "pinned prompt).")
+    v.add_argument("out", help="directory to write")
+    v.add_argument("--model", default=str(DEFAULT_MODEL), help="dense model directory (default: the embedded tiny model)")
+    v.add_argument("--index-n-heads", type=positive_int, default=4)
+    v.add_argument("--index-head-dim", type=positive_int, default=32)
+    v.add_argument("--index-topk", type=positive_int, default=16)
+    v.add_argument("--warmup-steps", type=int, default=0, help="indexer training steps (default 0: the seeded draw)")
+    v.add_argument("--train-sequences", default=None, metavar="FILE", help="JSON list of token-id lists to train on")
+    v.add_argument("--seed", type=int, default=0)
+    v.set_defaults(func=_dsa_variant_cli)
+
+
+def tiny_training_sequences(prompts_path: str | Path = DEFAULT_PROMPTS, seed: int = 11) -> list[list[int]]:
+    """Held-out episodes (prompt + answer ids) of the tiny model's tasks, from fixtures/train_tiny.py (a checkout
+    only): 32 long copies, 16 recalls, 16 copies, none of them a pinned prompt of ``prompts_path``."""
+    try:
+        from fixtures import train_tiny as tt
+    except ImportError:
+        raise MLAInputError("the tiny model's task generator (fixtures/train_tiny.py) is only in a checkout; give "
+                            "--train-sequences FILE") from None
+    pinned = {" ".join(tt.VOCAB[i] for i in ep["token_ids"][1:])
+              for eps in load_prompts(prompts_path)["sets"].values() for ep in eps if ep.get("token_ids")}
+    out = []
+    for kind, n in (("long_copy", 32), ("recall", 16), ("copy", 16)):
+        out += [[tt.BOS, *tt.ids(p), *tt.ids(a)] for p, a in tt.held_out(seed, kind, n, pinned)]
+    return out
+
+
+def _dsa_variant_cli(args) -> int:
+    if args.warmup_steps < 0:
+        raise MLAInputError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if not Path(args.model).is_dir():
+        raise MLAInputError(f"--model {args.model}: no such model directory")
+    sequences = None
+    if args.warmup_steps:
+        if args.train_sequences:
+            try:
+                sequences = json.loads(Path(args.train_sequences).read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise MLAInputError(f"--train-sequences {args.train_sequences}: {exc}") from None
+        else:
+            sequences = tiny_training_sequences()
+    figures = make_dsa_variant(args.model, args.out, index_n_heads=args.index_n_heads,
+                               index_head_dim=args.index_head_dim, index_topk=args.index_topk, sequences=sequences,
+                               steps=args.warmup_steps, seed=args.seed,
+                               progress=lambda m: print(f"[dsa-variant] {m}", file=sys.stderr, flush=True))
+    print(json.dumps({"out": str(args.out), **figures}, indent=1))
+    return 0
+
+
+# --------------------------------------------------------------------------- a DSA variant of a dense model
+
+
+class _Trainable(dict):
+    """name -> tensor with ``.config``: what reference.indexer_project reads, with trainable indexer tensors."""
+
+    def __init__(self, config, tensors):
+        super().__init__(tensors)
+        self.config = config
+
+
+def _dense_attention_targets(model, config: MLAConfig, ids: torch.Tensor, lengths: torch.Tensor):
+    """Per layer: (layer input x [B, T, hidden], the dense model's attention distribution averaged over heads
+    [B, T, T]) of right-padded token ids, from transformers' forward (hidden states) and the reference
+    projections (the layer's own weights)."""
+    from mla_conformance import reference as ref
+
+    B, T = ids.shape
+    t = torch.arange(T)
+    allowed = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] < lengths[:, None, None])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+    out = []
+    for layer, w, h in zip(model.model.layers, layer_weights(model, dataclasses.replace(
+            config, index_n_heads=None, index_head_dim=None, index_topk=None)), hidden):
+        with torch.no_grad():
+            x = layer.input_layernorm(h)
+            q_nope, q_pe, c, k_pe = ref.project(w, x, t.expand(B, T))
+            k, _ = ref.expand_kv(w, c, k_pe)
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            scores = torch.einsum("bshd,bthd->bsht", q, k) * config.softmax_scale
+            p = ref.masked_softmax(scores, allowed, torch.float32).mean(2)
+        out.append((x, p))
+    return out, allowed
+
+
+def make_dsa_variant(src: str | Path, dst: str | Path, *, index_n_heads: int = 4, index_head_dim: int = 32,
+                     index_topk: int = 16, sequences: list[list[int]] | None = None, steps: int = 0,
+                     lr: float = 3e-3, seed: int = 0, progress=None) -> dict[str, Any]:
+    """Write ``dst``: the dense model ``src`` (config.json, safetensors, tokenizer files copied) plus a
+    lightning indexer per layer and the DSA fields in config.json.
+
+    The indexer starts from ``MLAWeights.random``'s draw (seeded). With ``steps`` > 0 and token-id
+    ``sequences`` it is trained as DeepSeek-V3.2's dense warm-up stage trains it: everything else frozen, the
+    indexer's distribution softmax(I[s, :]) is pulled towards the dense model's attention averaged over heads
+    (KL(p || softmax(I)), mean over the sequences' queries), Adam, full batch. Returns the figures (the
+    final KL per layer, the fraction of the dense attention mass the indexer's top-k keeps)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mla_conformance import reference as ref
+
+    src, dst = Path(src), Path(dst)
+    cfg_json = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    cfg_json.update(index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=index_topk)
+    config = MLAConfig.from_hf(cfg_json)
+    model = load_model(src, torch.float32)
+    drawn = MLAWeights.random(config, seed=seed, dtype=torch.float32)
+    dense = layer_weights(model, dataclasses.replace(config, index_n_heads=None, index_head_dim=None, index_topk=None))
+    indexer = [{n: drawn[n].clone().requires_grad_(steps > 0) for n in drawn if n.startswith("indexer.")}
+               for _ in dense]
+    figures: dict[str, Any] = {"index_n_heads": index_n_heads, "index_head_dim": index_head_dim,
+                               "index_topk": index_topk, "steps": steps}
+    if steps > 0:
+        if not sequences:
+            raise MLAInputError("training the indexer needs token-id sequences")
+        lengths = torch.tensor([len(s) for s in sequences])
+        ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.int64)
+        for b, seq in enumerate(sequences):
+            ids[b, :len(seq)] = torch.tensor(seq)
+        targets, allowed = _dense_attention_targets(model, config, ids, lengths)
+        B, T = ids.shape
+        positions = torch.arange(T).expand(B, T)
+        valid = allowed.any(-1)
+        opt = torch.optim.Adam([t for layer in indexer for t in layer.values()], lr=lr)
+
+        def losses():
+            out = []
+            for w, ix, (x, p) in zip(dense, indexer, targets):
+                ww = _Trainable(config, {**dict(w), **ix})
+                q, k, hw = ref.indexer_project(ww, x, positions)
+                logp = torch.log_softmax(ref.indexer_scores(q, k, hw, allowed), -1)
+                kl = (p * (torch.log(p.clamp_min(1e-30)) - logp.masked_fill(~allowed, 0))).sum(-1)
+                out.append(kl[valid].mean())
+            return out
+
+        with torch.no_grad():
+            figures["kl_per_layer_initial"] = [float(v) for v in losses()]
+        for step in range(steps):
+            opt.zero_grad()
+            total = sum(losses())
+            total.backward()
+            opt.step()
+            if progress and (step % 50 == 0 or step == steps - 1):
+                progress(f"indexer warm-up step {step + 1}/{steps}: KL {total.item() / len(dense):.4f}")
+        with torch.no_grad():
+            figures["kl_per_layer"] = [float(v) for v in losses()]
+            kept = []
+            for w, ix, (x, p) in zip(dense, indexer, targets):
+                ww = _Trainable(config, {**dict(w), **ix})
+                q, k, hw = ref.indexer_project(ww, x, positions)
+                sel = ref.selection_mask(ref.select_topk(ref.indexer_scores(q, k, hw, allowed), index_topk), T)
+                kept.append(float((p * sel).sum(-1)[valid].mean()))
+            figures["dense_mass_in_topk"] = kept
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy2(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n", encoding="utf-8")
+    state = load_file(str(src / "model.safetensors"))
+    for i, ix in enumerate(indexer):
+        for n, t in ix.items():
+            state[f"model.layers.{i}.self_attn.{n}"] = t.detach().contiguous().clone()
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "dsa_variant.json").write_text(json.dumps({"source": str(src), **figures}, indent=2) + "\n",
+                                          encoding="utf-8")
+    return figures
