@@ -19,10 +19,10 @@ and the op tests the default ops; ``--mla-backend`` alone deselects the op tests
 layer tests (one summary line says how many and why); both options run both.
 
 The plugin loads in every pytest run of the environment it is installed in, so it stays out of the way of
-other projects: it parametrises only tests that request ``mla_backend``, and it imports torch and resolves
-backends and the device only when an ``--mla-*`` option is given, the run's paths cover this suite, or a
-test requesting one of its fixtures is collected. Another project's own ``backend`` fixture, ``benchmark``
-tests and failure tracebacks are left alone.
+other projects: it parametrises only tests that request ``mla_backend`` or ``mla_op``, and it imports torch
+and resolves backends, ops and the device only when an ``--mla-*`` option is given, the run's paths cover
+this suite, or a test requesting one of its fixtures is collected. Another project's own ``backend``
+fixture, ``benchmark`` tests and failure tracebacks are left alone.
 """
 
 from __future__ import annotations

@@ -184,3 +184,53 @@ def test_results_record_ops_and_declarations(run):
     row = run["by_id"]["suites/test_op_numerics.py::test_out_lse_vs_oracle[independent-op-float32]"]
     assert row["params"] == {"op": "independent-op", "dtype": "float32"} and row["section"] == "op-numerics", row
     assert {"case", "out_max_abs", "out_rel_fro", "lse_max_abs", "tolerance_out_rtol", "tolerance_lse"} <= set(row["figures"])
+
+
+# --------------------------------------------------------------------------- the plugin's --mla-op selection
+
+
+def _collect(*options) -> tuple[int, str]:
+    """Collect a layer test file and an op test file with the given options, in this process."""
+    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--co", "-o", "addopts=", "--rootdir", str(ROOT),
+            str(SUITES / "test_conventions.py"), str(SUITES / "test_op_numerics.py"), *options]
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        code = pytest.main(args)
+    return int(code), log.getvalue()
+
+
+def _ids(out: str, kind: str) -> list[str]:
+    marker = "test_op_" if kind == "op" else "test_conventions.py::"
+    return [line for line in out.splitlines() if line.startswith("suites/") and marker in line]
+
+
+def test_selection_by_options():
+    independent = f"{ROOT / 'tests/meta/independent_op.py'}:IndependentOp"
+    code, out = _collect()  # neither option: the default backends' layer tests and the default ops' op tests
+    assert code == 0 and _ids(out, "layer") and _ids(out, "op"), out[-3000:]
+    assert all("[reference-op" in line for line in _ids(out, "op")), out[-3000:]
+    code, out = _collect("--mla-backend", "reference-absorbed")  # a verdict on a backend: op tests deselected
+    assert code == 0 and _ids(out, "layer") and not _ids(out, "op"), out[-3000:]
+    n_op = len([t for t in op_tests() if t.startswith("test_op_numerics.py")])
+    assert "op tests deselected: --mla-backend was given without --mla-op" in out, out[-3000:]
+    code, out = _collect("--mla-op", independent)  # a verdict on an op: layer tests deselected
+    assert code == 0 and not _ids(out, "layer") and len(_ids(out, "op")) >= n_op, out[-3000:]
+    assert all("[independent-op" in line for line in _ids(out, "op")), out[-3000:]
+    assert "layer tests deselected: --mla-op was given without --mla-backend" in out, out[-3000:]
+    code, out = _collect("--mla-op", independent, "--mla-backend", "reference-absorbed")  # both: both run
+    assert code == 0 and _ids(out, "layer") and _ids(out, "op") and "deselected:" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no-such-op", "--mla-op: op spec 'no-such-op': not a built-in op"),
+    ("reference-opp", "did you mean 'reference-op'?"),
+    ("tests/meta/independent_op.py:Missing", "--mla-op: op spec 'tests/meta/independent_op.py:Missing'"),
+])
+def test_bad_op_spec_is_a_usage_error(spec, message):
+    code, out = _collect("--mla-op", spec)
+    assert code == pytest.ExitCode.USAGE_ERROR and message in out, out[-3000:]
+
+
+def test_duplicate_op_names_are_refused():
+    code, out = _collect("--mla-op", "reference-op", "--mla-op", "reference-op")
+    assert code == pytest.ExitCode.USAGE_ERROR and "--mla-op: two ops share the name(s) ['reference-op']" in out, out
