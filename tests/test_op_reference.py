@@ -3,6 +3,7 @@ FlashMLA's tests/quant.py semantics (scale = 2^ceil(log2(max(amax / 448, 1e-4)))
 value / scale, float32 scales, bf16 rope; dequantize = e4m3.float() * scale), merge_by_lse's round trip, and
 the inputs op_checks builds (poison, invalid block ids, shuffled tables, canaries)."""
 
+import functools
 import math
 
 import pytest
@@ -109,19 +110,29 @@ def test_fp8_scale_formats_on_the_probes():
 # --------------------------------------------------------------------------- merge_by_lse
 
 
+MERGE_SPEC = oc.Spec(_case(batch=3, s_q=2), (40, 16, 7))
+
+
+@functools.lru_cache(maxsize=1)
+def _merge_parts():
+    """The oracle of each row's keys split at a page boundary (row 2, one page: its first part is empty)."""
+    inp = oc.build(MERGE_SPEC)
+    parts = []
+    for part in oc.split_at_pages(inp):
+        t = {n: b.view for n, b in part.buffers.items()}
+        parts.append(oracle(t["q"], t["kv_cache"], t["block_table"], t["cache_seqlens"],
+                            softmax_scale=part.softmax_scale, causal=False))
+    return parts
+
+
 @pytest.mark.parametrize("base", ["e", "2"])
 @pytest.mark.parametrize("empty", ["+inf", "-inf"])
 def test_merge_by_lse_round_trip(base, empty):
-    """Keys split in two (one row's first part empty) and merged by LSE give the oracle of all the keys."""
-    spec = oc.Spec(_case(batch=3, s_q=2), (40, 16, 7))
-    inp = oc.build(spec)
-    whole_out, whole_lse = oc.oracle_of(spec)
-    one, two = oc.split_at_pages(inp)
+    """Keys split in two and merged by LSE (in either base, an empty part's lse either infinity) give the oracle
+    of all the keys."""
+    whole_out, whole_lse = oc.oracle_of(MERGE_SPEC)
     parts = []
-    for part in (one, two):
-        t = {n: b.view for n, b in part.buffers.items()}
-        o, l = oracle(t["q"], t["kv_cache"], t["block_table"], t["cache_seqlens"], softmax_scale=part.softmax_scale,
-                      causal=False)
+    for o, l in _merge_parts():
         l = natural_to_base(l, base)
         if empty == "-inf":
             l = torch.where(torch.isinf(l), torch.full_like(l, -math.inf), l)
