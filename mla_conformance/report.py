@@ -25,7 +25,8 @@ Ops (the op contract, :mod:`mla_conformance.ops`) are judged by the same rule, a
 their rows (``params["op"]``) count under neither a backend nor the backend-independent bucket. The
 report's ``op_results`` holds, per op, its verdict, counts, skip reasons, the declarations the run
 recorded (LSE base, empty-row convention, page sizes, KV formats, FP8 scale format, determinism, batch
-invariance) and its cases by section (one line per case, its outcome and measured figures).
+invariance) and its cases by section (one line per check and case: outcome, reason, the figures it
+measured and the bounds it was held to).
 """
 
 from __future__ import annotations

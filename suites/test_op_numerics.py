@@ -4,7 +4,6 @@ paged caches behind shuffled block tables with canaries after every buffer (mla_
 Tolerances: mla_conformance.checks.OP_TOLERANCES."""
 
 import pytest
-import torch
 
 from mla_conformance import op_checks as oc
 from mla_conformance.ops import declared
