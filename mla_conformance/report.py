@@ -1306,9 +1306,12 @@ def add_cli(sub) -> None:
     p.add_argument("--backend", action="append", metavar="SPEC",
                    help="backend spec (repeatable); with --op alone no backend runs; with neither, the built-in "
                         "backends and the built-in op")
+    from mla_conformance.ops import BUILTIN_OPS, DEFAULT_OPS
+
     p.add_argument("--op", action="append", metavar="SPEC",
-                   help="op spec (the op contract; repeatable): a built-in op (reference-op), package.module:attr "
-                        "or path/to/file.py:attr; with --backend alone no op runs")
+                   help=f"op spec (the op contract; repeatable): a built-in op ({', '.join(BUILTIN_OPS)}), "
+                        f"package.module:attr or path/to/file.py:attr; with --backend alone no op runs; with "
+                        f"neither, {', '.join(DEFAULT_OPS)}")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a real DeepSeek checkpoint for the checkpoint tests (config, weights and tokenizer "
                         "are checked before any test runs)")
