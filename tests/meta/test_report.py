@@ -327,7 +327,7 @@ def test_merge_rejects_non_reports(tmp_path, capsys):
 #: absorbed ratio, plots) and one numerics row per layer backend, and reference-op in two op sections.
 SUBSET = ("seed_table or (test_against_float64 and tiny and float32 and prefill and not decode) "
           "or (test_out_lse_vs_oracle and float32) or test_deterministic")
-#: The suite modules SUBSET draws from; the others are not even collected (collection is most of the cost).
+#: The suite modules SUBSET draws from; the others are not collected (all of them: a second more per process).
 SUBSET_FILES = ("test_cache_bytes.py", "test_numerics.py", "test_op_numerics.py")
 
 
