@@ -209,8 +209,8 @@ def flop_model(backend, cache) -> str:
     from mla_conformance.backends.hf import HFCache
 
     fmt = cache_format_of(backend, cache)
-    if isinstance(cache, HFCache) and fmt == "latent":
-        return "expand-per-call"
+    if isinstance(cache, HFCache) and fmt in ("latent", "latent+indexer"):
+        return "expand-per-call"  # transformers' eager DeepseekV32Attention masks the dense scores to its top-k
     if fmt == "latent+indexer":
         return "sparse"
     return "absorbed" if fmt == "latent" else "expanded"
@@ -267,7 +267,8 @@ def _fill_kind(backend, cache) -> str:
     from mla_conformance.cache import LatentSlotCache, SlotCache
 
     if isinstance(cache, HFCache):
-        return "hf"
+        # a DSA DynamicCache also holds indexer keys, which DynamicCache.update does not fill: through attend()
+        return "attend" if getattr(cache.config, "dsa", False) else "hf"
     if not type(cache).__module__.startswith("mla_conformance."):
         return "attend"
     if isinstance(cache, LatentSlotCache) and cache_format_of(backend, cache) == "latent+indexer":
