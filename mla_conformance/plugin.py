@@ -514,6 +514,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         counts[reason] = counts.get(reason, 0) + 1
     deselected = engaged.get("benchmarks_deselected", 0)
     kind_deselected = engaged.get("kind_deselected")
+    if kind_deselected is None and _deselected_kind(config) and config.pluginmanager.hasplugin("dsession"):
+        kind_deselected = (_deselected_kind(config), None)  # xdist: the workers deselected, uncounted here
     if not counts and not deselected and not kind_deselected:
         return
     tr.write_sep("=", "mla-conformance skips by reason" if counts else "mla-conformance")
@@ -528,11 +530,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"{deselected} decode benchmarks deselected: run them with `{BENCHMARK_HINT}`")
     if kind_deselected:
         kind, n = kind_deselected
+        n = "" if n is None else f"{n} "
         if kind == "op":
-            tr.write_line(f"{n} op tests deselected: --mla-backend was given without --mla-op (a verdict on "
+            tr.write_line(f"{n}op tests deselected: --mla-backend was given without --mla-op (a verdict on "
                           "backends); add --mla-op SPEC (e.g. --mla-op reference-op) to run them too")
         else:
-            tr.write_line(f"{n} layer tests deselected: --mla-op was given without --mla-backend (a verdict on "
+            tr.write_line(f"{n}layer tests deselected: --mla-op was given without --mla-backend (a verdict on "
                           "ops); add --mla-backend SPEC to run them too")
 
 
