@@ -173,6 +173,14 @@ def test_crash_is_an_error(run, key, nodeid):
     assert got.get("reason", "").startswith(("BackendError", "BackendOutputError")), got
 
 
+def test_independent_ops_import_nothing_of_the_suite():
+    """The correct ops share no code with reference-op or the oracle: their file imports torch and math only."""
+    tree = ast.parse((ROOT / CORRECT_OPS["independent"][0].split(":")[0]).read_text(encoding="utf-8"))
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+        {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert modules <= {"__future__", "math", "torch"}, modules
+
+
 def test_results_record_ops_and_declarations(run):
     names = [name for _, name, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
     assert run["ops"] == names and run["backends"] == []
