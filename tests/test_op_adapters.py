@@ -56,7 +56,7 @@ def test_adapter_declines_here_with_the_matrix_sentence(name):
 def test_declarations():
     assert declarations(get_op("flashmla")) == {
         "lse_base": "e", "empty_row": "+inf", "page_block_sizes": (64,), "kv_formats": ("latent",),
-        "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False}
+        "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False, "head_dims": ((576, 512),)}
     sparse = declarations(get_op("flashmla-sparse"))
     assert sparse["kv_formats"] == ("fp8-e4m3-flashmla",) and sparse["fp8_scale_format"] == "pow2"
     fi = declarations(get_op("flashinfer"))

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from mla_conformance import MLAConfig, arch, checks
+from mla_conformance import MLAConfig, MLAWeights, arch, checks
 from mla_conformance.backends import get_backend
 from mla_conformance.errors import BackendSpecError
 from mla_conformance.ops.layer import OpBackend
@@ -81,15 +81,23 @@ class _SingleTokenOp(ReferenceOp):
         return f"{self.name} decodes one query per row, not s_q {case.s_q}" if case.s_q > 1 else None
 
 
+class _DefaultDimsOp(ReferenceOp):
+    """reference-op declaring only the op contract's default head dims (576 / 512)."""
+
+    name = "default-dims"
+    head_dims = None
+
+
 @pytest.mark.parametrize("config,kwargs,needle", [
-    ("tiny", {}, "kv_lora_rank 64 and qk_rope_head_dim 16"),
+    ("tiny", dict(op=_DefaultDimsOp), "kv_lora_rank 64 and qk_rope_head_dim 16"),
     ("tiny-dsa", {}, "DeepSeek Sparse Attention"),
     ("v3-mini", dict(kv_codec="int8-g16"), "kv_codec 'int8-g16' is neither"),
     ("v3-mini", dict(kv_codec="fp8-e4m3-flashmla", dtype=torch.float32), "needs cache dtype bfloat16"),
 ])
 def test_what_the_wrapper_declines(config, kwargs, needle):
+    op = kwargs.pop("op", ReferenceOp)
     args = {"dtype": BF16, "device": "cpu", "kv_codec": "none", **kwargs}
-    backend = OpBackend(ReferenceOp())
+    backend = OpBackend(op())
     reason = backend.unsupported_reason(MLAConfig.preset(config), **args)
     assert reason and needle in reason, reason
     assert backend.unsupported_reason(V3_MINI, dtype=BF16, device="cpu", kv_codec="none") is None
@@ -140,3 +148,26 @@ def test_flashinfer_glue_through_the_layer_contract(monkeypatch, mla_figures):
     mla_figures.update(m)
     # prefill 23 / 16 / 7: one plan per distinct token count; then 4 decode steps of all three rows
     assert calls == [("plan", "auto", 1, 16, True)] * 3 + [("plan", "auto", 3, 16, True)] * 4
+
+
+def test_declared_head_dims_let_the_tiny_model_through():
+    """reference-op declares head_dims "any": the tiny model (kv_lora 64 + rope 16) runs through it, with
+    head_dim_v passed; an op declaring only 576 / 512 never sees another width."""
+    tiny = MLAConfig.preset("tiny")
+    assert OpBackend(ReferenceOp()).unsupported_reason(tiny, dtype=torch.float32, device="cpu", kv_codec="none") is None
+    seen = []
+
+    class Recording(ReferenceOp):
+        name = "recording"
+
+        def decode(self, q, *args, **kwargs):
+            seen.append((q.shape[-1], kwargs.get("head_dim_v")))
+            return super().decode(q, *args, **kwargs)
+
+    backend = OpBackend(Recording())
+    w = MLAWeights.random(tiny, dtype=torch.float32, seed=0)
+    cache = backend.new_cache(tiny, batch_size=1, capacity=8, dtype=torch.float32, device="cpu")
+    x = torch.randn(1, 3, tiny.hidden_size)
+    out = backend.attend(w, x, torch.arange(3)[None], cache)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    assert seen == [(tiny.kv_lora_rank + tiny.qk_rope_head_dim, tiny.kv_lora_rank)]

@@ -50,7 +50,14 @@ Optional declarations, detected and never assumed (defaults in :data:`DECLARATIO
   to a power of two: DeepSeek's ue8m0, default) or ``"fp32"`` (amax/448 as is). The suite writes the
   caches it hands the op in the declared format;
 * ``deterministic``: the same call twice gives bitwise the same out and lse;
-* ``batch_invariant``: a row's out and lse do not depend on the other rows of the batch.
+* ``batch_invariant``: a row's out and lse do not depend on the other rows of the batch;
+* ``head_dims``: the (d_qk, d_v) pairs the op takes, ``((576, 512),)`` by default (DeepSeek's kv_lora 512 +
+  rope 64), or ``"any"``. The op suite always uses 576 / 512. Only an op that declares other dims is ever
+  handed them -- by the layer wrapper (``--mla-backend op:SPEC``) on configs with another latent, e.g. the
+  embedded tiny model (kv_lora 64 + rope 16) whose golden generations then run through the op -- and it is
+  then called with the keyword ``head_dim_v=d_v``: q and the latent cache are [..., d_qk], the value is
+  the first d_v elements of the key, out is [..., d_v]. An op that declares only the default never gets
+  the keyword.
 
 A case the op cannot run is declined by ``unsupported_reason`` with a sentence (the test skips with it).
 An op is named on the command line by a spec (``--mla-op``): a built-in name (:data:`BUILTIN_OPS`),
@@ -96,6 +103,7 @@ DECLARATIONS: dict[str, Any] = {
     "fp8_scale_format": "pow2",
     "deterministic": False,
     "batch_invariant": False,
+    "head_dims": ((D_QK, D_V),),
 }
 
 _ALLOWED = {
@@ -149,12 +157,29 @@ def declared(op, key: str):
     if key in _ALLOWED and value not in _ALLOWED[key]:
         raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} = {value!r} is not one of "
                                f"{', '.join(map(repr, _ALLOWED[key]))}")
+    if key == "head_dims":
+        if value == "any":
+            return value
+        try:
+            pairs = tuple((int(a), int(b)) for a, b in value)
+        except (TypeError, ValueError):
+            pairs = ()
+        if not pairs or any(not 0 < v <= qk for qk, v in pairs):
+            raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: head_dims {value!r} must be 'any' or (d_qk, d_v) "
+                                   "pairs with 0 < d_v <= d_qk, e.g. ((576, 512),)")
+        return pairs
     if key in ("page_block_sizes", "kv_formats"):
         value = tuple(value)
         if key == "kv_formats" and any(f not in KV_FORMATS for f in value):
             raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: kv_formats {value!r} must be among "
                                    f"{', '.join(map(repr, KV_FORMATS))}")
     return value
+
+
+def takes_head_dims(op, d_qk: int, d_v: int) -> bool:
+    """Whether the op declares (d_qk, d_v) among its ``head_dims`` (576 / 512 always, by default)."""
+    dims = declared(op, "head_dims")
+    return dims == "any" or (int(d_qk), int(d_v)) in dims
 
 
 def declarations(op) -> dict[str, Any]:
@@ -206,4 +231,5 @@ def get_op(spec: str):
 
 
 __all__ = ["OpCase", "BUILTIN_OPS", "DEFAULT_OPS", "DECLARATIONS", "KV_FORMATS", "declared", "declarations",
+           "takes_head_dims",
            "get_op", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES"]

@@ -19,7 +19,8 @@ each group is one ``decode`` call with that many queries; rows that appended not
 
 What the wrapper declines (``unsupported_reason``), in this order, each with a sentence: DeepSeek Sparse
 Attention configs (the wrapper drives dense decode); head dims other than kv_lora_rank 512 + qk_rope_head_dim
-64 (the op contract's 576 / 512); a kv_codec that is not ``"none"`` (the op's ``"latent"`` format) or
+64 (the op contract's 576 / 512) unless the op declares them in ``head_dims`` (reference-op takes any: the
+embedded tiny model's golden generations then run through it, with ``head_dim_v`` passed); a kv_codec that is not ``"none"`` (the op's ``"latent"`` format) or
 ``"fp8-e4m3-flashmla"`` (the op's 656-byte format, when the op lists it in ``kv_formats``); then whatever
 the op itself declines for the cases the layer hands it (s_q 1 and s_q > 1, causal, the layer's head
 count, the page size, the dtype), asked through ``op.unsupported_reason(OpCase(...))``.
@@ -35,7 +36,7 @@ import torch
 
 from mla_conformance import reference as ref
 from mla_conformance.cache import PagedLatentCache, to_flashmla_layout
-from mla_conformance.ops import D_QK, D_ROPE, D_V, OpCase, declared
+from mla_conformance.ops import D_QK, D_ROPE, D_V, OpCase, declared, takes_head_dims
 
 FP8_CODEC = "fp8-e4m3-flashmla"
 #: layer kv_codec -> the op's kv format
@@ -44,13 +45,21 @@ CODEC_FORMATS = {"none": "latent", FP8_CODEC: "fp8-e4m3-flashmla"}
 MULTI_TOKEN_S_Q = 2
 
 
-def dims_reason(name: str, config) -> str | None:
-    """The sentence for a config whose latent is not the op contract's 512 + 64."""
-    if (int(config.kv_lora_rank), int(config.qk_rope_head_dim)) == (D_V, D_ROPE):
+def head_dims_of(config) -> tuple[int, int]:
+    """(d_qk, d_v) of a config's latent: kv_lora_rank + qk_rope_head_dim, kv_lora_rank."""
+    return int(config.kv_lora_rank) + int(config.qk_rope_head_dim), int(config.kv_lora_rank)
+
+
+def dims_reason(name: str, config, op=None) -> str | None:
+    """The sentence for a config whose latent is not the op contract's 512 + 64 and not among the head dims
+    the op declares (``head_dims``)."""
+    d_qk, d_v = head_dims_of(config)
+    if (d_qk, d_v) == (D_QK, D_V) or (op is not None and takes_head_dims(op, d_qk, d_v)):
         return None
     return (f"{name} hands the op the op contract's head dims, {D_QK} = kv_lora_rank {D_V} + qk_rope_head_dim "
-            f"{D_ROPE} (value {D_V}); this config has kv_lora_rank {config.kv_lora_rank} and qk_rope_head_dim "
-            f"{config.qk_rope_head_dim}")
+            f"{D_ROPE} (value {D_V}), or others the op declares in head_dims; this config has kv_lora_rank "
+            f"{config.kv_lora_rank} and qk_rope_head_dim {config.qk_rope_head_dim} ({d_qk} / {d_v}), which "
+            f"op {getattr(op, 'name', '?')} does not declare")
 
 
 class OpBackend:
@@ -89,7 +98,7 @@ class OpBackend:
         reason = dense_only_reason(self.name, config)
         if reason:
             return reason
-        reason = dims_reason(self.name, config)
+        reason = dims_reason(self.name, config, self.op)
         if reason:
             return reason
         if kv_codec not in CODEC_FORMATS:
@@ -137,13 +146,16 @@ class OpBackend:
                                 kv_codec=kv_codec, page_block_size=page_block_size)
 
     # ------------------------------------------------------------------ attention
-    def decode(self, q, kv_cache, block_table, cache_seqlens, softmax_scale: float) -> torch.Tensor:
-        """One ``op.decode`` call (causal): q [b, s_q, H, 576] -> o_lat [b, s_q, H, 512]; checks what comes back."""
-        out = self.op.decode(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=True)
+    def decode(self, q, kv_cache, block_table, cache_seqlens, softmax_scale: float, head_dim_v: int = D_V):
+        """One ``op.decode`` call (causal): q [b, s_q, H, 576] -> o_lat [b, s_q, H, 512] (other head dims: the
+        op declared them and gets ``head_dim_v``); checks what comes back."""
+        extra = {} if (q.shape[-1], head_dim_v) == (D_QK, D_V) else {"head_dim_v": head_dim_v}
+        out = self.op.decode(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=True,
+                             **extra)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(f"op {self.op.name}: decode() returned {type(out).__name__}, not (out, lse)")
         o, _lse = out
-        expected = (*q.shape[:3], D_V)
+        expected = (*q.shape[:3], head_dim_v)
         if not isinstance(o, torch.Tensor) or tuple(o.shape) != expected:
             got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
             raise ValueError(f"op {self.op.name}: decode() returned out {got}, expected {expected}")
@@ -167,11 +179,12 @@ class OpBackend:
         for n in sorted({int(v) for v in lengths.tolist()} - {0}):
             rows = (lengths == n).nonzero().flatten().to(q.device)
             o_lat[rows, :n] = self.decode(q[rows, :n].contiguous(), kv_cache, block_table[rows].contiguous(),
-                                          cache_seqlens[rows].contiguous(), cfg.softmax_scale).to(q.dtype)
+                                          cache_seqlens[rows].contiguous(), cfg.softmax_scale,
+                                          cfg.kv_lora_rank).to(q.dtype)
         o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)
         out = o.flatten(-2) @ weights["o_proj.weight"].T
         cache.commit(new_lens)
         return out.to(hidden_states.dtype)
 
 
-__all__ = ["OpBackend", "dims_reason"]
+__all__ = ["OpBackend", "dims_reason", "head_dims_of"]

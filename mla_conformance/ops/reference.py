@@ -121,15 +121,17 @@ def merge_by_lse(out1, lse1, out2, lse2, base: str = "e"):
 
 
 def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None, topk_length=None,
-           attn_sink=None):
-    """The op contract computed in float64, row by row: (out [B, s_q, h_q, 512] float64, lse [B, h_q, s_q]
-    float64, natural log, +inf for a query with no keys). The FP8 layout is decoded as stored (float32
-    scales read as float32, whatever format wrote them)."""
-    B, s_q, h_q, _ = q.shape
+           attn_sink=None, head_dim_v=None):
+    """The op contract computed in float64, row by row: (out [B, s_q, h_q, d_v] float64, lse [B, h_q, s_q]
+    float64, natural log, +inf for a query with no keys); d_v = ``head_dim_v`` (512 by default), d_qk =
+    q's last dim. The FP8 layout is decoded as stored (float32 scales read as float32, whatever format
+    wrote them)."""
+    B, s_q, h_q, d_qk = q.shape
+    d_v = D_V if head_dim_v is None else int(head_dim_v)
     num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
-    flat = dequantize_cache(kv_cache.detach().cpu(), torch.float64).reshape(num_blocks * page, D_QK)
+    flat = dequantize_cache(kv_cache.detach().cpu(), torch.float64).reshape(num_blocks * page, d_qk)
     qd = q.detach().cpu().to(torch.float64)
-    out = torch.zeros(B, s_q, h_q, D_V, dtype=torch.float64)
+    out = torch.zeros(B, s_q, h_q, d_v, dtype=torch.float64)
     lse = torch.full((B, h_q, s_q), math.inf, dtype=torch.float64)
     bt = block_table.detach().cpu().long()
     lens = cache_seqlens.detach().cpu().long()
@@ -149,10 +151,10 @@ def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, in
                 slots = bt[b, pos // page] * page + pos % page if visible else torch.zeros(0, dtype=torch.long)
             if slots.numel() == 0:
                 continue
-            k = flat[slots]                                     # [n, 576]
+            k = flat[slots]                                     # [n, d_qk]
             logits = (qd[b, i] @ k.T) * softmax_scale           # [h, n]
             l = torch.logsumexp(logits, dim=-1)                 # [h]
-            o = torch.softmax(logits, dim=-1) @ k[:, :D_V]      # [h, 512]
+            o = torch.softmax(logits, dim=-1) @ k[:, :d_v]      # [h, d_v]
             if sink is not None:
                 o = o / (1.0 + torch.exp(sink - l))[:, None]
             out[b, i] = o
@@ -164,7 +166,8 @@ def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, in
 
 
 class ReferenceOp:
-    """The op contract in torch on any device, dense and sparse, latent and FP8 656-byte caches, any page size."""
+    """The op contract in torch on any device, dense and sparse, latent and FP8 656-byte caches, pages of 1, 16
+    and 64 tokens, any head dims (``head_dims = "any"``: the layer wrapper runs the tiny model through it)."""
 
     name = "reference-op"
     lse_base = "e"
@@ -174,6 +177,7 @@ class ReferenceOp:
     fp8_scale_format = "pow2"
     deterministic = True
     batch_invariant = True
+    head_dims = "any"
 
     def unsupported_reason(self, case):
         if case.page_block_size not in declared(self, "page_block_sizes"):
@@ -183,13 +187,21 @@ class ReferenceOp:
         return None
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
-               topk_length=None, attn_sink=None):
+               topk_length=None, attn_sink=None, head_dim_v=None):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        B, s_q, h_q, d = q.shape
-        if d != D_QK:
-            raise ValueError(f"{self.name}: q has head dim {d}, the op contract's is {D_QK}")
+        B, s_q, h_q, d_qk = q.shape
+        d_v = D_V if head_dim_v is None else int(head_dim_v)
+        width = FP8_ROW_BYTES if kv_cache.dtype == torch.uint8 else kv_cache.shape[-1]
+        if (kv_cache.dtype == torch.uint8 and (d_qk, d_v) != (D_QK, D_V)) or \
+                (kv_cache.dtype != torch.uint8 and width != d_qk) or not 0 < d_v <= d_qk:
+            raise ValueError(f"{self.name}: q [..., {d_qk}], head_dim_v {d_v} and a kv_cache of rows "
+                             f"{kv_cache.dtype} [..., {kv_cache.shape[-1]}] do not fit together")
         num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
-        kv = dequantize_cache(kv_cache, acc)                                  # [N, P, 1, 576]
+        flat = kv_cache.reshape(num_blocks * page, kv_cache.shape[-1])
+
+        def rows(slots):  # gather first, then decode only the rows read (never the whole pool)
+            return dequantize_cache(flat[slots], acc)
+
         qf = q.to(acc)
         dev = q.device
         if indices is not None:
@@ -197,19 +209,21 @@ class ReferenceOp:
             valid = (idx >= 0) & (idx < num_blocks * page)
             if topk_length is not None:
                 valid &= torch.arange(idx.shape[-1], device=dev) < topk_length.long().view(B, 1, 1)
-            keys = kv.reshape(num_blocks * page, D_QK)[torch.where(valid, idx, 0)]   # [B, s_q, k, 576]
+            keys = rows(torch.where(valid, idx, 0))                             # [B, s_q, k, d_qk]
             keys = torch.where(valid[..., None], keys, torch.zeros((), dtype=acc, device=dev))
             logits = torch.einsum("bshd,bskd->bshk", qf, keys) * softmax_scale
             allowed = valid[:, :, None, :]                                      # [B, s_q, 1, k]
-            values = keys[..., :D_V]
+            values = keys[..., :d_v]
             mix = "bshk,bskd->bshd"
         else:
             lens = cache_seqlens.long()
-            max_blocks = block_table.shape[1]
+            # only the pages some row uses (the block table may be as wide as the capacity)
+            max_blocks = min(block_table.shape[1], -(-int(lens.max()) // page) if B else 0)
             T = max_blocks * page
             used = torch.arange(max_blocks, device=dev) < ((lens + page - 1) // page)[:, None]  # [B, max_blocks]
-            bt = torch.where(used, block_table.long(), 0).clamp(0, num_blocks - 1)
-            keys = kv[bt].reshape(B, T, D_QK)                                   # [B, T, 576]
+            bt = torch.where(used, block_table[:, :max_blocks].long(), 0).clamp(0, num_blocks - 1)
+            slots = (bt[:, :, None] * page + torch.arange(page, device=dev)).reshape(B, T)
+            keys = rows(slots)                                                  # [B, T, d_qk]
             pos = torch.arange(T, device=dev)
             key_ok = pos < lens[:, None]                                        # [B, T]
             keys = torch.where(key_ok[..., None], keys, torch.zeros((), dtype=acc, device=dev))
@@ -220,7 +234,7 @@ class ReferenceOp:
                 ok = key_ok[:, None, :].expand(B, s_q, T)
             logits = torch.einsum("bshd,btd->bsht", qf, keys) * softmax_scale
             allowed = ok[:, :, None, :]
-            values = keys[..., :D_V]
+            values = keys[..., :d_v]
             mix = "bsht,btd->bshd"
         logits = torch.where(allowed, logits, torch.tensor(-math.inf, dtype=acc, device=dev))
         lse = torch.logsumexp(logits, dim=-1)                                   # [B, s_q, h]

@@ -188,7 +188,7 @@ def test_results_record_ops_and_declarations(run):
     decl = run["op_declarations"]["independent-op"]
     assert decl == {"lse_base": "2", "empty_row": "-inf", "page_block_sizes": [1, 16, 64],
                     "kv_formats": ["latent", "fp8-e4m3-flashmla"], "fp8_scale_format": "fp32",
-                    "deterministic": True, "batch_invariant": True}, decl
+                    "deterministic": True, "batch_invariant": True, "head_dims": [[576, 512]]}, decl
     assert run["op_declarations"]["base-contract-op"]["page_block_sizes"] == [64]
     row = run["by_id"]["suites/test_op_numerics.py::test_out_lse_vs_oracle[independent-op-float32]"]
     assert row["params"] == {"op": "independent-op", "dtype": "float32"} and row["section"] == "op-numerics", row
