@@ -383,34 +383,43 @@ def _verdict_lines(report) -> list[str]:
 OP_DECLARATION_COLUMNS = (("lse_base", "LSE base"), ("empty_row", "empty row lse"),
                           ("page_block_sizes", "page sizes"), ("kv_formats", "KV formats"),
                           ("fp8_scale_format", "FP8 scales"), ("deterministic", "deterministic"),
-                          ("batch_invariant", "batch invariant"))
+                          ("batch_invariant", "batch invariant"), ("head_dims", "head dims qk/v"))
 
 
 def _declared_cell(value) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, (list, tuple)):
-        return ", ".join(map(str, value))
+    if isinstance(value, (list, tuple)):  # (576, 512) pairs as 576/512
+        return ", ".join("/".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v) for v in value)
     return "" if value is None else str(value)
+
+
+def _declaration_columns(ops: dict) -> list[tuple[str, str]]:
+    """The op table's declaration columns: the known ones, then any other an op recorded (by its name)."""
+    known = dict(OP_DECLARATION_COLUMNS)
+    extra = sorted({k for v in ops.values() for k in (v.get("declarations") or {}) if k not in known})
+    return list(OP_DECLARATION_COLUMNS) + [(k, k.replace("_", " ")) for k in extra]
 
 
 def _op_verdict_lines(report) -> list[str]:
     ops = report.get("op_results") or {}
     if not ops:
         return []
+    columns = _declaration_columns(ops)
     out = ["## Ops (the op contract)", "",
            "Kernel-level implementations of one decode step over a paged latent cache (`--mla-op`), judged "
            "by the backends' rule. The declarations are the ones each op made in this run (defaults filled "
            "in where it declared nothing): the LSE base its lse is read in, what a query with no keys returns "
            "(out 0 and this lse), the page sizes and KV formats it is tested on, how its FP8 caches are "
-           "scaled, and whether it promised bitwise determinism and batch invariance.", "",
+           "scaled, whether it promised bitwise determinism and batch invariance, and the head dims it takes "
+           "(another declaration an op recorded gets a column of its own).", "",
            "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed | "
-           + " | ".join(h for _, h in OP_DECLARATION_COLUMNS) + " |",
-           "|---|---|---:|---:|---:|---:|---:|---:|" + "---|" * len(OP_DECLARATION_COLUMNS)]
+           + " | ".join(h for _, h in columns) + " |",
+           "|---|---|---:|---:|---:|---:|---:|---:|" + "---|" * len(columns)]
     for op, v in sorted(ops.items()):
         s, decl = v["summary"], v.get("declarations")
-        cells = ([_declared_cell(decl.get(k)) for k, _ in OP_DECLARATION_COLUMNS] if isinstance(decl, dict)
-                 else ["(not recorded)"] + [""] * (len(OP_DECLARATION_COLUMNS) - 1))
+        cells = ([_declared_cell(decl.get(k)) for k, _ in columns] if isinstance(decl, dict)
+                 else ["(not recorded)"] + [""] * (len(columns) - 1))
         out.append(f"| {op} | **{v['verdict']}** | {s.get('passed', 0)} | {s.get('failed', 0)} | "
                    f"{s.get('error', 0)} | {s.get('skipped', 0)} | {s.get('xfailed', 0)} | {s.get('xpassed', 0)} | "
                    + " | ".join(c.replace("|", "/") for c in cells) + " |")

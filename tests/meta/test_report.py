@@ -152,7 +152,7 @@ def test_floats_rounded_and_report_deterministic():
 # --------------------------------------------------------------------------- ops (the op contract)
 
 DECL = {"lse_base": "e", "empty_row": "+inf", "page_block_sizes": [16, 64], "kv_formats": ["latent"],
-        "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False}
+        "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False, "head_dims": [[576, 512]]}
 
 
 def _op(nodeid, outcome, op, section, reason=None, figures=None, **params):
@@ -174,7 +174,7 @@ def _op_fig(case, out_rel_fro, **extra):
 def op_results():
     """A run with one layer backend and three ops: one conforming, one failing, one only skipped."""
     res = {"backends": ["good"], "ops": ["good-op", "base2-op", "idle-op"], "exitstatus": 1, "device": "cpu",
-           "op_declarations": {"good-op": DECL, "base2-op": {**DECL, "lse_base": "2", "empty_row": "-inf",
+           "op_declarations": {"good-op": {**DECL, "head_dims": "any", "max_topk": 2048}, "base2-op": {**DECL, "lse_base": "2", "empty_row": "-inf",
                                                              "deterministic": False},
                                "idle-op": {**DECL, "kv_formats": ["latent", "fp8-e4m3-flashmla"]}},
            "tests": [_numerics("good", "passed", 5.0e-7, 2.0e-6),
@@ -223,9 +223,11 @@ def test_op_section_in_markdown():
     md = R.render_markdown(R.build_report(op_results(), name="h", env=ENV))
     ops = md[md.index("## Ops (the op contract)"):md.index("## Failures")]
     assert "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed | LSE base | empty row lse | " \
-           "page sizes | KV formats | FP8 scales | deterministic | batch invariant |" in ops
-    assert "| base2-op | **DOES NOT CONFORM** | 0 | 1 | 0 | 1 | 0 | 0 | 2 | -inf | 16, 64 | latent | pow2 | no | no |" in ops
-    assert "| good-op | **CONFORMS** | 1 | 0 | 0 | 1 | 0 | 0 | e | +inf | 16, 64 | latent | pow2 | yes | no |" in ops
+           "page sizes | KV formats | FP8 scales | deterministic | batch invariant | head dims qk/v | max topk |" in ops
+    assert "| base2-op | **DOES NOT CONFORM** | 0 | 1 | 0 | 1 | 0 | 0 | 2 | -inf | 16, 64 | latent | pow2 | no | no | " \
+           "576/512 |  |" in ops
+    assert "| good-op | **CONFORMS** | 1 | 0 | 0 | 1 | 0 | 0 | e | +inf | 16, 64 | latent | pow2 | yes | no | " \
+           "any | 2048 |" in ops, "a declaration the report does not know gets a column of its own"
     assert "**op idle-op: NOT TESTED** (0 conformance tests executed)" in ops and "- idle-op: no FP8 here (1 test)" in ops
     assert "| good | **CONFORMS** |" in md and "| idle-op |" not in md[:md.index("## Ops")], "ops not in the backends' table"
     cases = md[md.index("## Op cases"):]
