@@ -369,7 +369,7 @@ MATRIX: tuple[KernelRow, ...] = (
         page_block_size=None,
         sources=(_FLASHINFER_UTILS, _FLASHINFER_MLA),
         confidence="medium",
-        notes="Any page size. Other devices fall back to backend fa2 (not in this matrix).",
+        notes="Any page size. Other devices fall back to backend fa2 (flashinfer/fa2_mla).",
     ),
     KernelRow(
         kernel_id="flashinfer/fa2_mla",
@@ -870,7 +870,7 @@ def _render_text(report: dict[str, Any]) -> str:
 
 
 def _runs_here(report: dict[str, Any]) -> str:
-    """One sentence: which kernels do run on the device judged, by library, and FlashInfer's FA2 fallback."""
+    """One sentence: which kernels do run on the device judged, by library (and when FlashInfer's auto picks FA2)."""
     dev = report["device"]
     where = f"On {dev['sm']} ({dev['capability']})" if dev["capability"] is not None else "On this host (no CUDA device)"
     runs = [k for k, v in report["verdicts"].items() if v["supported"]]
@@ -880,10 +880,8 @@ def _runs_here(report: dict[str, Any]) -> str:
         parts.append(f"{lib}'s {', '.join(mine)}" if mine else f"none of {lib}'s")
     text = f"{where}: " + "; ".join(parts)
     cap = dev["capability"]
-    if cap is not None and tuple(int(x) for x in cap.split(".")) >= (8, 0) and not any(
-            k == "flashinfer/fa3_mla" for k in runs):
-        text += ("; FlashInfer's FA2 MLA (BatchMLAPagedAttentionWrapper, backend fa2, not in this matrix) does "
-                 "(FlashInfer falls back to it off SM90)")
+    if cap is not None and "flashinfer/fa3_mla" not in runs and "flashinfer/fa2_mla" in runs:
+        text += " (FlashInfer's backend auto falls back to FA2 off SM90)"
     elif cap is None:
         text += " (a CUDA GPU is needed for all of them)"
     return text + "."

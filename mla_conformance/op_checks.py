@@ -517,6 +517,8 @@ def check_against_oracle(op, spec: Spec, *, check: str, figures: dict) -> tuple[
 def bitwise_equal(op, case: OpCase, a, b, *, check: str, what: str, figures: dict) -> None:
     """Two (out, lse) pairs bitwise equal (NaN equal to NaN of the same bits)."""
     __tracebackhide__ = True
+    figures.setdefault("check", check)
+    figures.setdefault("case", case.describe())
     for name, x, y in (("out", a[0], b[0]), ("lse", a[1], b[1])):
         x, y = x.detach().cpu(), y.detach().cpu()
         same = x.shape == y.shape and x.dtype == y.dtype and torch.equal(
