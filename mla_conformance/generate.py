@@ -26,12 +26,15 @@ import torch
 from mla_conformance.checkpoint import SafetensorsCheckpoint
 from mla_conformance.config import MLAConfig
 from mla_conformance.errors import CheckpointError, MLAInputError
-from mla_conformance.resources import prompts_file, tiny_model_dir
+from mla_conformance.resources import fixtures_dir, prompts_file, tiny_model_dir
 from mla_conformance.weights import MLAWeights, expected_shapes
 
 #: the embedded tiny model and its prompts (package data; the checkout's fixtures/ in an editable install)
 DEFAULT_MODEL = tiny_model_dir()
 DEFAULT_PROMPTS = prompts_file()
+#: the embedded tiny model's DeepSeek Sparse Attention variant (index_topk 6, its indexer warm-up trained; the
+#: command that built it: fixtures/models/tiny-mla-dsa/README.md)
+DSA_MODEL = fixtures_dir() / "models" / "tiny-mla-dsa"
 
 
 def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -288,17 +291,40 @@ def add_cli(sub) -> None:
 def tiny_training_sequences(prompts_path: str | Path = DEFAULT_PROMPTS, seed: int = 11) -> list[list[int]]:
     """Held-out episodes (prompt + answer ids) of the tiny model's tasks, from fixtures/train_tiny.py (a checkout
     only): 32 long copies, 16 recalls, 16 copies, none of them a pinned prompt of ``prompts_path``."""
-    try:
-        from fixtures import train_tiny as tt
-    except ImportError:
-        raise MLAInputError("the tiny model's task generator (fixtures/train_tiny.py) is only in a checkout; give "
-                            "--train-sequences FILE") from None
+    tt = _train_tiny()
     pinned = {" ".join(tt.VOCAB[i] for i in ep["token_ids"][1:])
               for eps in load_prompts(prompts_path)["sets"].values() for ep in eps if ep.get("token_ids")}
     out = []
     for kind, n in (("long_copy", 32), ("recall", 16), ("copy", 16)):
         out += [[tt.BOS, *tt.ids(p), *tt.ids(a)] for p, a in tt.held_out(seed, kind, n, pinned)]
     return out
+
+
+def _train_tiny():
+    """fixtures/train_tiny.py of the checkout the fixtures are read from (not shipped in a wheel), loaded by path,
+    so the console script finds it from any working directory."""
+    import importlib.util
+
+    path = fixtures_dir() / "train_tiny.py"
+    if not path.is_file():
+        raise MLAInputError("the tiny model's task generator (fixtures/train_tiny.py) is only in a checkout; give "
+                            "--train-sequences FILE")
+    module = sys.modules.get("_mla_train_tiny")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_mla_train_tiny", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_mla_train_tiny"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def _source_label(src: Path) -> str:
+    """``src`` as dsa_variant.json records it: relative (fixtures/models/...) for a model among the fixtures, so a
+    shipped variant names no build machine's path; as given otherwise."""
+    try:
+        return "fixtures/" + src.resolve().relative_to(fixtures_dir().resolve()).as_posix()
+    except ValueError:
+        return str(src)
 
 
 def _dsa_variant_cli(args) -> int:
@@ -438,6 +464,6 @@ def make_dsa_variant(src: str | Path, dst: str | Path, *, index_n_heads: int = 4
         for n, t in ix.items():
             state[f"model.layers.{i}.self_attn.{n}"] = t.detach().contiguous().clone()
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "dsa_variant.json").write_text(json.dumps({"source": str(src), **figures}, indent=2) + "\n",
+    (dst / "dsa_variant.json").write_text(json.dumps({"source": _source_label(src), **figures}, indent=2) + "\n",
                                           encoding="utf-8")
     return figures

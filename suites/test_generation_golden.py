@@ -3,6 +3,13 @@
 The tiny model (fixtures/models/tiny-mla) learned to copy spans and recall values from its context, so
 every generated token depends on the KV cache being right. Goldens are syrupy snapshots under
 golden/generation/<numerics class>/, shared by all backends: every backend must produce the same tokens.
+
+Its DeepSeek Sparse Attention variant (fixtures/models/tiny-mla-dsa: the same weights plus a lightning indexer
+per layer, index_topk 6, the indexer warm-up trained) has goldens of its own (``tiny-dsa-short``,
+``tiny-dsa-long``: the tiny-short / tiny-long prompts), run by every backend that accepts its config; dense
+backends skip with their own sentence. Every prompt is longer than 6 tokens (the shortest recall has 8), so
+selection bites on every answer token and the answers depend on the indexer: a random one collapses them
+(tests/test_dsa_golden_tools.py).
 """
 
 import pytest
@@ -10,10 +17,12 @@ import torch
 
 from mla_conformance import MLAConfig, checks
 from mla_conformance.errors import MLAInputError
-from mla_conformance.generate import DEFAULT_MODEL, load_model, numerics_class, run_generation
+from mla_conformance.generate import DEFAULT_MODEL, DSA_MODEL, load_model, numerics_class, run_generation
 from mla_conformance.golden import golden_extension, golden_path, golden_payload, read_golden
 
 PROMPT_SETS = ["tiny-short", "tiny-long"]
+#: golden name -> the DSA tiny model's prompt set it generates (its goldens are named apart from the dense model's)
+DSA_GOLDENS = {"tiny-dsa-short": "tiny-short", "tiny-dsa-long": "tiny-long"}
 
 
 def model_dtype(device: str) -> torch.dtype:
@@ -25,10 +34,17 @@ def tiny_model(mla_device):
     return load_model(DEFAULT_MODEL, model_dtype(mla_device), mla_device)
 
 
-def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device, dtype):
+@pytest.fixture(scope="module")
+def tiny_dsa_model(mla_device):
+    return load_model(DSA_MODEL, model_dtype(mla_device), mla_device)
+
+
+def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device, dtype, golden_name=None):
+    """``golden_name``: the golden's name where it is not the prompt set's (another model's goldens)."""
     __tracebackhide__ = True
     cls = numerics_class(device, dtype)
-    path = golden_path(cls, prompt_set, kv_codec)
+    golden_name = golden_name or prompt_set
+    path = golden_path(cls, golden_name, kv_codec)
     payload = golden_payload(result, cls, prompt_set)
     if not request.config.option.update_snapshots:
         try:
@@ -38,20 +54,24 @@ def check_against_golden(request, snapshot, result, prompt_set, kv_codec, device
         if stored is None:
             pytest.skip(f"no golden for numerics class {cls} ({path.relative_to(path.parents[3])}); create it with "
                         f"`pytest {request.node.nodeid.split('::')[0]} --snapshot-update` and review the diff")
-    assert payload == snapshot(extension_class=golden_extension(cls, prompt_set, kv_codec))
+    assert payload == snapshot(extension_class=golden_extension(cls, golden_name, kv_codec))
 
 
 @pytest.mark.mla_section("golden")
-@pytest.mark.parametrize("prompt_set", PROMPT_SETS)
-def test_golden_generation(mla_backend, prompt_set, tiny_model, snapshot, request, mla_device, mla_figures):
+@pytest.mark.parametrize("prompt_set", [*PROMPT_SETS, *DSA_GOLDENS])
+def test_golden_generation(mla_backend, prompt_set, snapshot, request, mla_device, mla_figures):
+    """The dense tiny model on tiny-short / tiny-long; its DSA variant on the same prompts (tiny-dsa-*), each
+    backend that accepts the model's config; the config is read before the model loads, so a backend that
+    declines it skips at no cost."""
     dtype = model_dtype(mla_device)
-    checks.require_support(mla_backend, MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype,
-                           device=mla_device)
-    result = run_generation(DEFAULT_MODEL, mla_backend, prompt_sets=[prompt_set], dtype=dtype, device=mla_device,
-                            model=tiny_model)
+    dsa = prompt_set in DSA_GOLDENS
+    model_dir, prompts = (DSA_MODEL, DSA_GOLDENS[prompt_set]) if dsa else (DEFAULT_MODEL, prompt_set)
+    checks.require_support(mla_backend, MLAConfig.from_hf(model_dir), dtype=dtype, device=mla_device)
+    model = request.getfixturevalue("tiny_dsa_model" if dsa else "tiny_model")
+    result = run_generation(model_dir, mla_backend, prompt_sets=[prompts], dtype=dtype, device=mla_device, model=model)
     mla_figures.update(accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
     assert result["accuracy"] >= 0.99, f"{mla_backend.name}: accuracy {result['accuracy']:.4f} on {prompt_set}"
-    check_against_golden(request, snapshot, result, prompt_set, "none", mla_device, dtype)
+    check_against_golden(request, snapshot, result, prompts, "none", mla_device, dtype, golden_name=prompt_set)
 
 
 #: codec -> minimum accuracy on the tiny model's expected answers (None: negative control, recorded only)

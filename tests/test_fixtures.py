@@ -2,7 +2,8 @@
 
 fixtures/models/tiny-mla is a 2-layer DeepSeek-V2 (MLA with the ``tiny`` attention preset, YaRN,
 one MoE layer) trained by fixtures/train_tiny.py on in-context copy / recall tasks; fixtures/prompts.json
-holds held-out episodes with their expected greedy answers.
+holds held-out episodes with their expected greedy answers. fixtures/models/tiny-mla-dsa is its DeepSeek Sparse
+Attention variant (the same weights plus a trained lightning indexer; its README.md has the command that built it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mla_conformance import config as mla_config
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MODEL_DIR = FIXTURES / "models" / "tiny-mla"
+DSA_DIR = FIXTURES / "models" / "tiny-mla-dsa"
 MANIFEST = FIXTURES / "MANIFEST.sha256"
 PROMPTS = FIXTURES / "prompts.json"
 TINY_SETS = ("tiny-short", "tiny-long")
@@ -94,8 +96,33 @@ def test_manifest_lists_every_model_file():
     unlisted = sorted(on_disk - listed)
     assert not unlisted, "files under fixtures/models/ missing from MANIFEST.sha256:\n" + "\n".join(
         f"{rel}: sha256 {_sha256(FIXTURES / rel)}" for rel in unlisted)
-    assert "models/tiny-mla/model.safetensors" in listed
-    assert "models/tiny-mla/config.json" in listed
+    for model in ("tiny-mla", "tiny-mla-dsa"):
+        assert f"models/{model}/model.safetensors" in listed
+        assert f"models/{model}/config.json" in listed
+
+
+def test_dsa_variant_is_tiny_mla_plus_an_indexer():
+    """tiny-mla-dsa holds tiny-mla's tensors unchanged (a retrained tiny-mla leaves it stale) plus one indexer per
+    layer, and its config.json is tiny-mla's plus the three DSA fields."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import load_file
+
+    dense = json.loads((MODEL_DIR / "config.json").read_text(encoding="utf-8"))
+    dsa = json.loads((DSA_DIR / "config.json").read_text(encoding="utf-8"))
+    extra = {k: dsa.pop(k) for k in ("index_n_heads", "index_head_dim", "index_topk")}
+    assert dsa == dense and extra == {"index_n_heads": 4, "index_head_dim": 32, "index_topk": 6}
+    assert mla_config.MLAConfig.from_hf(DSA_DIR) == dataclasses.replace(mla_config.MLAConfig.preset("tiny-dsa"),
+                                                                        index_topk=6)
+    a, b = load_file(str(MODEL_DIR / "model.safetensors")), load_file(str(DSA_DIR / "model.safetensors"))
+    stale = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+    assert not stale, f"tiny-mla-dsa's copies of tiny-mla's tensors differ (rebuild it, see its README.md): {stale}"
+    indexer = {k for k in b if k not in a}
+    assert indexer == {f"model.layers.{i}.self_attn.indexer.{n}" for i in range(dense["num_hidden_layers"])
+                       for n in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")}
+    for rel in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (DSA_DIR / rel).read_bytes() == (MODEL_DIR / rel).read_bytes(), rel
 
 
 # ------------------------------------------------------------------------------------- model
