@@ -48,15 +48,32 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-
+    # a DSA model's indexer tensors are not DeepseekV2 parameters (layer_weights reads them from the files):
+    # transformers' load report would list them as UNEXPECTED on every load; errors still surface
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
-        model = DeepseekV2ForCausalLM.from_pretrained(str(directory), dtype=dtype, attn_implementation="eager")
-    except TypeError:  # transformers < 4.56 calls it torch_dtype
-        model = DeepseekV2ForCausalLM.from_pretrained(str(directory), torch_dtype=dtype,
-                                                      attn_implementation="eager")
+        try:
+            model, info = DeepseekV2ForCausalLM.from_pretrained(str(directory), dtype=dtype, attn_implementation="eager",
+                                                                output_loading_info=True)
+        except TypeError:  # transformers < 4.56 calls it torch_dtype
+            model, info = DeepseekV2ForCausalLM.from_pretrained(str(directory), torch_dtype=dtype,
+                                                                attn_implementation="eager", output_loading_info=True)
     except Exception as exc:
         raise CheckpointError(f"{directory}: transformers could not load the model: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers would initialise them at random: never generate with that
+        raise CheckpointError(f"{directory}: the model files lack {len(missing)} tensor(s) the model needs: "
+                              f"{', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}")
+    unexpected = sorted(k for k in info.get("unexpected_keys") or [] if ".indexer." not in k)
+    if unexpected:
+        import warnings
+
+        warnings.warn(f"{directory}: tensors the model does not use: {', '.join(unexpected[:4])}"
+                      f"{' …' if len(unexpected) > 4 else ''}", stacklevel=2)
     return model.to(device).eval()
 
 

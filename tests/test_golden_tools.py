@@ -1,6 +1,8 @@
 """The tool's own tests of suites/test_generation_golden.py's machinery (no backend under test): moved out of the
 conformance suite, which keeps only tests that judge a backend."""
 
+from pathlib import Path
+
 import pytest
 
 from tests._suite_modules import suite_namespace
@@ -40,3 +42,24 @@ def test_int2_negative_control_collapses(tiny_model, mla_device, mla_figures):
     mla_figures.update(acc)
     print(f"measured accuracy: int8-g32 {acc['int8-g32']:.4f}, int2-asym-g32 {acc['int2-asym-g32']:.4f}")
     assert acc["int2-asym-g32"] < acc["int8-g32"] and acc["int2-asym-g32"] < 0.99, acc
+
+
+def test_model_missing_a_tensor_is_refused(tmp_path):
+    """transformers would initialise a missing tensor at random and generate garbage: load_model names it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mla_conformance.errors import CheckpointError
+    from mla_conformance.generate import DEFAULT_MODEL, load_model
+
+    for f in Path(DEFAULT_MODEL).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(str(Path(DEFAULT_MODEL) / "model.safetensors"))
+    dropped = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert dropped in tensors
+    del tensors[dropped]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lack 1 tensor\(s\).*layers\.1\.self_attn\.kv_b_proj\.weight"):
+        load_model(tmp_path)
