@@ -81,15 +81,20 @@ def pick_page(op, prefer=(16, 64, 1)) -> int:
 def unsupported(op, case: OpCase) -> str | None:
     """The op's sentence for a case it declines (a raising unsupported_reason is a BackendError)."""
     __tracebackhide__ = True
+    # the op's own sentence first: on a host its kernel cannot run on, that is the support matrix's sentence
+    # (the same for every case), not a remark about the case's format
+    try:
+        reason = op.unsupported_reason(case)
+    except Exception as exc:
+        raise BackendError(f"{op.name}: unsupported_reason({case.describe()}) raised {type(exc).__name__}: "
+                           f"{exc}") from exc
+    if reason:
+        return reason
     if case.kv_format not in declared(op, "kv_formats"):
         return f"declares kv_formats {declared(op, 'kv_formats')}, not {case.kv_format!r}"
     if case.page_block_size not in declared(op, "page_block_sizes"):
         return f"declares page_block_sizes {declared(op, 'page_block_sizes')}, not {case.page_block_size}"
-    try:
-        return op.unsupported_reason(case)
-    except Exception as exc:
-        raise BackendError(f"{op.name}: unsupported_reason({case.describe()}) raised {type(exc).__name__}: "
-                           f"{exc}") from exc
+    return None
 
 
 def require(op, case: OpCase) -> OpCase:

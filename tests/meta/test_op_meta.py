@@ -56,6 +56,7 @@ CORRECT_OPS = {
 }
 #: the sentences base-contract-op may skip with (its own unsupported_reason, or an absent declaration)
 BASE_CONTRACT_SKIPS = ("implements dense decode only", "takes no attn_sink", "declares kv_formats ('latent',)",
+                       "reads a latent cache in q's dtype only",  # its own sentence, asked before the declarations
                        "declares page_block_sizes (64,)", "does not declare deterministic",
                        "does not declare batch_invariant")
 
