@@ -107,51 +107,41 @@ def _engaged(config) -> dict:
     return config.stash.setdefault(_ENGAGED_KEY, {})
 
 
-def _backends(config) -> list:
-    """The backends under test, resolved once per session (and only when something needs them)."""
-    backends = config.stash.get(_BACKENDS_KEY, None)
-    if backends is not None:
-        return backends
-    from mla_conformance.backends import DEFAULT_BACKENDS, get_backend
+def _resolved(config, key, option: str, kind: str, defaults, resolve) -> list:
+    """The objects under test for one option (its specs, else ``defaults``), resolved once per session with
+    ``resolve``; a bad spec or two objects of one name is a usage error naming the option."""
+    objs = config.stash.get(key, None)
+    if objs is not None:
+        return objs
     from mla_conformance.errors import MLAInputError
 
-    specs = config.getoption("--mla-backend") or list(DEFAULT_BACKENDS)
-    backends = []
+    objs = []
     try:
-        for spec in specs:
-            backends.append(get_backend(spec))
+        for spec in config.getoption(option) or list(defaults):
+            objs.append(resolve(spec))
     except MLAInputError as exc:
-        raise pytest.UsageError(f"--mla-backend: {exc}") from None
-    names = [b.name for b in backends]
+        raise pytest.UsageError(f"{option}: {exc}") from None
+    names = [o.name for o in objs]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
-        raise pytest.UsageError(f"--mla-backend: two backends share the name(s) {sorted(dupes)}; test ids need "
-                                "unique names")
-    config.stash[_BACKENDS_KEY] = backends
-    return backends
+        raise pytest.UsageError(f"{option}: two {kind}s share the name(s) {sorted(dupes)}; test ids need unique names")
+    config.stash[key] = objs
+    return objs
+
+
+def _backends(config) -> list:
+    """The backends under test (--mla-backend, else DEFAULT_BACKENDS), resolved once per session (and only
+    when something needs them)."""
+    from mla_conformance.backends import DEFAULT_BACKENDS, get_backend
+
+    return _resolved(config, _BACKENDS_KEY, "--mla-backend", "backend", DEFAULT_BACKENDS, get_backend)
 
 
 def _ops(config) -> list:
     """The ops under test (--mla-op, else DEFAULT_OPS), resolved once per session."""
-    ops = config.stash.get(_OPS_KEY, None)
-    if ops is not None:
-        return ops
-    from mla_conformance.errors import MLAInputError
     from mla_conformance.ops import DEFAULT_OPS, get_op
 
-    specs = config.getoption("--mla-op") or list(DEFAULT_OPS)
-    ops = []
-    try:
-        for spec in specs:
-            ops.append(get_op(spec))
-    except MLAInputError as exc:
-        raise pytest.UsageError(f"--mla-op: {exc}") from None
-    names = [o.name for o in ops]
-    dupes = {n for n in names if names.count(n) > 1}
-    if dupes:
-        raise pytest.UsageError(f"--mla-op: two ops share the name(s) {sorted(dupes)}; test ids need unique names")
-    config.stash[_OPS_KEY] = ops
-    return ops
+    return _resolved(config, _OPS_KEY, "--mla-op", "op", DEFAULT_OPS, get_op)
 
 
 def _op_declarations(op) -> dict:

@@ -35,19 +35,10 @@ def _modeling():
 
 
 def _hf_v32_config(config: MLAConfig):
-    from transformers import DeepseekV32Config
+    """transformers' DeepseekV32Config for the config, built as the hf-transformers backend builds it."""
+    from mla_conformance.backends.hf import _hf_v32_config as build
 
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling:
-        rope = {**dict(config.rope_scaling), "rope_theta": config.rope_theta}
-    cfg = DeepseekV32Config(
-        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings, num_hidden_layers=1, vocab_size=16,
-        intermediate_size=32, rope_parameters=rope, index_n_heads=config.index_n_heads,
-        index_head_dim=config.index_head_dim, index_topk=config.index_topk)
+    cfg = build(config)
     cfg._attn_implementation = "eager"
     return cfg
 

@@ -67,7 +67,6 @@ An op is named on the command line by a spec (``--mla-op``): a built-in name (:d
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 from mla_conformance.errors import BackendSpecError
@@ -189,42 +188,9 @@ def declarations(op) -> dict[str, Any]:
 
 def get_op(spec: str):
     """Resolve an op spec to an op instance, or raise BackendSpecError naming the spec."""
-    from mla_conformance.backends import _import_attr
+    from mla_conformance.backends import resolve_spec
 
-    if not isinstance(spec, str) or not spec.strip():
-        raise BackendSpecError(f"op spec {spec!r}: empty; give a built-in op ({', '.join(BUILTIN_OPS)}), "
-                               "package.module:attr or path/to/file.py:attr")
-    spec = spec.strip()
-    if spec in BUILTIN_OPS:
-        target, attr = BUILTIN_OPS[spec].split(":")
-    elif ":" in spec:
-        target, _, attr = spec.rpartition(":")
-        if not target or not attr:
-            raise BackendSpecError(f"op spec {spec!r}: expected module:attr or file.py:attr")
-    else:
-        import difflib
-
-        close = difflib.get_close_matches(spec, list(BUILTIN_OPS), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise BackendSpecError(f"op spec {spec!r}: not a built-in op{hint}; built-ins are "
-                               f"{', '.join(BUILTIN_OPS)}; or give package.module:attr or path/to/file.py:attr")
-    try:
-        obj = _import_attr(spec, target, attr)
-    except BackendSpecError as exc:
-        raise BackendSpecError(str(exc).replace("backend spec", "op spec", 1)) from None
-    if inspect.isclass(obj):
-        try:
-            obj = obj()
-        except Exception as exc:
-            raise BackendSpecError(f"op spec {spec!r}: instantiating {attr} without arguments failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
-    missing = [m for m in REQUIRED_METHODS if not callable(getattr(obj, m, None))]
-    if missing:
-        raise BackendSpecError(f"op spec {spec!r}: {type(obj).__name__} is not an op: missing "
-                               f"{', '.join(missing)} (the op contract needs name, {', '.join(REQUIRED_METHODS)})")
-    name = getattr(obj, "name", None)
-    if not isinstance(name, str) or not name:
-        raise BackendSpecError(f"op spec {spec!r}: {type(obj).__name__} has no 'name' string attribute")
+    obj = resolve_spec(spec, kind="op", builtins=BUILTIN_OPS, required=REQUIRED_METHODS)
     for key in DECLARATIONS:
         declared(obj, key)  # a bad declaration is a bad spec, said now
     return obj
