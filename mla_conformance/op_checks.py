@@ -467,9 +467,15 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
         wrong = (raw_lse != empty_lse) & empty
         if bool(wrong.any()):
             b, h, s = (int(i) for i in wrong.nonzero()[0])
+            got = float(raw_lse[b, h, s])
+            said = ("declared" if getattr(op, "empty_row", None) is not None else
+                    "the op contract's default: the op declares no empty_row")
+            other = {math.inf: "+inf", -math.inf: "-inf"}.get(got)
+            hint = (f"; if {other} is the op's convention for a query with no keys, declare empty_row = {other!r}"
+                    if other and other != declared(op, "empty_row") else "")
             raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys: lse must be {empty_lse} (empty_row = "
-                                 f"{declared(op, 'empty_row')!r} declared), got {float(raw_lse[b, h, s])} at head {h} "
-                                 f"({int(wrong.sum())} such value(s))")
+                                 f"{declared(op, 'empty_row')!r}, {said}), got {got} at head {h} "
+                                 f"({int(wrong.sum())} such value(s)){hint}")
     # lse of queries with keys
     over = lse_err > lse_bound
     if bool(over.any()):
