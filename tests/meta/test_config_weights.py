@@ -75,9 +75,19 @@ def _write_layer(path, weights, layer, names="hf"):
     return {prefix + (k if names == "hf" else inverse[k]): v.contiguous() for k, v in weights.items()}
 
 
+_RANDOM: dict = {}
+
+
+def _random(config, seed):  # V2-Lite dims draw in float64: once per (config, seed), not once per parametrisation
+    key = (json.dumps(config.to_hf_dict(), sort_keys=True), seed)
+    if key not in _RANDOM:
+        _RANDOM[key] = MLAWeights.random(config, seed=seed)
+    return _RANDOM[key]
+
+
 def _checkpoint(tmp_path, config, *, names="hf", sharded=False):
-    w = MLAWeights.random(config, seed=1)
-    tensors = {**_write_layer(tmp_path, MLAWeights.random(config, seed=0), 0, names),
+    w = _random(config, 1)
+    tensors = {**_write_layer(tmp_path, _random(config, 0), 0, names),
                **_write_layer(tmp_path, w, 1, names)}
     tensors["model.embed_tokens.weight"] = torch.zeros(4, config.hidden_size)
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
