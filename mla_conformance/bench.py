@@ -79,7 +79,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import statistics

@@ -32,7 +32,6 @@ measured (:data:`QUANT_STUDY_SCHEMES`). A third reading, per-channel scales over
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from typing import Any
@@ -46,6 +45,54 @@ Storage = dict[str, tuple[tuple[int, ...], torch.dtype]]
 FP8_E4M3_MAX = 448.0
 #: FlashMLA's floor on amax / 448 before rounding the scale up to a power of two (its FP8_AMAX_MARGIN).
 FLASHMLA_SCALE_FLOOR = 1e-4
+
+
+FLASHMLA_TILE = 128
+FLASHMLA_ROW_BYTES = 656
+
+
+def flashmla_fp8_scales(c: torch.Tensor, scale_format: str = "pow2") -> torch.Tensor:
+    """FlashMLA's tile scales [..., tiles] float32 of a latent [..., 512]: max(amax / 448, 1e-4) per 128 values,
+    rounded up to a power of two under ``"pow2"`` (FlashMLA's ue8m0, what its kernels are tested with), kept
+    as is under ``"fp32"`` (arbitrary float32 scales, a layout some writers use)."""
+    amax = c.to(torch.float32).unflatten(-1, (-1, FLASHMLA_TILE)).abs().amax(-1)
+    s = torch.clamp_min(amax / FP8_E4M3_MAX, FLASHMLA_SCALE_FLOOR)
+    if scale_format == "pow2":
+        return torch.pow(2.0, torch.log2(s).ceil())
+    if scale_format == "fp32":
+        return s
+    raise ValueError(f"fp8 scale format {scale_format!r}: expected 'pow2' or 'fp32'")
+
+
+def encode_flashmla_fp8(c: torch.Tensor, k_pe: torch.Tensor, scale_format: str = "pow2") -> torch.Tensor:
+    """c [..., 512], k_pe [..., 64] -> FlashMLA's 656-byte rows, uint8 [..., 656]: 512 e4m3 (c / its tile's
+    scale), 4 float32 scales, 64 bf16 rope (little-endian whatever the host)."""
+    scale = flashmla_fp8_scales(c, scale_format)
+    q = (c.to(torch.float32).unflatten(-1, (-1, FLASHMLA_TILE)) / scale[..., None]).flatten(-2)
+    q = q.to(torch.float8_e4m3fn).view(torch.uint8)
+    s = scale.to(torch.float32).contiguous().view(torch.uint8)
+    if sys.byteorder != "little":
+        s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2)
+    rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return torch.cat([q, s, rope], dim=-1)
+
+
+def decode_flashmla_fp8(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's 656-byte rows -> (c [..., 512], k_pe [..., 64]) in ``dtype``. The e4m3 values are multiplied
+    by their float32 scale in float32 at least (FlashMLA's dequantize: nope.float() * scale), so a bfloat16
+    result never rounds the scale first."""
+    if rows.dtype != torch.uint8 or rows.shape[-1] != FLASHMLA_ROW_BYTES:
+        raise ValueError(f"expected uint8 [..., {FLASHMLA_ROW_BYTES}] rows, got {rows.dtype} {tuple(rows.shape)}")
+    n = rows.shape[-1] - 16 - 128
+    compute = torch.promote_types(dtype, torch.float32)
+    q = rows[..., :n].contiguous().view(torch.float8_e4m3fn).to(compute)
+    s = rows[..., n:n + 16].contiguous()
+    if sys.byteorder != "little":
+        s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2).contiguous()
+    scale = s.view(torch.float32).to(compute)
+    c = (q.unflatten(-1, (-1, FLASHMLA_TILE)) * scale[..., None]).flatten(-2).to(dtype)
+    k_pe = rows[..., n + 16:].contiguous().view(torch.bfloat16).to(dtype)
+    return c, k_pe
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -364,29 +411,13 @@ class FlashMLAFP8(Codec):
 
     @classmethod
     def scales(cls, c: torch.Tensor) -> torch.Tensor:
-        amax = c.to(torch.float32).unflatten(-1, (-1, cls.TILE)).abs().amax(-1)
-        return torch.pow(2.0, torch.log2(torch.clamp_min(amax / FP8_E4M3_MAX, FLASHMLA_SCALE_FLOOR)).ceil())
+        return flashmla_fp8_scales(c, "pow2")
 
     def encode(self, c, k_pe, cache_dtype, globals=None):
-        scale = self.scales(c)
-        q = (c.to(torch.float32).unflatten(-1, (-1, self.TILE)) / scale[..., None]).flatten(-2)
-        q = q.to(torch.float8_e4m3fn).view(torch.uint8)
-        s = scale.to(torch.float32).contiguous().view(torch.uint8)
-        if sys.byteorder != "little":  # the layout is little-endian whatever the host
-            s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2)
-        rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
-        return {"kv": torch.cat([q, s, rope], dim=-1)}
+        return {"kv": encode_flashmla_fp8(c, k_pe, "pow2")}
 
     def decode(self, parts, cache_dtype, globals=None):
-        kv = parts["kv"]
-        q = kv[..., :512].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-        s = kv[..., 512:528].contiguous()
-        if sys.byteorder != "little":
-            s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2).contiguous()
-        scale = s.view(torch.float32)
-        c = (q.unflatten(-1, (-1, self.TILE)) * scale[..., None]).flatten(-2)
-        k_pe = kv[..., 528:656].contiguous().view(torch.bfloat16)
-        return c.to(cache_dtype), k_pe.to(cache_dtype)
+        return decode_flashmla_fp8(parts["kv"], cache_dtype)
 
 
 def _registry() -> dict[str, Codec]:

@@ -287,11 +287,6 @@ _BUGS = [
 BUG_CLASSES: dict[str, BugClass] = {b.name: b for b in _BUGS}
 
 
-def correct_oracle(weights: MLAWeights, x: torch.Tensor, lengths: torch.Tensor, calls: Calls) -> torch.Tensor:
-    """The correct float64 expanded reference (== reference.reference_attention_f64)."""
-    return variants_attention_f64(weights, x, lengths, calls, [Variant()])[0]
-
-
 # --------------------------------------------------------------------------- the decision
 
 

@@ -48,10 +48,6 @@ def prompts_file() -> Path:
     return fixtures_dir() / "prompts.json"
 
 
-def manifest_file() -> Path:
-    return fixtures_dir() / "MANIFEST.sha256"
-
-
 def golden_root() -> Path:
     """``golden/``: the goldens, read from the package (the checkout's directory in an editable install)."""
     return _directory(GOLDENS)

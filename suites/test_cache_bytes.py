@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, checks
-from mla_conformance.backends import get_backend
 
 
 @pytest.mark.mla_section("v2-lite-cache-probe")
@@ -64,6 +63,11 @@ def test_bytes_formula_dsa(mla_backend, case, prefill, decode, batch, mla_device
                              batch=batch, capacity=16, device=mla_device, kv_codec=kv_codec, figures=mla_figures)
     if got["cache_format"] == "latent+indexer":
         config = MLAConfig.preset(preset)
-        assert got["bytes_per_token"] == (788 if kv_codec != "none" else
-                                          (config.latent_dim + config.index_head_dim)
-                                          * torch.empty(0, dtype=checks.DTYPES[dtype]).element_size())
+        if kv_codec != "none":  # FlashMLA's row (e4m3 latent, a float32 scale per 128, bf16 rope) + e4m3 indexer key
+            tiles = -(-config.kv_lora_rank // 128), -(-config.index_head_dim // 128)
+            expected = (config.kv_lora_rank + 4 * tiles[0] + 2 * config.qk_rope_head_dim
+                        + config.index_head_dim + 4 * tiles[1])  # 788 at V3.2 dims
+        else:
+            expected = ((config.latent_dim + config.index_head_dim)
+                        * torch.empty(0, dtype=checks.DTYPES[dtype]).element_size())
+        assert got["bytes_per_token"] == expected

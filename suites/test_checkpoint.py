@@ -6,9 +6,6 @@ checkpoint runs with ``--mla-checkpoint DIR``.
 """
 
 import functools
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -33,7 +33,7 @@ import torch
 from mla_conformance import MLAConfig, checks
 from mla_conformance.checks import Scenario
 from mla_conformance.reference import (FP8_BLOCK, indexer_project, indexer_scores_f64, reference_attention_f64,
-                                       selection_mask, sparse_attention_f64)
+                                       sparse_attention_f64)
 
 PRESET = "tiny-dsa"
 TOPK = 16  # tiny-dsa's index_topk

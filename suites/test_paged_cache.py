@@ -21,7 +21,6 @@ A backend without the extension (only the base contract) skips with a sentence s
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
 from mla_conformance.backends import get_backend, supports_paging
-from mla_conformance.cache import LatentSlotCache, PagedLatentCache, from_contiguous, to_flashmla_layout
+from mla_conformance.cache import PagedLatentCache
 from mla_conformance.cache.measure import poison
 from mla_conformance.reference import reference_attention_f64
 
@@ -221,14 +220,6 @@ def runs():
 
 
 # --------------------------------------------------------------------------- quantized pages
-
-
-def _has_codecs() -> bool:
-    try:
-        import mla_conformance.codecs  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 #: FlashMLA's FP8 (one uint8 buffer), a codec with a calibrated global scale, and one with packed int4 k_pe

@@ -1,6 +1,10 @@
 """The tool's own tests of suites/test_checkpoint.py's machinery (no backend under test): moved out of the
 conformance suite, which keeps only tests that judge a backend."""
 
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from tests._suite_modules import suite_namespace

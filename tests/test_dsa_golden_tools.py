@@ -10,7 +10,6 @@ cpu-float32 when the fixture was built: tiny-short 0.1176, tiny-long 0.0745; the
 tokens -- the <eos> after a wrong value -- and 0 of the 4 recalled values.)
 """
 
-import pytest
 
 from mla_conformance import MLAConfig
 from mla_conformance import generate as G

@@ -12,9 +12,7 @@ reference-absorbed by the ``requires_kernel("flashmla/dense_decode")`` test at t
 
 from __future__ import annotations
 
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,8 +1,11 @@
 """The tool's own tests of suites/test_paged_cache.py's machinery (no backend under test): moved out of the
 conformance suite, which keeps only tests that judge a backend."""
 
+import math
+
 import pytest
 
+from mla_conformance.cache import LatentSlotCache, from_contiguous, to_flashmla_layout
 from tests._suite_modules import suite_namespace
 
 globals().update(suite_namespace("test_paged_cache"))
@@ -120,17 +123,14 @@ def test_unknown_or_unavailable_codec_is_a_clear_error():
     cfg = checks.weights_for("tiny", torch.bfloat16).config
     with pytest.raises(ValueError, match="kv_codec 'fp5-nope'"):
         PagedLatentCache(cfg, batch_size=1, capacity=8, dtype=torch.bfloat16, kv_codec="fp5-nope")
-    if _has_codecs():  # the codec's own reason: FlashMLA's FP8 layout needs 512 + 64 dims
-        with pytest.raises(ValueError, match="512"):
-            PagedLatentCache(cfg, batch_size=1, capacity=8, dtype=torch.bfloat16, kv_codec="fp8-e4m3-flashmla")
+    with pytest.raises(ValueError, match="512"):  # the codec's own reason: FlashMLA's FP8 layout needs 512 + 64
+        PagedLatentCache(cfg, batch_size=1, capacity=8, dtype=torch.bfloat16, kv_codec="fp8-e4m3-flashmla")
 
 
 @pytest.mark.parametrize("page_block_size", PAGE_SIZES)
 @pytest.mark.parametrize("codec,preset", CODEC_CASES)
 def test_quantized_pages_equal_contiguous_codec(codec, preset, page_block_size):
     """A codec's buffers in pages (NaN / 0xFF until written): outputs == reference-absorbed's contiguous codec cache."""
-    if not _has_codecs():
-        pytest.skip("mla_conformance.codecs is not in this installation: no quantized codecs to page")
     ref = get_backend("reference-absorbed")
     w = _weights(preset, torch.bfloat16)
     checks.require_support(ref, w.config, dtype=w.dtype, device="cpu", kv_codec=codec)

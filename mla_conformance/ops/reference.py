@@ -13,62 +13,31 @@ The two computations are written apart on purpose:
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
-from mla_conformance.ops import D_QK, D_ROPE, D_V, FP8_ROW_BYTES, declared
-
-FP8_TILE = 128
-FP8_E4M3_MAX = 448.0
-#: smallest tile scale (DeepSeek / FlashMLA clamp amax/448 at 1e-4 before rounding to a power of two)
-FP8_SCALE_FLOOR = 1e-4
+from mla_conformance.codecs import decode_flashmla_fp8, encode_flashmla_fp8, flashmla_fp8_scales
+from mla_conformance.ops import D_QK, D_V, FP8_ROW_BYTES, declared
 
 
 # --------------------------------------------------------------------------- FP8 656-byte rows
+# (the layout's code lives with the codec, mla_conformance.codecs; here on [..., 576] latents)
 
 
-def fp8_scales(c: torch.Tensor, scale_format: str = "pow2") -> torch.Tensor:
-    """Tile scales [..., 4] float32 of a latent [..., 512]: amax/448 (at least 1e-4), rounded up to a power
-    of two under ``"pow2"`` (ue8m0), kept as is under ``"fp32"``."""
-    amax = c.to(torch.float32).unflatten(-1, (-1, FP8_TILE)).abs().amax(-1)
-    s = torch.clamp_min(amax / FP8_E4M3_MAX, FP8_SCALE_FLOOR)
-    if scale_format == "pow2":
-        return torch.pow(2.0, torch.log2(s).ceil())
-    if scale_format == "fp32":
-        return s
-    raise ValueError(f"fp8 scale format {scale_format!r}: expected 'pow2' or 'fp32'")
+#: tile scales [..., 4] float32 of a latent [..., 512] ("pow2" or "fp32")
+fp8_scales = flashmla_fp8_scales
 
 
 def encode_fp8_656(latent: torch.Tensor, scale_format: str = "pow2") -> torch.Tensor:
     """[..., 576] latent (c | k_pe) -> uint8 [..., 656]: 512 e4m3 (c / tile scale), 4 float32 scales, 64 bf16 rope."""
     if latent.shape[-1] != D_QK:
         raise ValueError(f"expected a [..., {D_QK}] latent, got {tuple(latent.shape)}")
-    c, k_pe = latent[..., :D_V].to(torch.float32), latent[..., D_V:]
-    scale = fp8_scales(c, scale_format)
-    q = (c.unflatten(-1, (-1, FP8_TILE)) / scale[..., None]).flatten(-2).to(torch.float8_e4m3fn).view(torch.uint8)
-    s = scale.contiguous().view(torch.uint8)
-    if sys.byteorder != "little":
-        s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2)
-    rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
-    return torch.cat([q, s, rope], dim=-1)
+    return encode_flashmla_fp8(latent[..., :D_V], latent[..., D_V:], scale_format)
 
 
 def decode_fp8_656(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 [..., 656] -> [..., 576] in ``dtype``: e4m3 x its float32 tile scale, then the bf16 rope."""
-    if rows.dtype != torch.uint8 or rows.shape[-1] != FP8_ROW_BYTES:
-        raise ValueError(f"expected uint8 [..., {FP8_ROW_BYTES}] rows, got {rows.dtype} {tuple(rows.shape)}")
-    # e4m3 x its float32 scale in float32 at least (FlashMLA's dequantize: nope.float() * scale, then the
-    # result's dtype): a bfloat16 result must not round an fp32 scale to bfloat16 before the product
-    compute = torch.promote_types(dtype, torch.float32)
-    q = rows[..., :D_V].contiguous().view(torch.float8_e4m3fn).to(compute)
-    s = rows[..., D_V:D_V + 16].contiguous()
-    if sys.byteorder != "little":
-        s = s.unflatten(-1, (-1, 4)).flip(-1).flatten(-2).contiguous()
-    scale = s.view(torch.float32).to(compute)
-    c = (q.unflatten(-1, (-1, FP8_TILE)) * scale[..., None]).flatten(-2).to(dtype)
-    k_pe = rows[..., D_V + 16:].contiguous().view(torch.bfloat16).to(dtype)
-    return torch.cat([c, k_pe], dim=-1)
+    return torch.cat(decode_flashmla_fp8(rows, dtype), dim=-1)
 
 
 def dequantize_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,5 @@
 """Backend specs: built-in names, module:attr, file.py:attr; bad specs name themselves."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
