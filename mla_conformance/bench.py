@@ -90,7 +90,7 @@ from typing import Any, Callable
 import torch
 
 from mla_conformance import reference as ref
-from mla_conformance.backends import cache_format_of, get_backend
+from mla_conformance.backends import cache_format_of, get_backend, support_reason
 from mla_conformance.config import MLAConfig
 from mla_conformance.errors import MLAInputError
 from mla_conformance.report import write_file_atomically
@@ -462,9 +462,9 @@ def prepare(backend, preset: str, dtype, context: int, batch: int, device="cpu",
     if context + 1 > config.max_position_embeddings:
         raise MLAInputError(f"context {context} exceeds {preset}'s max_position_embeddings "
                             f"{config.max_position_embeddings}")
-    reason = backend.unsupported_reason(config, dtype=dtype, device=str(device), kv_codec=kv_codec)
+    reason = support_reason(backend, config, dtype=dtype, device=str(device), kv_codec=kv_codec)
     if reason:
-        raise ValueError(f"{backend.name}: {reason}")
+        raise ValueError(reason)
     weights = weights_for(preset, dtype, device, seed=seed)
     probe = backend.new_cache(config, batch_size=batch, capacity=1, dtype=dtype, device=device, kv_codec=kv_codec)
     kind = _fill_kind(backend, probe)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mla_conformance.backends import support_reason
 from mla_conformance.checkpoint import SafetensorsCheckpoint
 from mla_conformance.config import MLAConfig
 from mla_conformance.errors import CheckpointError, MLAInputError
@@ -114,7 +115,7 @@ def greedy_generate(model, backend, prompts: list[list[int]], max_new_tokens: li
 
     config = MLAConfig.from_hf(model.config.to_dict())
     dtype = next(model.parameters()).dtype
-    reason = call_backend(backend, "unsupported_reason", config, dtype=dtype, device=device, kv_codec=kv_codec)
+    reason = support_reason(backend, config, dtype=dtype, device=device, kv_codec=kv_codec)
     if reason:
         raise MLAInputError(f"backend {backend.name} cannot run this model: {reason}")
     B = len(prompts)

@@ -45,14 +45,19 @@ What the suite does around a backend (the rules of :mod:`mla_conformance.cache.m
   factor when ``mscale != mscale_all_dim``: transformers / DeepSeek-V2 vs DeepSeek-V3's reference),
   the presets avoid the difference and one named test reports which convention a backend follows.
 
-Optional parts, detected and never assumed:
+Optional parts are **opt-in, never opt-out**: each applies to a backend only when the backend declares it,
+so code written to an older contract gets the same verdict from a newer suite, with explicit skips naming
+the declaration that would opt it in. Every later extension is held to this rule. The optional parts:
 
 * ``cache_format`` on the backend or the cache: ``"latent"`` (default), ``"expanded"`` or
   ``"latent+indexer"`` (DeepSeek Sparse Attention: the latent plus one indexer key of ``index_head_dim``
   elements per token); byte checks hold the cache to the per-token formula of the format it declares
   (:func:`mla_conformance.checks.format_bytes_per_token`).
-* DeepSeek Sparse Attention (V3.2): a backend opts in by accepting a config with ``index_topk`` set (one
-  that does not says so in ``unsupported_reason`` and the DSA tests skip with that sentence). Its
+* DeepSeek Sparse Attention (V3.2): a backend opts in by *declaring* it, ``sparse_attention = "dsa"`` on
+  the backend (or ``cache_format = "latent+indexer"`` on the backend). A backend that declares neither is
+  never handed a config with ``index_topk`` set: every DSA test skips for it with a sentence naming the
+  declaration (:func:`declaration_reason`), whatever its ``unsupported_reason`` says. A declaring backend may
+  still decline a DSA config in ``unsupported_reason``. Its
   ``attend`` scores every cached token with the lightning indexer, keeps the top-min(index_topk, len)
   per query (causal) and attends over those only. Optionally the cache (or the backend) exposes the last
   ``attend`` call's selection as ``last_topk_indices``: int64 [B, S, index_topk], key slots (positions)
@@ -85,7 +90,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mla_conformance.errors import BackendSpecError
+from mla_conformance.errors import BackendError, BackendSpecError
 
 #: Built-in backends: name -> "module:attr".
 BUILTINS: dict[str, str] = {
@@ -215,6 +220,46 @@ def get_backend(spec: str):
 
 #: Cache formats a backend may declare (``cache_format``).
 CACHE_FORMATS = ("latent", "expanded", "latent+indexer")
+
+
+#: Sparse attention schemes a backend may declare (``sparse_attention``).
+SPARSE_ATTENTION = ("dsa",)
+
+
+def declares_dsa(backend) -> bool:
+    """Whether the backend declares DeepSeek Sparse Attention: ``sparse_attention = "dsa"`` or
+    ``cache_format = "latent+indexer"`` on the backend (a value outside the known ones raises BackendSpecError)."""
+    kind = getattr(backend, "sparse_attention", None)
+    if kind is not None and kind not in SPARSE_ATTENTION:
+        raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: sparse_attention {kind!r} is not "
+                               f"one of {', '.join(map(repr, SPARSE_ATTENTION))} (or None: dense MLA)")
+    return kind == "dsa" or getattr(backend, "cache_format", None) == "latent+indexer"
+
+
+def declaration_reason(backend, config) -> str | None:
+    """The skip sentence when ``config`` needs an optional part the backend does not declare (today: DeepSeek
+    Sparse Attention, ``index_topk`` set, without ``sparse_attention = "dsa"``); None when the backend may be
+    asked (its own ``unsupported_reason`` decides next)."""
+    if getattr(config, "index_topk", None) is None or declares_dsa(backend):
+        return None
+    return (f"{getattr(backend, 'name', backend)} does not declare DeepSeek Sparse Attention; this config has "
+            f"index_topk {config.index_topk} (a lightning indexer selects the keys each query attends to). A "
+            "backend opts in with sparse_attention = \"dsa\" (or cache_format = \"latent+indexer\")")
+
+
+def support_reason(backend, config, *, dtype, device, kv_codec="none") -> str | None:
+    """Why the backend is not run on this combination, as a sentence: an optional part the config needs and the
+    backend does not declare (:func:`declaration_reason`), else the backend's own ``unsupported_reason``
+    prefixed with its name; None to run it. A raising ``unsupported_reason`` is a BackendError."""
+    undeclared = declaration_reason(backend, config)
+    if undeclared:
+        return undeclared
+    try:
+        reason = backend.unsupported_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
+    except Exception as exc:
+        raise BackendError(f"{getattr(backend, 'name', backend)}: unsupported_reason() raised "
+                           f"{type(exc).__name__}: {exc}") from exc
+    return f"{backend.name}: {reason}" if reason else None
 
 
 def dense_only_reason(name: str, config) -> str | None:

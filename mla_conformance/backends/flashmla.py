@@ -97,6 +97,7 @@ class FlashMLASparse:
     """
 
     name = "flashmla-sparse"
+    sparse_attention = "dsa"
     cache_format = "latent+indexer"
     supports_paging = False
     kv_codecs = (FP8_CODEC,)

@@ -223,6 +223,8 @@ class HFTransformers:
     same DynamicCache, on a DynamicIndexedLayer)."""
 
     name = "hf-transformers"
+    #: opts in to the DSA tests; on a transformers release without DeepseekV32Attention unsupported_reason says so
+    sparse_attention = "dsa"
 
     def __init__(self):
         self._modules: dict = {}

@@ -32,9 +32,12 @@ CORRECT = {
     "overallocating": (f"{HERE}/broken_caches.py:OverAllocating", "independent-overallocating"),
     "v3-style": (f"{HERE}/v3_reference_backend.py:DeepSeekV3StyleMLA", "deepseek-v3-style"),
     "reference-dsa": ("reference-dsa", "reference-dsa"),
+    # the base contract as the README shows it, frozen (never edited): its verdict must not move as features land
+    "frozen-base": (f"{HERE}/frozen_base_backend.py:MyBackend", "my-mla"),
 }
 CORRECT_TESTS = {
     "independent": "all but V3 dims",  # every cell but the V3-dims bytes (2 s of weights; same rule as bytes_formula)
+    "frozen-base": "all but V3 dims",
     "overallocating": ("suites/test_cache_bytes.py::test_seed_table", "suites/test_cache_bytes.py::test_bytes_formula"),
     "v3-style": ("suites/test_numerics.py::test_against_float64", "suites/test_numerics.py::test_incremental_equals_prefill",
                  "suites/test_conventions.py::test_yarn_rope_attention_factor_convention",

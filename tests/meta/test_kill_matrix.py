@@ -73,11 +73,29 @@ def test_cell_fails(outcomes, test, broken, nodeid):
 def test_correct_backend_passes(outcomes, test, correct, nodeid):
     got = outcomes.get(nodeid)
     assert got is not None, f"{nodeid} did not run"
+    if got["outcome"] == "skipped" and correct == "frozen-base":
+        return  # its skips: test_frozen_backend_skips_only_what_it_never_declared
     if got["outcome"] == "skipped":  # only an optional part the backend does not implement
         assert CORRECT[correct][1] in got.get("reason", "") and any(
             w in got["reason"] for w in ("paged-cache extension", "kv_codec", "DeepSeek Sparse Attention")), f"{nodeid}: skipped: {got['reason']}"
     else:
         assert got["outcome"] == "passed", f"{nodeid}: {got['outcome']}: {got.get('reason', '')}"
+
+
+def test_frozen_backend_skips_only_what_it_never_declared(outcomes):
+    """The frozen base-contract backend (tests/meta/frozen_base_backend.py, never edited) passes every cell but
+    the optional parts, and each of those skips with a sentence naming what it did not declare or declined."""
+    name = CORRECT["frozen-base"][1]
+    mine = {n: outcomes.get(n, {}) for t, c, n in PASSING if c == "frozen-base"}
+    assert mine and all(o.get("outcome") in ("passed", "skipped") for o in mine.values()), mine
+    for nodeid, got in mine.items():
+        if got["outcome"] != "skipped":
+            continue
+        reason = got.get("reason", "")
+        dsa = "dsa" in nodeid
+        assert (f'{name} does not declare DeepSeek Sparse Attention' in reason and 'sparse_attention = "dsa"' in reason
+                if dsa else (f"{name}: no " in reason or "supports_paging" in reason)), f"{nodeid}: {reason}"
+    assert any(o["outcome"] == "skipped" and "dsa" in n for n, o in mine.items()), "no DSA cell skipped"
 
 
 def test_correct_backends_pass_most_cells(outcomes):
