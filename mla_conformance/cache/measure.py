@@ -71,8 +71,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def poison(cache, tensors: dict[str, torch.Tensor], *, batch_size: int, capacity: int, sentinel: int = 0xFF,
-           name: str = "cache") -> Poisoned:
-    """Fill every token-storage buffer of a fresh cache (NaN / sentinel bytes); check that it landed."""
+           name: str = "cache", zero: bool = False) -> Poisoned:
+    """Fill every token-storage buffer of a fresh cache (NaN / sentinel bytes); check that it landed.
+    ``zero``: fill with 0 (0.0 / 0x00 bytes) instead: the control run that tells a read of unwritten slots
+    (NaN only with the poison) from NaN the backend's own arithmetic makes (NaN with zeros too)."""
+    if zero:
+        sentinel = 0
     limit = bookkeeping_limit(batch_size, capacity, getattr(cache, "page_block_size", None))
     storage, book = {}, {}
     for key, t in tensors.items():
@@ -84,7 +88,7 @@ def poison(cache, tensors: dict[str, torch.Tensor], *, batch_size: int, capacity
         storage[key] = (tuple(t.shape), t.dtype)
         with torch.no_grad():
             if t.is_floating_point() and t.element_size() > 1:
-                t.fill_(float("nan"))
+                t.fill_(0.0 if zero else float("nan"))
             elif t.is_contiguous():
                 t.view(torch.uint8).fill_(sentinel) if t.dtype != torch.bool else t.fill_(bool(sentinel))
             else:
@@ -94,7 +98,7 @@ def poison(cache, tensors: dict[str, torch.Tensor], *, batch_size: int, capacity
     for key, (shape, dtype) in storage.items():
         t = again.get(key)
         landed = t is not None and tuple(t.shape) == shape and (
-            bool(torch.isnan(t).all()) if t.is_floating_point() and t.element_size() > 1
+            bool((t == 0).all() if zero else torch.isnan(t).all()) if t.is_floating_point() and t.element_size() > 1
             else bool((_as_bytes(t) == (sentinel if t.dtype != torch.bool else int(bool(sentinel)))).all()))
         if not landed:
             raise PoisonDidNotLand(
