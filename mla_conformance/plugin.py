@@ -506,7 +506,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     kind_deselected = engaged.get("kind_deselected")
     if kind_deselected is None and _deselected_kind(config) and config.pluginmanager.hasplugin("dsession"):
         kind_deselected = (_deselected_kind(config), None)  # xdist: the workers deselected, uncounted here
-    if not counts and not deselected and not kind_deselected:
+    conventions = _rope_conventions(tr)
+    if not counts and not deselected and not kind_deselected and not conventions:
         return
     tr.write_sep("=", "mla-conformance skips by reason" if counts else "mla-conformance")
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -527,6 +528,24 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         else:
             tr.write_line(f"{n}layer tests deselected: --mla-op was given without --mla-backend (a verdict on "
                           "ops); add --mla-backend SPEC to run them too")
+    if conventions:
+        tr.write_line("RoPE convention (YaRN cos/sin factor, test_conventions.py): "
+                      + "; ".join(f"{b} {c}" for b, c in sorted(conventions.items())))
+
+
+def _rope_conventions(tr) -> dict[str, str]:
+    """Per backend, the ``rope_convention`` its conventions test recorded in its figures (the test id's
+    parameter is the backend's name); from the reports, so xdist workers' count too."""
+    out: dict[str, str] = {}
+    for key in ("passed", "failed"):
+        for rep in tr.stats.get(key, []):
+            if getattr(rep, "when", None) != "call":
+                continue
+            for name, value in getattr(rep, "user_properties", ()) or ():
+                if name == "mla_figures" and isinstance(value, dict) and value.get("rope_convention"):
+                    backend = rep.nodeid.rsplit("[", 1)[-1].rstrip("]") if "[" in rep.nodeid else rep.nodeid
+                    out[backend] = str(value["rope_convention"])
+    return out
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -70,9 +70,8 @@ INDEPENDENT = "(backend-independent)"
 
 #: The seeds' experiments, by the names the report and README use.
 EXPERIMENTS = {
-    "seed 000": ("V2-Lite cache probe", "what a cache holds after a 25-token prefill and one decode step at "
-                 "DeepSeek-V2-Lite dimensions in BF16: 1,152 B per token per layer for the 576-element latent, "
-                 "10,240 B for the expanded per-head K/V (8.9x)."),
+    "seed 000": ("V2-Lite cache probe", "what a cache holds after a prefill and one decode step at "
+                 "DeepSeek-V2-Lite dimensions in BF16, read from the cache's own tensors."),
     "seed 001": ("latent quantization study", "bytes and error of quantized encodings of the latent cache "
                  "(INT8/INT4/INT2/FP8, per tensor, token or channel group), scales and zero points counted."),
     "seed 004": ("KV budget", "KV bytes per token of MHA, GQA and MLA, decode arithmetic intensity and the "
@@ -489,31 +488,96 @@ def _slots(f) -> str:
         f" ({over:.3g}x)" if over is not None else "")
 
 
+#: Keys of a bytes row's figures, in order of preference. Measured: bytes written per stored token, counted
+#: in the cache's own tensors. Formula: what the declared format takes (checks.format_bytes_per_token);
+#: ``per_token_bytes`` is the formula and is never read as a measurement.
+MEASURED_BYTES_KEYS = ("measured_bytes_per_token", "bytes_per_token")
+FORMULA_BYTES_KEYS = ("formula_bytes_per_token", "format_bytes_per_token", "per_token_bytes")
+NOT_MEASURED = "not measured"
+
+
+def _first(f: dict, keys) -> Any:
+    for k in keys:
+        v = f.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def measured_bytes(f: dict) -> int | float | None:
+    """A row's measured bytes per stored token, or None: never the format formula."""
+    return _first(f, MEASURED_BYTES_KEYS)
+
+
+def formula_bytes(f: dict) -> int | float | None:
+    """A row's formula bytes per stored token (the declared format's), or None."""
+    return _first(f, FORMULA_BYTES_KEYS)
+
+
+def _bytes_cell(v) -> str:
+    return NOT_MEASURED if v is None else _fmt_int(v)
+
+
+def _probe_formula(seed: list[dict]) -> dict[str, Any] | None:
+    """The format formula at the probe's dims and dtype, from the config the rows recorded (never typed)."""
+    f = next((t["figures"] for t in seed if t["figures"].get("preset") and t["figures"].get("dtype")), None)
+    if f is None:
+        return None
+    try:
+        from mla_conformance.checks import DTYPES, format_bytes_per_token
+        from mla_conformance.config import MLAConfig
+
+        config, dtype = MLAConfig.preset(f["preset"]), DTYPES[f["dtype"]]
+        latent = format_bytes_per_token(config, "latent", dtype)
+        expanded = format_bytes_per_token(config, "expanded", dtype)
+    except (ImportError, LookupError, ValueError, MLAInputError):  # a preset or dtype this tool does not know
+        return None
+    return {"preset": f["preset"], "dtype": f["dtype"], "tokens": f.get("tokens"), "batch": f.get("batch"),
+            "capacity": f.get("capacity"), "latent": latent, "expanded": expanded,
+            "latent_elements": config.latent_dim, "expanded_elements": config.expanded_dim}
+
+
+def _probe_sentence(name: str, sentence: str, formula: dict | None) -> str:
+    if formula is None:
+        return f"The {name} (seed 000) measures {sentence}"
+    setup = (f"{formula['tokens']} stored tokens" if formula.get("tokens") is not None else "its tokens") + (
+        f" (batch {formula['batch']}, {formula['capacity']} slots requested)" if formula.get("batch") is not None
+        and formula.get("capacity") is not None else "")
+    return (f"The {name} (seed 000) measures what a cache holds after {setup} at {formula['preset']} dimensions "
+            f"in {formula['dtype']}, read from the cache's own tensors. *measured*: the bytes per stored token "
+            f"written into those tensors in this run; *formula*: what the declared format takes at these dims "
+            f"(`checks.format_bytes_per_token`, computed from the config): {formula['latent']:,} B per token per "
+            f"layer latent ({formula['latent_elements']} elements), {formula['expanded']:,} B expanded "
+            f"({formula['expanded_elements']:,} elements), {formula['expanded'] / formula['latent']:.4g}x. A row "
+            f"without a measurement says \"{NOT_MEASURED}\".")
+
+
 def _bytes_lines(report) -> list[str]:
     seed = _in_section(report, "v2-lite-cache-probe")
     out: list[str] = []
     if seed:
         name, sentence = EXPERIMENTS["seed 000"]
-        out += ["## Cache bytes: the " + name, "",
-                f"The {name} (seed 000) measures {sentence} Bytes are read from the cache's own tensors.", "",
-                "| | backend | format | bytes/token/layer (measured) | format bytes/token/layer | active B | "
+        formula = _probe_formula(seed)
+        out += ["## Cache bytes: the " + name, "", _probe_sentence(name, sentence, formula), "",
+                "| | backend | format | bytes/token/layer measured | bytes/token/layer formula | active B (measured) | "
                 "allocated B | slots allocated / requested | tensors |",
                 "|---|---|---|---:|---:|---:|---:|---:|---|"]
         for t in sorted(seed, key=_backend_of):
             f = t["figures"]
             tens = ", ".join(f"{k} {_fmt_int(v)}" for k, v in sorted((f.get("tensors") or {}).items()))
+            fb = formula_bytes(f)
             out.append(f"| {_mark(t)} | {t.get('backend', '')} | {f.get('cache_format', '')} | "
-                       f"{_fmt_int(f.get('bytes_per_token', f.get('per_token_bytes', '')))} | "
-                       f"{_fmt_int(f.get('format_bytes_per_token', f.get('per_token_bytes', '')))} | "
+                       f"{_bytes_cell(measured_bytes(f))} | {'' if fb is None else _fmt_int(fb)} | "
                        f"{_fmt_int(f.get('active_nbytes', ''))} | {_fmt_int(f.get('allocated_nbytes', ''))} | "
                        f"{_slots(f)} | {tens} |")
         probe = {t.get("backend"): t["figures"] for t in seed if t.get("outcome") == "passed"}
         if {"reference-naive", "reference-absorbed"} <= set(probe):
             naive, absorbed = probe["reference-naive"]["active_nbytes"], probe["reference-absorbed"]["active_nbytes"]
-            out.append(f"\nreference-naive active bytes / reference-absorbed active bytes = "
+            out.append(f"\nMeasured: reference-naive active bytes / reference-absorbed active bytes = "
                        f"{_fmt_int(naive)} / {_fmt_int(absorbed)} = {naive / absorbed:.6f} "
-                       f"(expanded over latent); the latent cache is {(1 - absorbed / naive) * 100:.2f}% smaller "
-                       "(seed 000 printed 8.888…, 88.75%)")
+                       f"(expanded over latent); the latent cache is {(1 - absorbed / naive) * 100:.2f}% smaller"
+                       + (f". Formula at these dims: {formula['expanded']:,} / {formula['latent']:,} = "
+                          f"{formula['expanded'] / formula['latent']:.6f}" if formula else "") + ".")
     over = [t for t in report["tests"] if t.get("figures") and t["figures"].get("allocated_slots") is not None
             and t["figures"].get("requested_slots") is not None
             and t["figures"]["allocated_slots"] != t["figures"]["requested_slots"]
@@ -529,13 +593,13 @@ def _bytes_lines(report) -> list[str]:
                 "max_seq_len, growth on demand), not its format: bytes per slot are judged against the format, "
                 "slot counts only reported.", "",
                 "| | test | requested slots | allocated slots | allocated / requested | bytes/token measured | "
-                "format bytes/token |", "|---|---|---:|---:|---:|---:|---:|"]
+                "bytes/token formula |", "|---|---|---:|---:|---:|---:|---:|"]
         for t in over:
             f = t["figures"]
             ratio = f.get("slot_overhead") or (f["allocated_slots"] / f["requested_slots"] if f["requested_slots"] else None)
             out.append(f"| {_mark(t)} | `{t['nodeid']}` | {_fmt_int(f['requested_slots'])} | "
-                       f"{_fmt_int(f['allocated_slots'])} | {_fmt_x(ratio)} | {_fmt_int(f.get('bytes_per_token', ''))} | "
-                       f"{_fmt_int(f.get('format_bytes_per_token', ''))} |")
+                       f"{_fmt_int(f['allocated_slots'])} | {_fmt_x(ratio)} | {_bytes_cell(measured_bytes(f))} | "
+                       f"{'' if formula_bytes(f) is None else _fmt_int(formula_bytes(f))} |")
     return out
 
 
@@ -614,22 +678,32 @@ def _codec_section(report) -> str | None:
     name, sentence = EXPERIMENTS["seed 001"]
     has_attn = any(attn.get((t.get("backend"), t["params"]["codec"])) for t in rows)
     has_acc = any(acc.get((t.get("backend"), t["params"]["codec"])) is not None for t in rows)
-    head = ["", "backend", "codec", "payload B", "metadata B", "total B/token/layer",
-            f"model B/token ({layers} layers)", "BF16 latent B / codec B"]
+    head = ["", "backend", "codec", "payload B (formula)", "metadata B (formula)", "B/token/layer measured",
+            "B/token/layer formula", f"model B/token (formula x {layers} layers)", "BF16 latent B (formula) / measured B"]
     if has_attn:
         head.append("attention rel. error vs codec none")
     if has_acc:
         head.append("tiny-model accuracy")
+    try:
+        from mla_conformance.checks import format_bytes_per_token
+        import torch
+
+        latent = f", {format_bytes_per_token(MLAConfig.preset('deepseek-v2-lite'), 'latent', torch.bfloat16):,} " \
+                 "B/token/layer by the formula"
+    except ImportError:
+        latent = ""
     out = [f"## KV codecs: the {name}", "",
-           f"The {name} (seed 001) compares {sentence} Bytes are measured from the cache tensors at V2-Lite "
-           "dims with a BF16 cache; *BF16 latent B / codec B* is the compression relative to the unquantized "
-           "latent (codec `none`, 1,152 B/token/layer): above 1 is smaller.", "",
+           f"The {name} (seed 001) compares {sentence} *measured*: bytes per stored token written into the cache "
+           "tensors in this run, at V2-Lite dims with a BF16 cache; *formula*: the codec's payload + metadata "
+           "(`Codec.bytes_per_token`). *BF16 latent B / measured B* is the compression relative to the "
+           f"unquantized latent (codec `none`{latent}): above 1 is smaller.", "",
            "| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
     seed = []
     for t in sorted(rows, key=lambda t: (t.get("backend", ""), t["params"]["codec"])):
         f, codec = t["figures"], t["params"]["codec"]
         cells = [_mark(t), t.get("backend", ""), codec, _fmt_int(f.get("payload", "")), _fmt_int(f.get("metadata", "")),
-                 _fmt_int(f.get("bytes_per_token_layer", f.get("bytes_per_token", ""))),
+                 _bytes_cell(measured_bytes(f)),
+                 "" if formula_bytes(f) is None else _fmt_int(formula_bytes(f)),
                  _fmt_int(f.get("model_bytes_per_token", "")),
                  f"{f['ratio_vs_latent']:.3f}" if isinstance(f.get("ratio_vs_latent"), (int, float)) else ""]
         if has_attn:
@@ -643,11 +717,12 @@ def _codec_section(report) -> str | None:
         if f.get("quant_study"):
             seed.append((codec, f["quant_study"]))
     if seed:
-        out += ["", "The study's printed sizes count no scale or zero-point bytes. With them, per token over "
-                    f"{layers} layers; *compression* is relative to the expanded BF16 cache (per-head K and V):", ""]
+        out += ["", "The study's printed sizes (as it printed them, quoted from `codecs.QUANT_STUDY_SCHEMES`) count "
+                    f"no scale or zero-point bytes. With them (the codec's formula x {layers} layers), per token; "
+                    "*compression* is relative to the expanded BF16 cache (per-head K and V):", ""]
         for codec, s in seed:
             out.append(f"- {s['scheme']} (printed {s['reported']}): printed {_fmt_int(s['seed_model_bytes_per_token'])} B "
-                       f"({s['seed_ratio_vs_expanded']:.1f}x compression) vs measured {codec} "
+                       f"({s['seed_ratio_vs_expanded']:.1f}x compression) vs formula {codec} "
                        f"{_fmt_int(s['honest_model_bytes_per_token'])} B ({s['honest_ratio_vs_expanded']:.1f}x "
                        f"compression), +{_fmt_int(s['difference_bytes'])} B")
     return "\n".join(out)
@@ -690,9 +765,9 @@ def _checkpoint_section(report) -> str | None:
     for t in pairs:
         for dtype, m in sorted(t["figures"].items()):
             if isinstance(m, dict):
-                out.append(f"\nreference-absorbed against reference-naive ({dtype}, decode token): max abs "
-                           f"{_fmt_e(m['max_abs'])}, mean abs {_fmt_e(m['mean_abs'])}, p99 abs {_fmt_e(m['p99_abs'])} "
-                           "(seed 000 at V2-Lite: BF16 max 0.0039, FP32 max 1.19e-7)")
+                out.append(f"\nreference-absorbed against reference-naive ({dtype}, decode token), measured in "
+                           f"this run: max abs {_fmt_e(m['max_abs'])}, mean abs {_fmt_e(m['mean_abs'])}, p99 abs "
+                           f"{_fmt_e(m['p99_abs'])}")
     return "\n".join(out)
 
 
@@ -713,8 +788,52 @@ def _gating_section(report) -> str | None:
     return "\n".join(out)
 
 
-#: Extra markdown sections (codecs, gating, generation); each a function(report) -> str | None.
-REPORT_SECTIONS: list = [_codec_section, _generation_section, _checkpoint_section, _gating_section]
+def rope_conventions(report) -> dict[str, dict[str, Any]]:
+    """Per backend, the RoPE convention its conventions test recorded (``figures["rope_convention"]``), with
+    the errors against each oracle; a backend whose test ran without recording one (skipped, errored) maps to
+    its outcome and reason. Backends with no such row are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in sorted(report["tests"], key=lambda t: t["nodeid"]):
+        f = t.get("figures") or {}
+        if t.get("section") != "conventions" and "rope_convention" not in f:
+            continue
+        backend = _backend_of(t)
+        if not backend or (backend in out and out[backend].get("convention")):
+            continue
+        out[backend] = {"convention": f.get("rope_convention"), "outcome": t["outcome"], "reason": t.get("reason"),
+                        "errors": {k.removeprefix("rel_fro_"): v for k, v in sorted(f.items())
+                                   if k.startswith("rel_fro_") and isinstance(v, (int, float))}}
+    return out
+
+
+def _convention_section(report) -> str | None:
+    found = rope_conventions(report)
+    if not found:
+        return None
+    try:
+        from mla_conformance.reference import ROPE_CONVENTIONS
+    except ImportError:
+        ROPE_CONVENTIONS = {}
+    out = ["## RoPE convention each backend follows", "",
+           "YaRN's cos/sin factor where published code disagrees (a config with mscale != mscale_all_dim; "
+           "`suites/test_conventions.py`): either convention conforms, the test records which one the backend "
+           "matched. *rel Frobenius*: measured against each float64 oracle in this run.", "",
+           "| | backend | RoPE convention | rel Frobenius per oracle |", "|---|---|---|---|"]
+    for backend, c in sorted(found.items()):
+        conv = c["convention"]
+        if conv:
+            shown = f"**{conv}**" + (f" ({ROPE_CONVENTIONS[conv]})" if conv in ROPE_CONVENTIONS else "")
+        else:
+            shown = f"not recorded ({c['outcome']}" + (f": {c['reason'][:160]}" if c.get("reason") else "") + ")"
+        errs = ", ".join(f"{k} {_fmt_e(v)}" for k, v in c["errors"].items())
+        out.append(f"| {_mark(c) if c['outcome'] != 'skipped' else 'skip'} | {backend} | {shown.replace('|', '/')} | "
+                   f"{errs} |")
+    return "\n".join(out)
+
+
+#: Extra markdown sections (conventions, codecs, gating, generation); each a function(report) -> str | None.
+REPORT_SECTIONS: list = [_convention_section, _codec_section, _generation_section, _checkpoint_section,
+                         _gating_section]
 
 
 # --------------------------------------------------------------------------- plots
@@ -743,19 +862,27 @@ def write_plots(report: dict[str, Any], directory: Path) -> list[str]:
                   and t["params"].get("dtype", "bfloat16") == "bfloat16" and t["params"].get("codec") != "none"
                   and t.get("backend") == "reference-absorbed"]
     if seed or codec_rows:
+        rows = seed + sorted(codec_rows, key=lambda t: t["params"]["codec"])
         labels = [f"{t['backend']} ({t['figures'].get('cache_format', '?')})" for t in seed]
-        values = [t["figures"].get("bytes_per_token", t["figures"].get("per_token_bytes", 0)) for t in seed]
-        for t in sorted(codec_rows, key=lambda t: t["params"]["codec"]):
-            labels.append(f"codec {t['params']['codec']}")
-            values.append(t["figures"].get("bytes_per_token_layer", t["figures"].get("bytes_per_token", 0)))
-        fig, ax = plt.subplots(figsize=(max(6.5, 0.6 * len(values) + 2), 5.5))
-        ax.bar(range(len(values)), values, color="#4477aa")
-        ax.set_xticks(range(len(values)), labels, fontsize=8, rotation=45, ha="right")
+        labels += [f"codec {t['params']['codec']}" for t in rows[len(seed):]]
+        measured = [measured_bytes(t["figures"]) for t in rows]  # never the formula in its place
+        formula = [formula_bytes(t["figures"]) for t in rows]
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.6 * len(rows) + 2), 5.5))
+        xs = [i for i, v in enumerate(measured) if v is not None]
+        ax.bar(xs, [measured[i] for i in xs], color="#4477aa", label="measured (cache tensors, this run)")
+        fx = [i for i, v in enumerate(formula) if v is not None]
+        if fx:
+            ax.scatter(fx, [formula[i] for i in fx], marker="_", s=500, color="black",
+                       label="formula (declared format)")
+        ax.set_xticks(range(len(rows)), labels, fontsize=8, rotation=45, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("bytes / token / layer")
-        ax.set_title("KV cache bytes per token (V2-Lite dims, BF16)")
-        for i, v in enumerate(values):
-            ax.text(i, v, f"{v:,}", ha="center", va="bottom", fontsize=7)
+        ax.set_title("KV cache bytes per token (V2-Lite dims, BF16): measured and formula")
+        floor = min([v for v in measured + formula if v] or [1])
+        for i, v in enumerate(measured):
+            ax.text(i, v if v is not None else floor, f"{v:,}" if v is not None else NOT_MEASURED, ha="center",
+                    va="bottom", fontsize=7)
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(directory / "bytes_per_token.png", dpi=100, metadata=meta)
         plt.close(fig)

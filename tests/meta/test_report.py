@@ -135,6 +135,92 @@ def test_sections_render_only_what_was_measured():
     assert "checkpoint" not in R.render_markdown(R.build_report(res, name="h", env=ENV)).split("## Kernel")[0].lower()
     assert "[Attention" in R.render_markdown(rep, plots=["attention_error.png"])
 
+def _probe_row(backend, preset, dtype, **figures):
+    return _t(f"suites/test_cache_bytes.py::test_seed_table[{backend}]", "passed", backend, figures={
+        "preset": preset, "dtype": dtype, "tokens": 26, "batch": 1, "capacity": 32, "active_nbytes": 1,
+        "allocated_nbytes": 1, **figures})
+
+
+def test_bytes_table_never_shows_the_formula_as_measured():
+    """A row that recorded only the format formula (``per_token_bytes``) reads "not measured" in the measured
+    column and its formula beside it; a row with both shows both, each under its own label."""
+    res = {"backends": ["formula-only", "both"], "tests": [
+        _probe_row("formula-only", "deepseek-v2-lite", "bfloat16", cache_format="latent", per_token_bytes=1152),
+        _probe_row("both", "deepseek-v2-lite", "bfloat16", cache_format="latent", formula_bytes_per_token=1152,
+                   measured_bytes_per_token=1153)]}
+    md = R.render_markdown(R.build_report(res, name="h", env=ENV))
+    assert "| bytes/token/layer measured | bytes/token/layer formula |" in md
+    assert "| ok | formula-only | latent | not measured | 1,152 |" in md
+    assert "| ok | both | latent | 1,153 | 1,152 |" in md
+    assert R.measured_bytes({"per_token_bytes": 1152, "format_bytes_per_token": 1152}) is None
+    assert R.measured_bytes({"bytes_per_token": 7, "per_token_bytes": 9}) == 7
+    assert R.formula_bytes({"per_token_bytes": 9}) == 9
+
+
+def test_bytes_plot_bars_only_measurements(tmp_path, monkeypatch):
+    """The bytes plot's bars are measurements; the formula is drawn apart (a tick), never as a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.axes
+
+    bars = []
+    real_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, x, h, *a, **kw: (bars.append((list(x), list(h))),
+                                                                                    real_bar(self, x, h, *a, **kw))[1])
+    res = {"backends": ["formula-only", "both"], "tests": [
+        _probe_row("formula-only", "deepseek-v2-lite", "bfloat16", cache_format="latent", per_token_bytes=1152),
+        _probe_row("both", "deepseek-v2-lite", "bfloat16", cache_format="latent", format_bytes_per_token=1152,
+                   bytes_per_token=1153)]}
+    assert R.write_plots(R.build_report(res, name="h", env=ENV), tmp_path) == ["bytes_per_token.png"]
+    assert bars == [([0], [1153])], "only the measured row is a bar (rows sorted by backend: both, formula-only)"
+
+
+def test_probe_sentence_is_derived_from_the_run_not_typed():
+    """The probe's text states the formula computed from the config the rows recorded, labelled formula; no
+    typed 1,152 / 10,240 / 8.9x: at tiny dims in float32 the numbers are tiny's."""
+    from mla_conformance import MLAConfig
+
+    md = R.render_markdown(R.build_report({"backends": ["a"], "tests": [
+        _probe_row("a", "tiny", "float32", cache_format="latent", bytes_per_token=1)]}, name="h", env=ENV))
+    tiny = MLAConfig.preset("tiny")
+    text = md[md.index("## Cache bytes"):]
+    assert f"{tiny.latent_dim * 4:,} B per token per layer latent" in text
+    assert f"{tiny.expanded_dim * 4:,} B expanded" in text and "*formula*" in text and "*measured*" in text
+    assert "tiny dimensions in float32" in text and "26 stored tokens" in text
+    for typed in ("1,152", "10,240", "8.9x", "8.888"):
+        assert typed not in text, typed
+    v2 = R.render_markdown(R.build_report({"backends": ["a"], "tests": [
+        _probe_row("a", "deepseek-v2-lite", "bfloat16", cache_format="latent", bytes_per_token=1)]}, name="h", env=ENV))
+    assert "1,152 B per token per layer latent" in v2 and "10,240 B expanded" in v2 and "8.889x" in v2
+    assert "0.0039" not in R.render_markdown(R.build_report(results(), name="h", env=ENV))
+
+
+def test_rope_convention_in_the_report_and_the_terminal_summary():
+    """conformance.md names the RoPE convention each backend's conventions test recorded; the plugin's
+    terminal summary reads the same figure from the test reports."""
+    conv = lambda b, c, outcome="passed", **kw: {
+        "nodeid": f"suites/test_conventions.py::test_yarn_rope_attention_factor_convention[{b}]", "outcome": outcome,
+        "section": "conventions", "params": {"backend": b},
+        **({"figures": {"rope_convention": c, "rel_fro_transformers": 1e-7, "rel_fro_deepseek_v3": 3e-2}} if c else {}),
+        **kw}
+    res = {"backends": ["v2", "v3", "off"], "tests": [conv("v2", "transformers"), conv("v3", "deepseek-v3"),
+                                                      conv("off", None, "skipped", reason="off: no YaRN here")]}
+    md = R.render_markdown(R.build_report(res, name="h", env=ENV))
+    sec = md[md.index("## RoPE convention"):]
+    assert "| ok | v2 | **transformers** (transformers / DeepSeek-V2" in sec
+    assert "| ok | v3 | **deepseek-v3** (DeepSeek-V3 reference" in sec
+    assert "| skip | off | not recorded (skipped: off: no YaRN here) |" in sec
+    from types import SimpleNamespace
+
+    from mla_conformance import plugin
+
+    rep = lambda b, c: SimpleNamespace(when="call", nodeid=conv(b, c)["nodeid"],
+                                       user_properties=[("mla_figures", {"rope_convention": c})])
+    tr = SimpleNamespace(stats={"passed": [rep("v2", "transformers")], "failed": [rep("v3", "deepseek-v3")]})
+    assert plugin._rope_conventions(tr) == {"v2": "transformers", "v3": "deepseek-v3"}
+
+
 
 def test_floats_rounded_and_report_deterministic():
     a = R.build_report(results(), name="h", env=ENV)
