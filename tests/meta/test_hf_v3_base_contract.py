@@ -1,0 +1,75 @@
+"""A user's backend written to the base layer contract only -- transformers' own DeepseekV3Attention and
+DynamicCache (tests/meta/hf_deepseek_v3_backend.py, no optional declarations) -- run through the suite as a
+user runs it: the plugin, ``--mla-backend path/to/file.py:attr``, ``--mla-results``. It must pass; the optional
+parts it never declared skip with the sentence naming the declaration (DeepSeek Sparse Attention) or its own
+sentence (kv_codec). One pytest session in this process (torch and transformers imported once).
+
+The selection is a cheap cross-section (a few seconds on CPU): one numerics case per query path (q_lora on tiny
+and v3-mini, plain q_proj on V2-Lite dims), the byte rule, one codec and every DSA test (they skip); the full
+run is ``pytest suites --mla-backend tests/meta/hf_deepseek_v3_backend.py:HFDeepseekV3`` (62 passed, the rest
+skipped, when it was written)."""
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.meta
+ROOT = Path(__file__).resolve().parent.parent.parent
+BACKEND = ROOT / "tests" / "meta" / "hf_deepseek_v3_backend.py"
+NAME = "hf-deepseek-v3"
+SELECTION = "dsa or float32-prefill_decode-tiny or bfloat16-varlen_batch-deepseek-v2-lite or float32-prefill-v3-mini " \
+            "or 6-2-3-bfloat16-tiny or test_attention_error and int8-g32"
+DSA_DECLARATION = f"{NAME} does not declare DeepSeek Sparse Attention"
+#: the only skips a base-contract backend may get: an optional part it does not declare / implement
+OPTIONAL_SKIPS = (DSA_DECLARATION, f"{NAME}: {NAME} caches what transformers' DynamicCache stores",
+                  f"{NAME} does not implement the optional paged-cache extension")
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, dict]:
+    pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    results = tmp_path_factory.mktemp("hf-v3") / "results.json"
+    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-s", "-o", "addopts=", "--rootdir", str(ROOT),
+            "--mla-results", str(results), "--mla-device", "cpu", "--mla-backend", f"{BACKEND}:HFDeepseekV3",
+            "-k", SELECTION, str(ROOT / "suites")]
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        code = pytest.main(args)
+    assert results.is_file(), f"the run wrote no results (exit {code}):\n{log.getvalue()[-4000:]}"
+    got = {t["nodeid"]: t for t in json.loads(results.read_text())["tests"]}
+    assert code == 0, f"expected exit 0, got {code}:\n{log.getvalue()[-4000:]}"
+    return got
+
+
+def _is_dsa(nodeid: str) -> bool:
+    return nodeid.startswith("suites/test_dsa.py::") or "dsa" in nodeid.lower()
+
+
+def test_passes_with_no_failures_or_errors(outcomes):
+    bad = {n: f"{t['outcome']}: {t.get('reason', '')[:300]}" for n, t in outcomes.items()
+           if t["outcome"] not in ("passed", "skipped")}
+    assert not bad, f"{len(bad)} tests did not pass or skip: {json.dumps(bad, indent=1)}"
+    passed = [n for n, t in outcomes.items() if t["outcome"] == "passed"]
+    assert any(n.startswith("suites/test_numerics.py::") for n in passed), "no numerics test ran"
+    assert any(n.startswith("suites/test_cache_bytes.py::") for n in passed), "no cache-bytes test ran"
+
+
+def test_every_dsa_test_skips_naming_the_declaration(outcomes):
+    dsa = {n: t for n, t in outcomes.items() if _is_dsa(n)}
+    assert any(n.startswith("suites/test_dsa.py::") for n in dsa), "no DSA test was selected"
+    wrong = {n: f"{t['outcome']}: {t.get('reason', '')[:300]}" for n, t in dsa.items()
+             if t["outcome"] != "skipped" or DSA_DECLARATION not in t.get("reason", "")
+             or 'sparse_attention = "dsa"' not in t.get("reason", "")}
+    assert not wrong, f"DSA tests that did not skip naming the declaration: {json.dumps(wrong, indent=1)}"
+
+
+def test_skips_only_optional_parts_it_never_declared(outcomes):
+    other = {n: t.get("reason", "")[:300] for n, t in outcomes.items()
+             if t["outcome"] == "skipped" and not t.get("reason", "").startswith(OPTIONAL_SKIPS)}
+    assert not other, f"skips that are not an undeclared optional part: {json.dumps(other, indent=1)}"
+    codec = [t for t in outcomes.values() if t["outcome"] == "skipped" and "kv_codec" in t.get("reason", "")]
+    assert codec and all("is not supported" in t["reason"] for t in codec), "the codec tests did not skip with " \
+        "the backend's own sentence"
