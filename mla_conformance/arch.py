@@ -445,6 +445,41 @@ def kernel_ids() -> list[str]:
     return [row.kernel_id for row in MATRIX]
 
 
+#: The suite's adapters of each kernel (built-in op names; the layer backends ``flashmla`` and
+#: ``flashmla-sparse`` are torch projections around the op of the same name).
+ADAPTERS: dict[str, tuple[str, ...]] = {
+    "flashmla/dense_decode": ("flashmla",),
+    "flashmla/sparse_decode": ("flashmla-sparse",),
+    "flashinfer/fa3_mla": ("flashinfer",),
+    "flashinfer/fa2_mla": ("flashinfer", "flashinfer-fa2"),
+}
+#: Kernel ids whose adapter has been run against the real kernel on its hardware and passed the suite there.
+#: None yet: add an id only with the report of such a run.
+RUN_ON_HARDWARE: frozenset[str] = frozenset()
+#: What an adapter that never ran on the real kernel is, said wherever it is advertised.
+NOT_RUN_ON_HARDWARE = ("not yet run on hardware: tested only against labelled stand-ins (CPU modules with the "
+                       "kernels' signatures, tests/test_flashmla.py and tests/test_op_adapters.py)")
+
+
+def adapter_status() -> dict[str, dict[str, Any]]:
+    """Per kernel with an adapter: its adapter names, whether one has run on the real kernel, and the note."""
+    return {kid: {"adapters": list(names), "run_on_hardware": kid in RUN_ON_HARDWARE,
+                  "note": None if kid in RUN_ON_HARDWARE else NOT_RUN_ON_HARDWARE}
+            for kid, names in ADAPTERS.items()}
+
+
+def adapter_lines() -> list[str]:
+    """The adapters as text, one line per kernel, with the hardware note where it applies."""
+    status = adapter_status()
+    width = max(len(k) for k in status)
+    lines = [f"{kid:<{width}}  {', '.join(st['adapters'])}: "
+             + ("run on hardware" if st["run_on_hardware"] else "not yet run on hardware")
+             for kid, st in status.items()]
+    if any(not st["run_on_hardware"] for st in status.values()):
+        lines.append(NOT_RUN_ON_HARDWARE[0].upper() + NOT_RUN_ON_HARDWARE[1:] + ".")
+    return lines
+
+
 def get_kernel(kernel_id: str) -> KernelRow:
     """The matrix row for ``kernel_id``; a ValueError naming it and the known ids otherwise."""
     try:
@@ -821,6 +856,7 @@ def matrix_report(capability: Any = None, *, name: str | None = None, cuda_versi
         "device": device,
         "matrix": [row.to_dict() for row in MATRIX],
         "verdicts": _judge_all(info, check_package),
+        "adapters": adapter_status(),
     }
 
 
@@ -866,6 +902,8 @@ def _render_text(report: dict[str, Any]) -> str:
         else:
             lines.append(f"{kid:<{kw}}  no: {verdict['reason']}")
     lines += ["", _runs_here(report)]
+    lines += ["", "The suite's adapters (built-in ops; `flashmla` and `flashmla-sparse` also as layer backends):"]
+    lines += ["  " + line for line in adapter_lines()]
     return "\n".join(lines)
 
 

@@ -781,11 +781,28 @@ def _gating_section(report) -> str | None:
     if not dev.startswith("cuda") and all(r is not None for r in gating.values()):
         return ("## Kernel gating on this device\n\nNo CUDA device (`" + dev + "`): none of the "
                 f"{len(gating)} kernels of the support matrix runs here; their tests skip with the "
-                "reason. `mla-conformance matrix --capability X.Y` says which run on a given GPU.")
+                "reason. `mla-conformance matrix --capability X.Y` says which run on a given GPU."
+                + "\n\n" + "\n".join(_adapter_lines(report)))
     out = ["## Kernel gating on this device", "", "| kernel | verdict |", "|---|---|"]
     for kid, reason in sorted(gating.items()):
         out.append(f"| {kid} | {'runs here' if reason is None else reason} |")
-    return "\n".join(out)
+    return "\n".join(out + [""] + _adapter_lines(report))
+
+
+def _adapter_lines(report) -> list[str]:
+    """The suite's FlashMLA / FlashInfer adapters, each with whether it has ever run on the real kernel
+    (``arch.ADAPTERS``, ``arch.RUN_ON_HARDWARE``: a property of this suite's version, not of the host)."""
+    try:
+        from mla_conformance.arch import NOT_RUN_ON_HARDWARE, adapter_status
+    except ImportError:
+        return []
+    judged = set(report.get("verdicts") or {}) | set(report.get("op_results") or {})
+    out = ["Adapters of these kernels in this suite (built-in ops; `flashmla` and `flashmla-sparse` also as layer "
+           "backends):", ""]
+    for kid, st in sorted(adapter_status().items()):
+        names = ", ".join(f"`{n}`" + (" (judged in this run)" if n in judged else "") for n in st["adapters"])
+        out.append(f"- {kid}: {names}: " + ("run on hardware" if st["run_on_hardware"] else NOT_RUN_ON_HARDWARE))
+    return out
 
 
 def rope_conventions(report) -> dict[str, dict[str, Any]]:

@@ -360,7 +360,8 @@ def test_cli_matrix_json_for_capability_12_0(capsys):
     rc, out, _ = _cli_main(["matrix", "--capability", "12.0", "--json"], capsys)
     assert rc == 0
     report = json.loads(out)
-    assert set(report) == {"device", "matrix", "verdicts"}
+    assert set(report) == {"device", "matrix", "verdicts", "adapters"}
+    assert set(report["adapters"]) <= set(arch.kernel_ids())
     assert report["device"]["capability"] == "12.0" and report["device"]["sm"] == "SM120"
     assert report["device"]["judged_on"] == "architecture"
     assert [r["kernel_id"] for r in report["matrix"]] == arch.kernel_ids()
