@@ -456,33 +456,117 @@ def per_token_elements(config: MLAConfig, cache_format: str) -> int:
     return config.latent_dim + indexer_elements(config, cache_format)
 
 
-#: The FP8 indexer key of DeepSeek-V3.2 (with kv_codec fp8-e4m3-flashmla): e4m3 values plus one float32
-#: scale per block of FP8_INDEXER_BLOCK values (128 + 4 = 132 B at index_head_dim 128).
+#: The FP8 indexer key of DeepSeek-V3.2: e4m3 values plus one float32 scale per block of FP8_INDEXER_BLOCK
+#: values (128 + 4 = 132 B at index_head_dim 128).
 FP8_INDEXER_BLOCK = 128
 
+#: How a "latent+indexer" cache stores its indexer key, declared apart from the latent's storage as
+#: ``indexer_format`` on the cache or the backend (:func:`indexer_format_of`); each has its own bytes per token
+#: (:func:`indexer_bytes_per_token`) and its own indexer precision (the ``indexer-scores`` row of TOLERANCES the
+#: DSA score and selection tests hold it to).
+INDEXER_FORMATS: dict[str, str] = {
+    "cache-dtype": "index_head_dim values in the cache dtype (the default, but with kv_codec fp8-e4m3-flashmla)",
+    "bf16": "index_head_dim bfloat16 values (2 B each) whatever the latent's storage",
+    "fp8-e4m3-block128": "index_head_dim float8 e4m3 values plus one float32 scale per block of 128 values "
+                         "(DeepSeek-V3.2-Exp inference/model.py: act_quant's block 128, fp8_index; 128 + 4 = 132 B "
+                         "at index_head_dim 128); the default with kv_codec fp8-e4m3-flashmla, whose FlashMLA layout "
+                         "pairs the 656-byte latent with it",
+}
 
-def indexer_bytes_per_token(config: MLAConfig, cache_format: str, dtype: torch.dtype, kv_codec: str = "none") -> int:
-    """Bytes of the indexer key per token: 0 unless "latent+indexer"; FP8 + fp32 block scales with
-    kv_codec "fp8-e4m3-flashmla"; else index_head_dim elements in the cache dtype."""
+
+def default_indexer_format(kv_codec: str = "none") -> str:
+    """The indexer format of a cache that declares none: FP8 block-128 with kv_codec fp8-e4m3-flashmla (DeepSeek's
+    FP8 cache), else the cache dtype."""
+    return "fp8-e4m3-block128" if kv_codec == "fp8-e4m3-flashmla" else "cache-dtype"
+
+
+def indexer_format_of(backend, cache=None, kv_codec: str = "none") -> str:
+    """The indexer format declared on the cache, else on the backend, else :func:`default_indexer_format`;
+    a value outside INDEXER_FORMATS is a bad spec (BackendSpecError) naming the allowed values."""
+    from mla_conformance.errors import BackendSpecError
+
+    for owner in (cache, backend):
+        fmt = getattr(owner, "indexer_format", None) if owner is not None else None
+        if fmt is not None:
+            if fmt not in INDEXER_FORMATS:
+                raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: indexer_format {fmt!r} is "
+                                       f"not one of {', '.join(map(repr, INDEXER_FORMATS))}")
+            return fmt
+    return default_indexer_format(kv_codec)
+
+
+def indexer_bytes_per_token(config: MLAConfig, cache_format: str, dtype: torch.dtype, kv_codec: str = "none",
+                            indexer_format: str | None = None) -> int:
+    """Bytes of the indexer key per token: 0 unless "latent+indexer"; else by ``indexer_format`` (None: the
+    default for ``kv_codec``): index_head_dim elements in the cache dtype ("cache-dtype"), x 2 B ("bf16"), or
+    index_head_dim e4m3 bytes + 4 B per block of 128 ("fp8-e4m3-block128": 132 B at 128)."""
     n = indexer_elements(config, cache_format)
     if not n:
         return 0
-    if kv_codec == "fp8-e4m3-flashmla":
+    indexer_format = default_indexer_format(kv_codec) if indexer_format is None else indexer_format
+    if indexer_format == "fp8-e4m3-block128":
         return n + 4 * math.ceil(n / FP8_INDEXER_BLOCK)
-    return n * torch.empty(0, dtype=dtype).element_size()
+    if indexer_format == "bf16":
+        return 2 * n
+    if indexer_format == "cache-dtype":
+        return n * torch.empty(0, dtype=dtype).element_size()
+    raise ValueError(f"unknown indexer_format {indexer_format!r}; known: {', '.join(INDEXER_FORMATS)}")
 
 
-def format_bytes_per_token(config: MLAConfig, cache_format: str, dtype: torch.dtype, kv_codec: str = "none") -> int:
+def format_bytes_per_token(config: MLAConfig, cache_format: str, dtype: torch.dtype, kv_codec: str = "none",
+                           indexer_format: str | None = None) -> int:
     """Bytes one stored token takes in the declared format (a codec's payload + metadata), the indexer
-    key included for "latent+indexer" (1,408 B in BF16 at 512/64/128; 656 + 132 = 788 B with
-    kv_codec fp8-e4m3-flashmla and its FP8 indexer; other codecs quantize the latent only)."""
-    indexer = indexer_bytes_per_token(config, cache_format, dtype, kv_codec)
+    key included for "latent+indexer" in its ``indexer_format`` (:func:`indexer_bytes_per_token`). At V3.2 dims
+    (512 + 64, indexer 128): 1,408 B with a BF16 indexer key, 1,284 B (1,152 + 128 + 4) with a BF16 latent and
+    the FP8 block-128 key of DeepSeek's V3.2 reference, 788 B (656 + 132) with kv_codec fp8-e4m3-flashmla; other
+    codecs quantize the latent only."""
+    indexer = indexer_bytes_per_token(config, cache_format, dtype, kv_codec, indexer_format)
     if kv_codec != "none":
         from mla_conformance.codecs import get_codec
 
         return get_codec(kv_codec).bytes_per_token(config, dtype)["total"] + indexer
     return config.expanded_dim * torch.empty(0, dtype=dtype).element_size() if cache_format == "expanded" else \
         config.latent_dim * torch.empty(0, dtype=dtype).element_size() + indexer
+
+
+def _scale_like(tensor: torch.Tensor, per_token_bytes: float, config: MLAConfig) -> bool:
+    """A float32-or-wider buffer holding at most one value per 32 of the per-token elements: scales (metadata of
+    a quantized part), not values stored wider than the cache dtype."""
+    return per_token_bytes / tensor.element_size() <= (config.latent_dim + (config.index_head_dim or 0)) / 32
+
+
+def _byte_hints(config: MLAConfig, fmt: str, indexer_format: str | None, kv_codec: str, dtype: torch.dtype,
+                tensors: dict, written: dict, tokens: int) -> list[str]:
+    """Likely causes of a per-token byte mismatch, each naming what it saw."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    total = sum(written.values())
+    hints = []
+    wide = [k for k, v in written.items() if v and tensors[k].is_floating_point() and tensors[k].element_size() > elem]
+    scales = [k for k in wide if _scale_like(tensors[k], written[k] / tokens, config)]
+    if scales:
+        hints.append(f"buffer(s) {scales} ({[str(tensors[k].dtype) for k in scales]}, "
+                     f"{[round(written[k] / tokens, 3) for k in scales]} B/token) hold one value per 32 or more "
+                     "stored values: scales of a quantized part, counted as the format's metadata")
+    wider = [k for k in wide if k not in scales]
+    if wider:
+        hints.append(f"buffer(s) {wider} are {[str(tensors[k].dtype) for k in wider]}, wider than the "
+                     f"{dtype_name(dtype)} cache asked for")
+    if fmt == "latent+indexer":
+        other = [f for f in INDEXER_FORMATS if f != indexer_format
+                 and total == tokens * format_bytes_per_token(config, fmt, dtype, kv_codec, f)]
+        if other:
+            hints.append(f"that is the size with indexer_format {other[0]!r} ({INDEXER_FORMATS[other[0]]}), not "
+                         f"the cache's {indexer_format!r} (declared, or the default when neither the cache nor the "
+                         f"backend declares one): declare indexer_format = {other[0]!r} if that is how the cache "
+                         "stores the indexer key")
+    if fmt == "latent" and kv_codec == "none" and total == tokens * config.expanded_dim * elem:
+        hints.append(f"that is the expanded per-head K/V size (H x (qk + v) = {config.expanded_dim:,} "
+                     "elements per token): the cache stores the expanded K/V, not the latent")
+    if fmt == "latent" and config.dsa and kv_codec == "none" and \
+            total > tokens * config.latent_dim * elem:
+        hints.append("a DeepSeek Sparse Attention cache also stores one indexer key per token: declare "
+                     "cache_format 'latent+indexer' (and its indexer_format)")
+    return hints
 
 
 def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decode: int, batch: int,
@@ -519,15 +603,16 @@ def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decod
         masks.append(written_masks(tensors_of_checked(call_backend(cache2, "tensors"), where_cache),
                                    trace2["poisoned"]))
     fmt = cache_format_of(backend, cache)
-    elem = torch.empty(0, dtype=dtype).element_size()
+    ifmt = indexer_format_of(backend, cache, kv_codec) if fmt == "latent+indexer" else None
     tokens = batch * (prefill + decode)
-    expected = format_bytes_per_token(config, fmt, dtype, kv_codec)
+    expected = format_bytes_per_token(config, fmt, dtype, kv_codec, ifmt)
     tensor_bytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     limit = bookkeeping_limit(batch, capacity, getattr(cache, "page_block_size", None))
     written = written_bytes(tensors, masks)
     # bookkeeping by structure (small); a buffer the tokens were written into is token storage whatever
     # its size (a cache that grows holds one token in a buffer smaller than a block table)
-    book = {k: b for k, b in tensor_bytes.items() if is_bookkeeping(tensors[k], limit) and not written.get(k)}
+    book = {k: b for k, b in tensor_bytes.items()
+            if is_bookkeeping(tensors[k], limit, batch, capacity) and not written.get(k)}
     storage = {k: b for k, b in tensor_bytes.items() if k not in book}
     total_written = sum(written.values())
     measured = total_written // tokens if tokens else 0
@@ -535,11 +620,20 @@ def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decod
     allocated = int(call_backend(cache, "allocated_nbytes"))
     requested = batch * capacity
     slots = slot_figures(sum(storage.values()), measured, requested, trace["preallocated"])
+    # formula and measurement under labelled keys: formula_bytes_per_token is the declared format's per-token
+    # formula (format_bytes_per_token), measured_bytes_per_token what the tensors showed (written bytes / tokens);
+    # bytes_per_token (measured) and format_bytes_per_token (formula) are the same figures under the keys the
+    # report reads
     figures.update({"backend": backend.name, "preset": preset, "dtype": dtype_name(dtype), "cache_format": fmt,
                     "kv_codec": kv_codec, "tokens": tokens, "batch": batch, "capacity": capacity,
-                    "per_token_bytes": expected, "format_bytes_per_token": expected, "bytes_per_token": measured,
+                    "formula_bytes_per_token": expected, "measured_bytes_per_token": measured,
+                    "format_bytes_per_token": expected, "bytes_per_token": measured,
+                    "measured_bytes_per_buffer": {k: v / tokens for k, v in sorted(written.items()) if v},
                     "written_nbytes": total_written, "active_nbytes": active, "allocated_nbytes": allocated,
                     "tensors": tensor_bytes, "bookkeeping": sorted(book), **slots})
+    if ifmt is not None:
+        figures["indexer_format"] = ifmt
+        figures["formula_indexer_bytes_per_token"] = indexer_bytes_per_token(config, fmt, dtype, kv_codec, ifmt)
     where = f"{backend.name} {preset} {dtype_name(dtype)}{'' if kv_codec == 'none' else ' kv_codec ' + kv_codec} " \
             f"{tokens} tokens (batch {batch})"
     seq_lens = [int(v) for v in cache.seq_lens.tolist()]
@@ -551,18 +645,12 @@ def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decod
     per_buffer = ", ".join(f"{k!r} {describe_buffers({k: tensors[k]})[k]}: "
                            f"{v / tokens:,.6g} B/token" for k, v in sorted(written.items()) if v)
     if total_written != measured * tokens or measured != expected:
-        hints = []
-        wide = [k for k in written if tensors[k].is_floating_point() and tensors[k].element_size() > elem]
-        if wide:
-            hints.append(f"buffer(s) {wide} are {[str(tensors[k].dtype) for k in wide]}, wider than the "
-                         f"{dtype_name(dtype)} cache asked for")
-        if fmt == "latent" and kv_codec == "none" and total_written == tokens * config.expanded_dim * elem:
-            hints.append(f"that is the expanded per-head K/V size (H x (qk + v) = {config.expanded_dim:,} "
-                         "elements per token): the cache stores the expanded K/V, not the latent")
+        hints = _byte_hints(config, fmt, ifmt, kv_codec, dtype, tensors, written, tokens)
         raise AssertionError(
             f"{where}: the cache holds {total_written / tokens:,.6g} B per stored token ({per_buffer or 'nothing written'}; "
             f"measured as the token-storage bytes that no longer hold the suite's poison) but the declared format "
-            f"{fmt!r}{'' if kv_codec == 'none' else ' with kv_codec ' + kv_codec} needs {expected:,} B per token: "
+            f"{fmt!r}{'' if kv_codec == 'none' else ' with kv_codec ' + kv_codec}"
+            f"{'' if ifmt is None else f' (indexer_format {ifmt!r})'} needs {expected:,} B per token: "
             f"the format is wrong, not the slot count" + "".join(f"; {h}" for h in hints))
     if slots["preallocated"] and slots["allocated_slots"] < requested:
         raise AssertionError(

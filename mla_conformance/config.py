@@ -42,6 +42,11 @@ class MLAConfig:
         index_head_dim: width of the indexer's query heads and of its one key per token (128 in V3.2).
         index_topk: tokens each query attends to after the indexer's selection (2048 in V3.2).
             The three are set together or not at all; DSA needs q_lora (the indexer query reads its latent).
+        indexer_rope_interleave: the RoPE pair layout of the indexer's rotated dims, a model property (DSA
+            only): False (default) = half-split pairs (x[i], x[i + r/2]), DeepSeek-V3.2's (its corrected
+            reference of 2025-11-18, transformers' DeepseekV32); True = interleaved pairs (x[2i], x[2i+1]),
+            MLA's own layout, as GLM-5's DSA configs declare (transformers' GlmMoeDsa
+            ``indexer_rope_interleave``). Read from a Hugging Face config where present.
     """
 
     hidden_size: int
@@ -59,6 +64,7 @@ class MLAConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    indexer_rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
@@ -79,6 +85,9 @@ class MLAConfig:
                         raise MLAInputError(f"MLAConfig.rope_scaling (yarn) needs '{key}'")
             object.__setattr__(self, "rope_scaling", rs if kind == "yarn" else None)
         dsa = {name: getattr(self, name) for name in DSA_FIELDS}
+        if self.indexer_rope_interleave and all(v is None for v in dsa.values()):
+            raise MLAInputError("MLAConfig.indexer_rope_interleave is a DeepSeek Sparse Attention field (the "
+                                "indexer's RoPE layout); this config has no indexer (index_topk unset)")
         if any(v is not None for v in dsa.values()):
             unset = [k for k, v in dsa.items() if v is None]
             if unset:
@@ -90,6 +99,9 @@ class MLAConfig:
             if self.q_lora_rank is None:
                 raise MLAInputError("MLAConfig: DeepSeek Sparse Attention needs q_lora_rank (the indexer's query "
                                     "is projected from the q_lora latent)")
+            if not isinstance(self.indexer_rope_interleave, bool):
+                raise MLAInputError(f"MLAConfig.indexer_rope_interleave must be True or False, got "
+                                    f"{self.indexer_rope_interleave!r}")
             if self.index_head_dim < self.qk_rope_head_dim:
                 raise MLAInputError(f"MLAConfig.index_head_dim ({self.index_head_dim}) must be at least "
                                     f"qk_rope_head_dim ({self.qk_rope_head_dim}): the indexer rotates that many dims")
@@ -220,7 +232,7 @@ class MLAConfig:
         d = dataclasses.asdict(self)
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         if not self.dsa:  # dense MLA: the dict is what it was before DSA fields existed
-            for name in DSA_FIELDS:
+            for name in (*DSA_FIELDS, "indexer_rope_interleave"):
                 d.pop(name)
         return d
 
@@ -231,7 +243,8 @@ class MLAConfig:
         return (f"hidden={self.hidden_size} heads={self.num_attention_heads} {q} kv_lora={self.kv_lora_rank} "
                 f"nope={self.qk_nope_head_dim} rope={self.qk_rope_head_dim} v={self.v_head_dim} {rope}"
                 + (f" dsa(index_heads={self.index_n_heads} index_dim={self.index_head_dim} "
-                   f"topk={self.index_topk})" if self.dsa else ""))
+                   f"topk={self.index_topk}{' rope=interleaved' if self.indexer_rope_interleave else ''})"
+                   if self.dsa else ""))
 
 
 #: The DeepSeek Sparse Attention fields (Hugging Face DeepseekV32Config names); None = dense MLA.
@@ -242,12 +255,21 @@ DSA_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
 _V32_DSA_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 
 
-def _dsa_fields(config: Mapping[str, Any]) -> dict[str, int]:
-    """The DSA fields of a HF (or DeepSeek reference, same names) config; {} for dense MLA."""
+def _dsa_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The DSA fields of a HF (or DeepSeek reference, same names) config; {} for dense MLA. The indexer's
+    RoPE layout is read from ``indexer_rope_interleave`` where the config has it (GLM-MoE-DSA), else it is
+    DeepSeek-V3.2's half-split."""
     present = {k: config.get(k) for k in DSA_FIELDS if config.get(k) is not None}
     if config.get("model_type") == "deepseek_v32":
         present = {**_V32_DSA_DEFAULTS, **present}
-    return {k: int(v) for k, v in present.items()}
+    out: dict[str, Any] = {k: int(v) for k, v in present.items()}
+    interleave = config.get("indexer_rope_interleave")
+    if interleave is not None:
+        if not isinstance(interleave, bool):
+            raise CheckpointError(f"indexer_rope_interleave must be true or false, got {interleave!r}")
+        if out or interleave:
+            out["indexer_rope_interleave"] = interleave
+    return out
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -305,7 +327,10 @@ _V3_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings
 #: * ``tiny-dsa``: ``tiny`` with DeepSeek Sparse Attention (4 indexer heads of 32, top-16), so selection
 #:   bites from the 17th token on CPU.
 #: * ``v3.2-mini``: ``v3-mini`` with V3.2's indexer key width (4 indexer heads of 128, top-16): the V3.2
-#:   cache layouts (latent 512 + rope 64 + indexer 128; the FP8 656 + 132 bytes) at a CPU-sized model.
+#:   cache layouts (latent 512 + rope 64 + indexer 128; the FP8 656 + 132 bytes) at a CPU-sized model, and
+#:   V3.2's half-split indexer RoPE.
+#: * ``glm-dsa-mini``: ``v3.2-mini`` with the indexer's RoPE in interleaved pairs
+#:   (``indexer_rope_interleave=True``), as GLM-5's DSA configs (GLM-MoE-DSA) declare.
 #:
 #: ``deepseek-v3.2`` carries V3.2's published indexer (64 heads of 128, top-2048: DeepSeek-V3.2-Exp
 #: inference/config_671B_v3.2.json and transformers' DeepseekV32Config defaults). Every preset has mscale == mscale_all_dim, as every published DeepSeek config does: YaRN's cos/sin
@@ -343,3 +368,4 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESETS["deepseek-v3.2"] = {**PRESETS["deepseek-v3"], "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 PRESETS["tiny-dsa"] = {**PRESETS["tiny"], "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
 PRESETS["v3.2-mini"] = {**PRESETS["v3-mini"], "index_n_heads": 4, "index_head_dim": 128, "index_topk": 16}
+PRESETS["glm-dsa-mini"] = {**PRESETS["v3.2-mini"], "indexer_rope_interleave": True}

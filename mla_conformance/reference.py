@@ -199,7 +199,8 @@ def reference_attention_f64(weights: MLAWeights, hidden_states: torch.Tensor,
 #
 #     q^I_{s,h} = W^I_Q,h  RMSNorm(W_DQ x_s)                 from the same q_lora latent as MLA's query
 #     k^I_t     = LayerNorm(W^I_K x_t)                        one key per token, shared by the heads, cached
-#     RoPE on the first qk_rope_head_dim dims of q^I and k^I, rotate-half (NON-interleaved) layout
+#     RoPE on the first qk_rope_head_dim dims of q^I and k^I, rotate-half (NON-interleaved) layout in
+#     DeepSeek-V3.2; interleaved where the config says indexer_rope_interleave (GLM-5's DSA)
 #     (q^I, k^I) <- (H q^I, H k^I),  H = Hadamard / sqrt(d)   orthonormal: q.k unchanged before FP8
 #     [optional] FP8 e4m3 per block of 128 (per head vector), power-of-two (ue8m0) scales
 #     w_{s,h}   = (W^I_w x_s)_h * n_heads^-1/2 * d^-1/2
@@ -216,8 +217,20 @@ INDEXER_K_NORM_EPS = 1e-6
 
 #: RoPE layouts of the indexer's rotated dims. "half" is DeepSeek-V3.2's (and transformers'): the first
 #: r/2 dims pair with the last r/2. "interleaved" pairs (x[2i], x[2i+1]) -- MLA's own layout, which the
-#: V3.2-Exp inference demo applied to the indexer too until DeepSeek's correction of 2025-11-18.
+#: V3.2-Exp inference demo applied to the indexer too until DeepSeek's correction of 2025-11-18, and which
+#: GLM-5's DSA models declare (``indexer_rope_interleave``). Which one a model uses is its config's
+#: ``indexer_rope_interleave`` (:func:`indexer_rope_layout`); the oracles follow it unless told otherwise.
 INDEXER_ROPE_LAYOUTS = ("half", "interleaved")
+
+
+def indexer_rope_layout(config: MLAConfig) -> str:
+    """The indexer RoPE layout a config declares: "interleaved" when ``indexer_rope_interleave``, else "half"."""
+    return "interleaved" if getattr(config, "indexer_rope_interleave", False) else "half"
+
+
+def other_rope_layout(layout: str) -> str:
+    """The layout a backend that mixes them up would use: the other one."""
+    return "half" if layout == "interleaved" else "interleaved"
 
 #: Elements per FP8 scale in DeepSeek's act_quant (a block of at most this many along the head dim).
 FP8_BLOCK = 128
@@ -278,14 +291,16 @@ def q_latent(weights: MLAWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def indexer_project(weights: MLAWeights, x: torch.Tensor, positions: torch.Tensor, *,
-                    rope_layout: str = "half", hadamard: bool = True, fp8: bool = False,
+                    rope_layout: str | None = None, hadamard: bool = True, fp8: bool = False,
                     rope_convention: str = "transformers"):
     """The indexer's per-token projections: q [B,S,n,d], k [B,S,d] (what a DSA cache stores per token,
     rotated, Hadamard-transformed, FP8-rounded when ``fp8``) and the head weights w [B,S,n], which
-    carry n^-1/2 * d^-1/2. RoPE uses MLA's cos/sin (YaRN included) in ``rope_layout``."""
+    carry n^-1/2 * d^-1/2. RoPE uses MLA's cos/sin (YaRN included) in ``rope_layout`` (default: the
+    config's, :func:`indexer_rope_layout`)."""
     cfg = weights.config
     if not cfg.dsa:
         raise ValueError(f"no DSA indexer in this config ({cfg.describe()}): index_topk is None")
+    rope_layout = indexer_rope_layout(cfg) if rope_layout is None else rope_layout
     if rope_layout not in INDEXER_ROPE_LAYOUTS:
         raise ValueError(f"unknown indexer rope_layout {rope_layout!r}; known: {', '.join(INDEXER_ROPE_LAYOUTS)}")
     n, d, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
@@ -341,10 +356,10 @@ def _f64_inputs(weights: MLAWeights, hidden_states: torch.Tensor, lengths):
 
 
 def indexer_scores_f64(weights: MLAWeights, hidden_states: torch.Tensor, lengths: torch.Tensor | None = None, *,
-                       rope_layout: str = "half", hadamard: bool = True, fp8: bool = False,
+                       rope_layout: str | None = None, hadamard: bool = True, fp8: bool = False,
                        rope_convention: str = "transformers") -> torch.Tensor:
     """Float64 indexer scores [B, T, T] of each row's whole sequence (positions 0..L-1): -inf where the
-    key is in the query's future or past the row's length."""
+    key is in the query's future or past the row's length. ``rope_layout`` None: the config's."""
     w, x, lengths, positions = _f64_inputs(weights, hidden_states, lengths)
     q, k, hw = indexer_project(w, x, positions, rope_layout=rope_layout, hadamard=hadamard, fp8=fp8,
                                rope_convention=rope_convention)

@@ -3,6 +3,7 @@ conformance suite, which keeps only tests that judge a backend."""
 
 import pytest
 
+from mla_conformance import MLAConfig
 from mla_conformance.backends import get_backend
 from tests._suite_modules import suite_namespace
 

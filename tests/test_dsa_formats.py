@@ -15,6 +15,14 @@ def test_format_bytes_per_token():
     assert checks.format_bytes_per_token(V32, "latent+indexer", torch.bfloat16) == 1_408  # 576 + 128 elements
     assert checks.format_bytes_per_token(V32, "latent+indexer", torch.float32) == 2_816
     assert checks.format_bytes_per_token(V32, "latent+indexer", torch.bfloat16, "fp8-e4m3-flashmla") == 656 + 132
+    # the indexer key's storage, declared apart from the latent's: DeepSeek's V3.2-Exp reference keeps a bf16
+    # latent next to an e4m3 key with one float32 scale per 128 values: 576 x 2 + 128 + 4
+    assert checks.format_bytes_per_token(V32, "latent+indexer", torch.bfloat16,
+                                         indexer_format="fp8-e4m3-block128") == 1_284
+    assert checks.format_bytes_per_token(V32, "latent+indexer", torch.float32, indexer_format="bf16") == 2_304 + 256
+    assert checks.format_bytes_per_token(V32, "latent+indexer", torch.bfloat16, "fp8-e4m3-flashmla",
+                                         indexer_format="cache-dtype") == 656 + 256
+    assert checks.indexer_bytes_per_token(V32, "latent", torch.bfloat16, indexer_format="fp8-e4m3-block128") == 0
     assert checks.format_bytes_per_token(V32, "expanded", torch.bfloat16) == 81_920
     with pytest.raises(ValueError, match="latent\\+indexer"):
         checks.format_bytes_per_token(MLAConfig.preset("deepseek-v3"), "latent+indexer", torch.bfloat16)
@@ -81,3 +89,63 @@ def test_fp8_indexer_cache_round_trip():
     assert torch.isfinite(back).all() and (back[1, 3:] == 0).all() and (back[0, 5:] == 0).all()
     err = (back[0, :5] - k[0]).abs().max() / k[0].abs().max()
     assert err <= 2 ** -4 * 2  # half an e4m3 step at the top binade, times the power-of-two scale's headroom
+
+
+def test_indexer_format_declaration():
+    """indexer_format: on the cache, else the backend, else the default (the cache dtype; FP8 block-128 with the
+    fp8-e4m3-flashmla codec); a value outside INDEXER_FORMATS is a bad spec naming the allowed ones."""
+    from mla_conformance.cache import FP8IndexerLatentCache
+
+    class Backend:
+        name = "b"
+
+    class Cache:
+        indexer_format = "bf16"
+
+    b = Backend()
+    assert checks.indexer_format_of(b) == "cache-dtype"
+    assert checks.indexer_format_of(b, kv_codec="fp8-e4m3-flashmla") == "fp8-e4m3-block128"
+    assert checks.indexer_format_of(b, Cache()) == "bf16"
+    b.indexer_format = "fp8-e4m3-block128"
+    assert checks.indexer_format_of(b) == "fp8-e4m3-block128" and checks.indexer_format_of(b, Cache()) == "bf16"
+    assert FP8IndexerLatentCache.indexer_format == "fp8-e4m3-block128"
+    b.indexer_format = "fp8"
+    with pytest.raises(BackendSpecError, match="fp8-e4m3-block128"):
+        checks.indexer_format_of(b)
+
+
+def test_byte_hint_names_scales_and_the_indexer_format():
+    """A bf16 latent + FP8 block-128 indexer cache that declares no indexer_format: the failure names the float32
+    buffer as scales (not as 'wider than the cache') and the indexer format whose size it has."""
+    from tests.meta.deepseek_v32_backend import DeepSeekV32Reference
+
+    class Undeclared(DeepSeekV32Reference):
+        name = "undeclared-fp8-indexer"
+        indexer_format = None
+
+    with pytest.raises(AssertionError) as info:
+        checks.cache_bytes(Undeclared(), "v3.2-mini", torch.bfloat16, prefill=6, decode=2, batch=3, capacity=16)
+    msg = str(info.value)
+    assert "1,284 B per stored token" in msg and "needs 1,408 B" in msg, msg
+    assert "scales of a quantized part" in msg and "wider than" not in msg, msg
+    assert "indexer_format 'fp8-e4m3-block128'" in msg, msg
+
+
+def test_config_indexer_rope_layout():
+    """indexer_rope_interleave: a DSA config field (default False = DeepSeek-V3.2's half-split), read from HF
+    configs where present (GLM-MoE-DSA), refused on a dense config; the oracle follows it."""
+    from mla_conformance.errors import MLAInputError
+    from mla_conformance.reference import indexer_rope_layout, indexer_scores_f64
+
+    v32, glm = MLAConfig.preset("v3.2-mini"), MLAConfig.preset("glm-dsa-mini")
+    assert (v32.indexer_rope_interleave, glm.indexer_rope_interleave) == (False, True)
+    assert (indexer_rope_layout(v32), indexer_rope_layout(glm)) == ("half", "interleaved")
+    hf = {**v32.to_hf_dict(), "model_type": "glm_moe_dsa", "indexer_rope_interleave": True}
+    assert MLAConfig.from_hf(hf) == glm
+    assert "indexer_rope_interleave" not in MLAConfig.preset("v3-mini").to_hf_dict()
+    with pytest.raises(MLAInputError, match="indexer_rope_interleave"):
+        MLAConfig(**{**MLAConfig.preset("v3-mini").to_hf_dict(), "indexer_rope_interleave": True})
+    w_half, w_glm = checks._weights("v3.2-mini", 0), checks._weights("glm-dsa-mini", 0)
+    x = torch.randn(1, 20, v32.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(indexer_scores_f64(w_glm, x), indexer_scores_f64(w_half, x, rope_layout="interleaved"))
+    assert not torch.equal(indexer_scores_f64(w_glm, x), indexer_scores_f64(w_half, x))

@@ -129,7 +129,9 @@ class ReferenceDSA(ReferenceAbsorbed):
     DeepSeek's kernels accumulate them. ``kv_codec="fp8-e4m3-flashmla"`` (V3.2 dims, bfloat16) is the FP8
     form: FlashMLA's 656-byte latent row plus an FP8 indexer key with float32 power-of-two block scales
     (128 + 4 B), 788 B per token; the indexer query is FP8-rounded the same way (DeepSeek's act_quant).
-    The last call's selection is on the cache as ``last_topk_indices`` ([B, S, index_topk] int64, -1 padded),
+    The indexer's RoPE follows the config's ``indexer_rope_interleave``. The indexer key is stored in the cache
+    dtype (``indexer_format`` "cache-dtype", the default) or, with the FP8 codec, as "fp8-e4m3-block128" (declared
+    by the cache). The last call's selection is on the cache as ``last_topk_indices`` ([B, S, index_topk] int64, -1 padded),
     and the indexer scores it was taken from as ``last_indexer_scores`` (float32 [B, S, T] over key positions
     0..T-1, -inf where masked).
     """
@@ -137,8 +139,9 @@ class ReferenceDSA(ReferenceAbsorbed):
     name = "reference-dsa"
     cache_format = "latent+indexer"
     supports_paging = False
-    #: the indexer's RoPE layout: "half" (rotate-half, DeepSeek's corrected V3.2 code and transformers)
-    indexer_rope_layout = "half"
+    #: the indexer's RoPE layout: None = the config's (``indexer_rope_interleave``: half-split for DeepSeek-V3.2,
+    #: interleaved for GLM-5-style configs); a fixed "half" / "interleaved" ignores the config
+    indexer_rope_layout = None
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
         if not config.dsa:

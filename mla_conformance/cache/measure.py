@@ -48,7 +48,12 @@ def bookkeeping_limit(batch_size: int, capacity: int, page_block_size: int | Non
     return BOOKKEEPING_FACTOR * batch_size * pages + BOOKKEEPING_SLACK
 
 
-def is_bookkeeping(t: torch.Tensor, limit: int) -> bool:
+def is_bookkeeping(t: torch.Tensor, limit: int, batch_size: int | None = None, capacity: int | None = None) -> bool:
+    """At most ``limit`` elements -- unless the buffer is shaped [batch_size, capacity, ...] (one entry per token
+    slot: a per-token scale such as DeepSeek's indexer ``k_scale_cache`` [B, capacity, 1]), which is token storage
+    whatever its size."""
+    if batch_size is not None and capacity is not None and t.dim() >= 2 and tuple(t.shape[:2]) == (batch_size, capacity):
+        return False
     return t.numel() <= limit
 
 
@@ -82,7 +87,7 @@ def poison(cache, tensors: dict[str, torch.Tensor], *, batch_size: int, capacity
     for key, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise AssertionError(f"{name}: tensors()[{key!r}] is a {type(t).__name__}, not a Tensor")
-        if is_bookkeeping(t, limit):
+        if is_bookkeeping(t, limit, batch_size, capacity):
             book[key] = _nbytes(t)
             continue
         storage[key] = (tuple(t.shape), t.dtype)

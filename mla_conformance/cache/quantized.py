@@ -82,6 +82,8 @@ class FP8IndexerLatentCache(QuantizedLatentCache):
     (128 + 4 = 132 B at V3.2 dims): 788 B per token."""
 
     last_topk_indices = None
+    #: the indexer key's storage, declared (mla_conformance.checks.INDEXER_FORMATS)
+    indexer_format = "fp8-e4m3-block128"
 
     def __init__(self, config, *, batch_size: int, capacity: int, dtype: torch.dtype, device, kv_codec: str):
         super().__init__(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device,

@@ -56,7 +56,7 @@ KILL_MATRIX = {
     "suites/test_cache_bytes.py::test_bytes_formula_dsa": [("dsa-keys-hidden", "-6-2-3-tiny-dsa-bfloat16")],
     "suites/test_dsa.py::test_sparse_attention": [("dsa-interleaved-rope", "-float32-prefill"),
                                                   ("dsa-topk-off-by-one", "-float32-varlen_batch")],
-    "suites/test_dsa.py::test_short_context_is_dense": [("dsa-topk-off-by-one", "-0-prefill")],
+    "suites/test_dsa.py::test_short_context_is_dense": [("dsa-topk-off-by-one", "-0-prefill-tiny-dsa-float32")],
     "suites/test_dsa.py::test_selection": [("dsa-interleaved-rope", "-prefill")],
     "suites/test_dsa.py::test_cache_bytes_v32_dims": [("dsa-keys-hidden", "-6-2-3")],
     "suites/test_dsa.py::test_indexer_scores": [("dsa-interleaved-rope", "-float32-prefill_decode")],
