@@ -22,6 +22,8 @@ BROKEN = {
     "dsa-interleaved-rope": (f"{HERE}/broken_backends.py:InterleavedIndexerRope", "broken-dsa-interleaved-indexer-rope"),
     "dsa-topk-off-by-one": (f"{HERE}/broken_backends.py:TopkOffByOne", "broken-dsa-topk-off-by-one"),
     "dsa-keys-hidden": (f"{HERE}/broken_backends.py:IndexerKeysHidden", "broken-dsa-indexer-keys-hidden"),
+    "dsa-v32-prefix-bf16": (f"{HERE}/deepseek_v32_backend.py:DeepSeekV32PreFixBF16Key",
+                            "broken-dsa-v32-prefix-interleaved-bf16"),
 }
 
 #: correct backends written independently of the reference: on their cells (every cell's first
@@ -57,7 +59,8 @@ KILL_MATRIX = {
     "suites/test_dsa.py::test_sparse_attention": [("dsa-interleaved-rope", "-float32-prefill"),
                                                   ("dsa-topk-off-by-one", "-float32-varlen_batch")],
     "suites/test_dsa.py::test_short_context_is_dense": [("dsa-topk-off-by-one", "-0-prefill-tiny-dsa-float32")],
-    "suites/test_dsa.py::test_selection": [("dsa-interleaved-rope", "-prefill")],
+    "suites/test_dsa.py::test_selection": [("dsa-interleaved-rope", "-prefill"),
+                                           ("dsa-v32-prefix-bf16", "-v3.2-mini-varlen_batch")],
     "suites/test_dsa.py::test_cache_bytes_v32_dims": [("dsa-keys-hidden", "-6-2-3")],
     "suites/test_dsa.py::test_indexer_scores": [("dsa-interleaved-rope", "-float32-prefill_decode")],
     "suites/test_numerics.py::test_against_float64": [("decode-position", "-float32-prefill_decode-tiny"),
