@@ -118,8 +118,15 @@ def op_tolerances_table() -> str:
     table = getattr(checks, "OP_TOLERANCES", None)
     if table is None:
         return "*(no `OP_TOLERANCES` table in `mla_conformance/checks.py` yet)*\n"
-    rows = [(f"`{key}`", bound(t.out_rtol), bound(t.out_atol), bound(t.lse_tol), t.reason) for key, t in table.items()]
-    return _table(("q dtype / KV format", "out rtol", "out atol (x rms)", "lse tol (x (1 + abs lse))", "reason"),
+    def roundings(x: float) -> str:  # n roundings of float32 or float64: "52 x 2^-24"
+        for k in (24, 53):
+            n = x * 2.0 ** k
+            if n > 1 and n == int(n) and n < 4096:
+                return f"{int(n)} x 2^-{k}"
+        return bound(x)
+
+    rows = [(f"`{key}`", bound(t.p_round), roundings(t.dot), roundings(t.acc), t.reason) for key, t in table.items()]
+    return _table(("q dtype / KV format", "p_round (x S)", "dot (x T)", "acc (x S)", "reason"),
                   ("l", "r", "r", "r", "l"), rows)
 
 

@@ -20,13 +20,32 @@ def test_out_lse_vs_oracle(mla_op, dtype, mla_device, mla_figures):
     oc.check_against_oracle(mla_op, oc.Spec(case, LENS), check="out/lse vs float64 oracle", figures=mla_figures)
 
 
+@pytest.mark.mla_section("op-numerics")
+def test_attn_sink_dense(mla_op, mla_device, mla_figures):
+    """attn_sink on dense causal decode (2 queries per row; per head 0, 2, 4, +inf, -inf, 6, cycled): out scaled
+    by exp(lse) / (exp(lse) + exp(sink)), 0 for +inf, unchanged for -inf; lse unchanged (where the op declares
+    attn_sink)."""
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, attn_sink=True, causal=True, device=mla_device)
+    oc.check_against_oracle(mla_op, oc.Spec(case, LENS, seed=8), check="attn_sink on dense decode (with +-inf)",
+                            figures=mla_figures)
+
+
 @pytest.mark.mla_section("op-split-kv")
 @pytest.mark.parametrize("s_q", [1, 2])
 def test_split_kv_merge(mla_op, s_q, mla_device, mla_figures):
     """Each row's keys split at a page boundary into two calls; their results merged by LSE (in the declared
-    base) equal the single call. Rows of one page have an empty first part (its lse is the declared infinity)."""
-    lens = (100, 37, 5, 64)
-    case = oc.make_case(mla_op, lens=lens, s_q=s_q, h_q=8, device=mla_device)
+    base) equal the single call, within the bounds of both sides. Rows of one page have an empty first part
+    (its lse is the declared infinity); an op that declines rows without keys gets rows of two pages or more."""
+    if not declared(mla_op, "returns_lse"):
+        pytest.skip(f"{mla_op.name}: declares returns_lse = False: partial results cannot be merged without their "
+                    "lse (the op contract's default `returns_lse = True` opts this test in)")
+    with_empty, without = (100, 37, 5, 64), (100, 70, 130, 66)  # one-page rows (empty first parts), or none
+    try:
+        case, lens = oc.make_case(mla_op, lens=with_empty, s_q=s_q, h_q=8, device=mla_device,
+                                  rows_without_keys=True), with_empty
+    except pytest.skip.Exception:
+        case, lens = oc.make_case(mla_op, lens=without, s_q=s_q, h_q=8, device=mla_device,
+                                  rows_without_keys=False), without
     if max(lens) <= case.page_block_size:
         pytest.skip(f"{mla_op.name}: page size {case.page_block_size} leaves every row one page: nothing to split")
     spec = oc.Spec(case, lens)
@@ -40,9 +59,10 @@ def test_split_kv_merge(mla_op, s_q, mla_device, mla_figures):
     base = declared(mla_op, "lse_base")
     out, lse = merge_by_lse(p1[0], p1[1], p2[0], p2[1], base)
     ref_out, ref_lse = oc.as_reference(*whole, base)
-    # both sides carry the op's rounding: twice its tolerance; the merged lse is natural log, +inf when empty
-    oc.compare(mla_op, case, out, lse, ref_out, ref_lse, check=check, figures=mla_figures, lse_base="e",
-               empty_lse=float("inf"), scale=2.0, against="the single call")
+    # |merged - single| <= the merged side's bound + the single call's, both against the oracle
+    oc.compare(mla_op, case, out, lse, ref_out, ref_lse, check=check, figures=mla_figures, oracle=oc.oracle_of(spec),
+               lse_base="e", empty_lse=float("inf"), merged=True, out_dtype=p1[0].dtype, ref_dtype=whole[0].dtype,
+               against="the single call")
 
 
 @pytest.mark.mla_section("op-determinism")
@@ -71,6 +91,6 @@ def test_batch_invariant(mla_op, mla_device, mla_figures):
     for b in (0, 2):
         alone = oc.single_row(inp, b)
         got = oc.run_op(mla_op, alone, check)
-        oc.bitwise_equal(mla_op, case, (out[b:b + 1], lse[b:b + 1]), got, check=check,
+        oc.bitwise_equal(mla_op, case, (out[b:b + 1], None if lse is None else lse[b:b + 1]), got, check=check,
                          what=f"declares batch_invariant = True but row {b} (cache_seqlens {LENS[b]}) alone",
                          figures=mla_figures)

@@ -22,8 +22,10 @@ def test_poisoned_pages(mla_op, mla_device, mla_figures):
 def test_multi_token_decode(mla_op, s_q, causal, mla_device, mla_figures):
     """s_q queries per row; causal aligns them bottom-right (query i sees keys < len - s_q + i + 1); a row
     shorter than s_q leaves its first causal queries without keys."""
-    lens = (3, 40, 17)
-    case = oc.make_case(mla_op, lens=lens, s_q=s_q, h_q=4, causal=causal, device=mla_device)
+    # a row of 3 keys: causal s_q 4 and 8 leave its first queries without keys; an op that declines rows without
+    # keys gets the same test over rows of at least s_q keys
+    case, lens = oc.make_case_and_lens(mla_op, [(3, 40, 17), (max(3, s_q), 40, 17)], s_q=s_q, h_q=4, causal=causal,
+                                       device=mla_device)
     oc.check_against_oracle(mla_op, oc.Spec(case, lens, seed=2),
                             check=f"multi-token decode s_q={s_q} {'causal (bottom-right)' if causal else 'non-causal'}",
                             figures=mla_figures)

@@ -55,10 +55,13 @@ def test_adapter_declines_here_with_the_matrix_sentence(name):
 
 def test_declarations():
     assert declarations(get_op("flashmla")) == {
-        "lse_base": "e", "empty_row": "+inf", "page_block_sizes": (64,), "kv_formats": ("latent",),
+        "lse_base": "e", "returns_lse": True, "empty_row": "+inf", "sparse_decode": False,
+        "invalid_index": "minus-one", "attn_sink": False, "page_block_sizes": (64,), "kv_formats": ("latent",),
         "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False, "head_dims": ((576, 512),)}
     sparse = declarations(get_op("flashmla-sparse"))
     assert sparse["kv_formats"] == ("fp8-e4m3-flashmla",) and sparse["fp8_scale_format"] == "pow2"
+    # the adapter remaps every index outside the cache to -1 (the decode kernel special-cases only -1)
+    assert sparse["sparse_decode"] and sparse["attn_sink"] and sparse["invalid_index"] == "out-of-range"
     fi = declarations(get_op("flashinfer"))
     assert fi["lse_base"] == "2" and fi["empty_row"] == "-inf" and fi["kv_formats"] == ("latent",)
     assert get_op("flashinfer-fa2").backend == "fa2" and get_op("flashinfer").backend == "auto"
@@ -148,6 +151,9 @@ def fake_flash_mla(interface: str = "current", calls: list | None = None):
             assert h_q in (64, 128), f"FlashMLA sparse decode: Unsupported h_q: {h_q}"
             assert indices.dtype == torch.int32 and indices.shape[:2] == (b, s_q) and indices.is_contiguous()
             assert indices.shape[-1] % 64 == 0, "top-k is read in blocks of 64"
+            n_slots = k_cache.shape[0] * k_cache.shape[1]
+            outside = (indices != -1) & ((indices < 0) | (indices >= n_slots))
+            assert not bool(outside.any()), "FlashMLA's sparse decode reads any index but -1 as a slot (out of bounds)"
             assert topk_length is None or (topk_length.dtype == torch.int32 and topk_length.shape == (b,))
             assert attn_sink is None or (attn_sink.dtype == torch.float32 and attn_sink.shape == (h_q,))
         calls.append(("kernel", b, s_q, h_q, None if indices is None else indices.shape[-1]))

@@ -20,18 +20,28 @@ Inputs (the op must not write them):
   a row's pages may hold anything (the suite puts a huge invalid id there).
 * ``cache_seqlens`` int32 [B]: keys per row, 0 allowed.
 * ``softmax_scale``: the logit scale (the model's, YaRN mscale^2 included); ``causal``: see below.
-* ``indices`` int32 [B, s_q, topk] (sparse decode): entries index the *flattened* cache
-  (``block * page_block_size + offset``), as FlashMLA's sparse decode does. An entry outside
-  ``[0, num_blocks * page_block_size)`` (-1, too large, INT_MAX) is invalid and ignored; with indices the
-  keys are the valid indexed ones, ``block_table`` / ``cache_seqlens`` do not restrict them, ``causal`` is
-  False. ``topk_length`` int32 [B]: only the first ``topk_length[b]`` entries of row b's indices count.
-* ``attn_sink`` float32 [h_q]: the output is scaled by exp(lse) / (exp(lse) + exp(attn_sink[h])) (+inf
-  gives 0, -inf changes nothing); lse itself is not changed.
+* ``indices`` int32 [B, s_q, topk] (sparse decode, where the op declares ``sparse_decode = True``): entries
+  index the *flattened* cache (``block * page_block_size + offset``), as FlashMLA's sparse decode does. An
+  entry of -1 is invalid and ignored. Which other entries are invalid is the op's ``invalid_index``
+  declaration: ``"minus-one"`` (the default) is FlashMLA's sparse *decode* (``flash_mla_with_kvcache`` with
+  indices): only -1 is special, and the suite hands the op no other index outside the cache (FlashMLA's own
+  test oracle raises on one; its kernel would read out of bounds); ``"out-of-range"`` is FlashMLA's sparse
+  *prefill* (``flash_mla_sparse_fwd``): -1 and every entry outside ``[0, num_blocks * page_block_size)`` (one
+  past the cache, INT_MAX) are invalid and ignored. With indices the keys are the valid indexed ones,
+  ``block_table`` / ``cache_seqlens`` do not restrict them, ``causal`` is False. ``topk_length`` int32 [B]:
+  only the first ``topk_length[b]`` entries of row b's indices count.
+* ``attn_sink`` float32 [h_q] (where the op declares ``attn_sink = True``; dense and sparse decode): the
+  output is scaled by exp(lse) / (exp(lse) + exp(attn_sink[h])) (+inf gives 0, -inf changes nothing); lse
+  itself is not changed.
 
-Outputs: ``out`` [B, s_q, h_q, 512] (any floating dtype; the suite compares in float64) and ``lse``
-float32 [B, h_q, s_q], the log-sum-exp of the scaled logits over the keys the query attends, in the
-op's declared base. Per query: ``out = softmax(scale * q.k) @ c`` over its keys (the value is the
-latent part of the key, the first 512 elements).
+Outputs: ``out`` [B, s_q, h_q, 512] (any floating dtype; the suite compares in float64; its rounding is
+allowed half a step *of that dtype*) and ``lse`` float32 [B, h_q, s_q], the log-sum-exp of the scaled
+logits over the keys the query attends, in the op's declared base. An lse in any other dtype is an error,
+not a verdict: lse is what split-KV partials are merged by (weights exp(lse_i - lse)), and bfloat16 keeps 8
+significant bits, so an lse of 10 is off by up to 0.03 and a merged partial by 3%. An op that returns no
+lse declares ``returns_lse = False`` and returns ``(out, None)``.
+Per query: ``out = softmax(scale * q.k) @ c`` over its keys (the value is the latent part of the key, the
+first 512 elements).
 
 * **Dense, non-causal:** query i of row b attends keys ``0 .. cache_seqlens[b] - 1``.
 * **Dense, causal (multi-token decode, MTP / speculative):** the s_q queries are the *last* s_q tokens
@@ -40,9 +50,20 @@ latent part of the key, the first 512 elements).
   with every index invalid) returns out 0 and lse +inf -- FlashMLA's convention -- unless the op
   declares otherwise (``empty_row``).
 
-Optional declarations, detected and never assumed (defaults in :data:`DECLARATIONS`):
+Optional declarations, detected and never assumed (defaults in :data:`DECLARATIONS`). The rule, for every
+part of the contract beyond dense decode over a latent cache and every later extension: **opt-in, never
+opt-out** -- a test of an optional part runs on an op only when the op declares that part; an op that
+declares nothing gets an explicit skip naming the declaration that would opt it in
+(``tests/meta/frozen_base_op.py`` holds an op written to the base contract, never edited since):
 
 * ``lse_base``: ``"e"`` (natural log, default) or ``"2"`` (FlashInfer);
+* ``returns_lse``: ``True`` (default) or ``False``: the op returns ``(out, None)`` (SGLang's decode kernel
+  writes no final lse); lse comparisons and the split-KV merge are not run, every out check is;
+* ``sparse_decode``: ``False`` (default) or ``True``: the op takes ``indices`` / ``topk_length``;
+* ``invalid_index``: ``"minus-one"`` (default, FlashMLA's sparse decode) or ``"out-of-range"`` (FlashMLA's
+  sparse prefill), see ``indices`` above;
+* ``attn_sink``: ``False`` (default) or ``True``: the op takes ``attn_sink`` (tested on dense and sparse
+  decode);
 * ``empty_row``: the lse a query with no keys returns, ``"+inf"`` (default) or ``"-inf"``; out is 0 either way;
 * ``page_block_sizes``: the page sizes the op reads (default ``(64,)``);
 * ``kv_formats``: ``("latent",)`` by default; ``"fp8-e4m3-flashmla"`` for the 656-byte layout;
@@ -60,6 +81,10 @@ Optional declarations, detected and never assumed (defaults in :data:`DECLARATIO
   the keyword.
 
 A case the op cannot run is declined by ``unsupported_reason`` with a sentence (the test skips with it).
+:class:`OpCase` says what the case holds, so an op can decline what its own contract leaves undefined:
+``rows_without_keys`` (a zero-length row, a causal query before its row's first key, a sparse row whose
+every index is invalid: vLLM's and SGLang's Triton kernels compute ``acc / e_sum`` = 0/0 there),
+``attn_sink``, ``topk`` (sparse), ``causal``, the dtype, page size and KV format.
 An op is named on the command line by a spec (``--mla-op``): a built-in name (:data:`BUILTIN_OPS`),
 ``package.module:attr`` or ``path/to/file.py:attr``, as backends are.
 """
@@ -96,7 +121,11 @@ KV_FORMATS = ("latent", "fp8-e4m3-flashmla")
 #: Optional declarations and their defaults.
 DECLARATIONS: dict[str, Any] = {
     "lse_base": "e",
+    "returns_lse": True,
     "empty_row": "+inf",
+    "sparse_decode": False,
+    "invalid_index": "minus-one",
+    "attn_sink": False,
     "page_block_sizes": (64,),
     "kv_formats": ("latent",),
     "fp8_scale_format": "pow2",
@@ -109,6 +138,10 @@ _ALLOWED = {
     "lse_base": ("e", "2"),
     "empty_row": ("+inf", "-inf"),
     "fp8_scale_format": ("pow2", "fp32"),
+    "invalid_index": ("minus-one", "out-of-range"),
+    "returns_lse": (True, False),
+    "sparse_decode": (True, False),
+    "attn_sink": (True, False),
 }
 
 
@@ -117,7 +150,9 @@ class OpCase:
     """What one op test asks of an op, for ``unsupported_reason``.
 
     ``dtype`` is q's dtype (a torch dtype); ``kv_format`` one of :data:`KV_FORMATS`; ``topk`` the sparse
-    top-k (None: dense decode); ``attn_sink`` whether an attention sink is passed.
+    top-k (None: dense decode); ``attn_sink`` whether an attention sink is passed; ``rows_without_keys``
+    whether some query of the case has no key (a zero-length row, a causal query before its row's first
+    key, a sparse row whose every index is invalid, an empty part of a split-KV call).
     """
 
     batch: int
@@ -130,6 +165,7 @@ class OpCase:
     attn_sink: bool = False
     causal: bool = False
     device: str = "cpu"
+    rows_without_keys: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -143,6 +179,8 @@ class OpCase:
             parts.append(f"sparse top-{self.topk}")
         if self.attn_sink:
             parts.append("attn_sink")
+        if self.rows_without_keys:
+            parts.append("rows without keys")
         parts.append(self.device)
         return ", ".join(parts)
 
@@ -153,6 +191,8 @@ def declared(op, key: str):
     value = getattr(op, key, None)
     if value is None:
         return DECLARATIONS[key]
+    if isinstance(DECLARATIONS[key], bool) and key in _ALLOWED and not isinstance(value, bool):
+        raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} = {value!r} is not True or False")
     if key in _ALLOWED and value not in _ALLOWED[key]:
         raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} = {value!r} is not one of "
                                f"{', '.join(map(repr, _ALLOWED[key]))}")

@@ -14,7 +14,10 @@ Both call ``flash_mla.flash_mla_with_kvcache`` (deepseek-ai/FlashMLA, ``flash_ml
   and lse; it reads top-k in blocks of 64 (``TOPK_BLOCK_SIZE``, ``csrc/sm90/decode/sparse_fp8/config.h``),
   so indices are padded with -1 (invalid) to a multiple of 64; a FlashMLA release without ``topk_length``
   gets the entries past ``topk_length[b]`` set to -1 instead. A release without ``attn_sink`` declines
-  cases that pass one.
+  cases that pass one. The decode kernel special-cases only -1 (``splitkv_mla.cuh`` reads any other index
+  as a slot; FlashMLA's test oracle raises on one outside the cache), so every index outside
+  ``[0, num_blocks * page_block_size)`` is set to -1 before the call: the adapter gives the sparse
+  *prefill*'s rule (``invalid_index = "out-of-range"``) and never hands the kernel an out-of-bounds index.
 
 Gating (``unsupported_reason``): the support matrix's sentence (:func:`mla_conformance.arch.why_not` on the
 case's device) first, then dtype, page size, KV format and mode sentences, then ``import flash_mla``. A
@@ -175,6 +178,9 @@ class FlashMLASparseOp(_FlashMLABase):
     kernel_name = "FlashMLA sparse decode"
     lse_base = "e"
     empty_row = "+inf"   # tests/ref.py: a query with no valid index gets lse +inf and out 0
+    sparse_decode = True
+    attn_sink = True     # where the installed release takes one (else declined, see unsupported_reason)
+    invalid_index = "out-of-range"  # every index outside the cache is remapped to -1 before the kernel
     page_block_sizes = (1, 16, 64)  # the kernel checks no page size; FlashMLA's tests use 2, 61, 64, 69
     kv_formats = (FP8_FORMAT,)
     fp8_scale_format = "pow2"  # FlashMLA's tests/quant.py writes amax/448 rounded up to 2^k (ue8m0)
@@ -226,7 +232,10 @@ class FlashMLASparseOp(_FlashMLABase):
             q = torch.cat([q, q.new_zeros(B, s_q, h_run - h_q, q.shape[-1])], dim=2)
             if attn_sink is not None:
                 attn_sink = torch.cat([attn_sink.to(torch.float32), attn_sink.new_zeros(h_run - h_q, dtype=torch.float32)])
-        idx = indices.to(torch.int32)
+        n_slots = kv_cache.shape[0] * kv_cache.shape[1]
+        idx = indices.to(torch.int64)
+        # the decode kernel treats only -1 as invalid: no index outside the cache ever reaches it
+        idx = torch.where((idx >= 0) & (idx < n_slots), idx, torch.full_like(idx, -1)).to(torch.int32)
         topk = idx.shape[-1]
         if topk_length is not None and not native_topk_length:
             keep = torch.arange(topk, device=idx.device) < topk_length.to(idx.device).view(B, 1, 1)

@@ -90,11 +90,27 @@ def merge_by_lse(out1, lse1, out2, lse2, base: str = "e"):
 
 
 def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None, topk_length=None,
-           attn_sink=None, head_dim_v=None):
+           attn_sink=None, head_dim_v=None, magnitudes=False, align="bottom-right"):
     """The op contract computed in float64, row by row: (out [B, s_q, h_q, d_v] float64, lse [B, h_q, s_q]
     float64, natural log, +inf for a query with no keys); d_v = ``head_dim_v`` (512 by default), d_qk =
     q's last dim. The FP8 layout is decoded as stored (float32 scales read as float32, whatever format
-    wrote them)."""
+    wrote them).
+
+    ``magnitudes=True`` also returns, as a third element, what the op tests' error bounds scale with (one
+    pass, the same softmax), a dict of float64 tensors:
+
+    * ``abs_v`` [B, s_q, h_q, d_v]: ``softmax @ |V|``, sum_t p_t |v_t| per element (times the sink factor):
+      the error of rounding each p_t (or v_t) by a relative u is at most u times this;
+    * ``score_v`` [B, s_q, h_q, d_v]: sum_t p_t (A_t + A_max) |v_t| (times the sink factor), A_t = scale *
+      sum_d |q_d| |k_td| (what a dot product's rounding error scales with), A_max its maximum over the
+      query's keys: score errors |e_t| <= c A_t move out by at most c times this, for the whole key set or
+      any split of it;
+    * ``score_abs`` / ``score_max`` [B, h_q, s_q]: sum_t p_t A_t and A_max (lse moves by at most c times the
+      first);
+    * ``sink_rel`` [B, h_q, s_q]: 1 - the sink factor (how much an lse error moves the sink's scaling).
+
+    ``align="top-left"`` computes causal decode aligned top-left (query i sees keys 0..i): not the contract,
+    the likely cause a failure message names when the op matches it."""
     B, s_q, h_q, d_qk = q.shape
     d_v = D_V if head_dim_v is None else int(head_dim_v)
     num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
@@ -105,6 +121,9 @@ def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, in
     bt = block_table.detach().cpu().long()
     lens = cache_seqlens.detach().cpu().long()
     sink = None if attn_sink is None else attn_sink.detach().cpu().to(torch.float64)
+    if magnitudes:
+        abs_v, score_v = torch.zeros_like(out), torch.zeros_like(out)
+        score_abs, score_max, sink_rel = (torch.zeros_like(lse) for _ in range(3))
     for b in range(B):
         L = int(lens[b])
         for i in range(s_q):
@@ -114,7 +133,7 @@ def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, in
                 keys = [int(t) for t in row[:n] if 0 <= int(t) < num_blocks * page]
                 slots = torch.tensor(keys, dtype=torch.long)
             else:
-                visible = L - s_q + i + 1 if causal else L
+                visible = (L - s_q + i + 1 if align == "bottom-right" else i + 1) if causal else L
                 visible = max(0, min(visible, L))
                 pos = torch.arange(visible)
                 slots = bt[b, pos // page] * page + pos % page if visible else torch.zeros(0, dtype=torch.long)
@@ -123,11 +142,23 @@ def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, in
             k = flat[slots]                                     # [n, d_qk]
             logits = (qd[b, i] @ k.T) * softmax_scale           # [h, n]
             l = torch.logsumexp(logits, dim=-1)                 # [h]
-            o = torch.softmax(logits, dim=-1) @ k[:, :d_v]      # [h, d_v]
-            if sink is not None:
-                o = o / (1.0 + torch.exp(sink - l))[:, None]
-            out[b, i] = o
+            p = torch.softmax(logits, dim=-1)                   # [h, n]
+            o = p @ k[:, :d_v]                                  # [h, d_v]
+            factor = 1.0 / (1.0 + torch.exp(sink - l)) if sink is not None else torch.ones_like(l)
+            out[b, i] = o * factor[:, None]
             lse[b, :, i] = l
+            if magnitudes:
+                a = (qd[b, i].abs() @ k.abs().T) * abs(softmax_scale)    # [h, n]: A_t
+                a_max = a.amax(dim=-1)
+                v = k[:, :d_v].abs()
+                abs_v[b, i] = (p @ v) * factor[:, None]
+                score_v[b, i] = ((p * a) @ v + a_max[:, None] * (p @ v)) * factor[:, None]
+                score_abs[b, :, i] = (p * a).sum(-1)
+                score_max[b, :, i] = a_max
+                sink_rel[b, :, i] = 1.0 - factor
+    if magnitudes:
+        return out, lse, {"abs_v": abs_v, "score_v": score_v, "score_abs": score_abs, "score_max": score_max,
+                          "sink_rel": sink_rel}
     return out, lse
 
 
@@ -140,7 +171,11 @@ class ReferenceOp:
 
     name = "reference-op"
     lse_base = "e"
+    returns_lse = True
     empty_row = "+inf"
+    sparse_decode = True
+    invalid_index = "out-of-range"   # it ignores -1 and every index outside the cache
+    attn_sink = True
     page_block_sizes = (1, 16, 64)
     kv_formats = ("latent", "fp8-e4m3-flashmla")
     fp8_scale_format = "pow2"

@@ -64,6 +64,9 @@ class IndependentOp:
     name = "independent-op"
     lse_base = "2"
     empty_row = "-inf"
+    sparse_decode = True
+    invalid_index = "out-of-range"
+    attn_sink = True
     page_block_sizes = (1, 16, 64)
     kv_formats = ("latent", "fp8-e4m3-flashmla")
     fp8_scale_format = "fp32"
