@@ -253,6 +253,8 @@ DSA_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
 #: transformers' DeepseekV32Config defaults (= DeepSeek-V3.2's published values), used for a
 #: ``model_type: deepseek_v32`` config.json that leaves a field out, as transformers itself would.
 _V32_DSA_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+#: transformers' GlmMoeDsaConfig defaults (``model_type: glm_moe_dsa``), whose indexer RoPE is interleaved
+_GLM_DSA_DEFAULTS = {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048}
 
 
 def _dsa_fields(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -262,8 +264,12 @@ def _dsa_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     present = {k: config.get(k) for k in DSA_FIELDS if config.get(k) is not None}
     if config.get("model_type") == "deepseek_v32":
         present = {**_V32_DSA_DEFAULTS, **present}
+    if config.get("model_type") == "glm_moe_dsa":
+        present = {**_GLM_DSA_DEFAULTS, **present}
     out: dict[str, Any] = {k: int(v) for k, v in present.items()}
     interleave = config.get("indexer_rope_interleave")
+    if interleave is None and config.get("model_type") == "glm_moe_dsa":
+        interleave = True  # transformers' GlmMoeDsaIndexer rotates interleaved pairs whatever the config says
     if interleave is not None:
         if not isinstance(interleave, bool):
             raise CheckpointError(f"indexer_rope_interleave must be true or false, got {interleave!r}")

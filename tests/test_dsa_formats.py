@@ -142,6 +142,10 @@ def test_config_indexer_rope_layout():
     assert (indexer_rope_layout(v32), indexer_rope_layout(glm)) == ("half", "interleaved")
     hf = {**v32.to_hf_dict(), "model_type": "glm_moe_dsa", "indexer_rope_interleave": True}
     assert MLAConfig.from_hf(hf) == glm
+    # transformers' GlmMoeDsa hard-codes the interleaved indexer RoPE: a glm_moe_dsa config without the field
+    bare = {k: v for k, v in v32.to_hf_dict().items() if k != "indexer_rope_interleave"}
+    assert MLAConfig.from_hf({**bare, "model_type": "glm_moe_dsa"}).indexer_rope_interleave
+    assert not MLAConfig.from_hf({**bare, "model_type": "deepseek_v32"}).indexer_rope_interleave
     assert "indexer_rope_interleave" not in MLAConfig.preset("v3-mini").to_hf_dict()
     with pytest.raises(MLAInputError, match="indexer_rope_interleave"):
         MLAConfig(**{**MLAConfig.preset("v3-mini").to_hf_dict(), "indexer_rope_interleave": True})

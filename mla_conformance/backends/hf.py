@@ -237,6 +237,10 @@ class HFTransformers:
             if config.q_lora_rank is None:
                 return ("transformers' DeepseekV32Attention always projects the query through q_lora (its "
                         "indexer reads the q_lora latent); this config has q_lora_rank None")
+            if config.indexer_rope_interleave:
+                return ("transformers' DeepseekV32Indexer rotates half-split RoPE pairs; this config declares "
+                        "indexer_rope_interleave (GLM-5-style DSA), which hf-transformers does not map onto "
+                        "transformers' GlmMoeDsa")
         if kv_codec != "none":
             return (f"hf-transformers caches what transformers' DynamicCache stores; it has no quantized "
                     f"latent codec, so kv_codec {kv_codec!r} is not supported")
