@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mla_conformance.backends import cache_format_of
+from mla_conformance.backends import cache_format_of, support_reason
 from mla_conformance.config import MLAConfig
 from mla_conformance.cache.measure import (bookkeeping_limit, describe_buffers, is_bookkeeping, poison, slot_figures,
                                             written_bytes, written_masks)
@@ -198,6 +198,24 @@ NAN_HINT = ("the suite fills every cache slot no token was written to with NaN (
             "computed from them (NaN + -inf = NaN) gets NaN; select with torch.where or read only the written slots")
 
 
+#: the NaN message's last clause, once the zero-filled control run has told the two causes apart
+NAN_FROM_POISON = ("the same run on a zero-filled cache gives finite outputs: the backend reads cache slots no token "
+                   "was written to (the suite fills them with NaN, as a reused or torch.empty pool may hold) and masks "
+                   "them by multiplying with 0 (0 * NaN = NaN) or by adding a large negative number to scores computed "
+                   "from them (NaN + -inf = NaN); select with torch.where or read only the written slots")
+NAN_OWN = ("the same run on a zero-filled cache gives non-finite outputs too: not a read of unwritten slots -- the "
+           "backend's own arithmetic makes it (0/0 in a softmax over no keys, exp without the running max, a NaN "
+           "constant, an overflow in the dtype)")
+
+
+class NonFiniteOutput(AssertionError):
+    """attend() returned NaN/inf on a valid slot; ``where`` is the message without its cause clause."""
+
+    def __init__(self, where: str, hint: str = NAN_HINT):
+        super().__init__(f"{where}; {hint}")
+        self.where = where
+
+
 def check_output(backend, out: Any, hidden_states: torch.Tensor, lengths: torch.Tensor, where: str,
                  positions: torch.Tensor | None = None) -> torch.Tensor:
     """Type, shape and dtype of one attend() result (a BackendOutputError: an *error*), then finiteness
@@ -218,8 +236,8 @@ def check_output(backend, out: Any, hidden_states: torch.Tensor, lengths: torch.
         b, s, h = (int(i) for i in bad.nonzero()[0])
         kind = "NaN" if bool(torch.isnan(out[b, s, h])) else "inf"
         pos = int(positions[b, s]) if positions is not None else s
-        raise AssertionError(f"{name}: attend() output has {int(bad.sum())} non-finite value(s): {kind} "
-                             f"at row {b}, position {pos}, channel {h} ({where}); {NAN_HINT}")
+        raise NonFiniteOutput(f"{name}: attend() output has {int(bad.sum())} non-finite value(s): {kind} "
+                              f"at row {b}, position {pos}, channel {h} ({where})")
     return out
 
 
@@ -247,12 +265,13 @@ def diagnosis(backend, weights) -> str:
 
 
 def require_support(backend, config: MLAConfig, *, dtype, device, kv_codec="none") -> None:
-    """Skip (with the backend's own sentence) when the backend opts out of this combination."""
+    """Skip with :func:`mla_conformance.backends.support_reason`'s sentence: an optional part the config needs
+    that the backend does not declare, or the backend's own sentence for a combination it declines."""
     import pytest
 
-    reason = call_backend(backend, "unsupported_reason", config, dtype=dtype, device=device, kv_codec=kv_codec)
+    reason = support_reason(backend, config, dtype=dtype, device=device, kv_codec=kv_codec)
     if reason:
-        pytest.skip(f"{backend.name}: {reason}")
+        pytest.skip(reason)
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -314,7 +333,7 @@ def inputs_for(config: MLAConfig, scenario: Scenario, seed: int = 1) -> torch.Te
 
 def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenario, *, device="cpu",
                  capacity: int | None = None, kv_codec: str = "none", poison_sentinel: int = 0xFF,
-                 trace: dict | None = None):
+                 trace: dict | None = None, zero_fill: bool = False):
     """Drive a backend through the scenario; return (outputs float64 [B, T, hidden], cache).
 
     Outputs are placed at each token's position so they line up with the one-shot reference. What the
@@ -325,6 +344,10 @@ def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenar
       :mod:`mla_conformance.cache.measure`;
     * the backend gets its own copy of the weights; a backend that changes them, or the hidden_states it
       is given, in place fails naming the tensor.
+
+    A non-finite output is a failure whose message says which of two causes it is: the scenario is run again
+    on a zero-filled cache (``zero_fill``, the control run), where a backend that reads unwritten slots gives
+    finite outputs and one whose own arithmetic makes the NaN does not.
 
     ``trace`` (a dict), when given, receives ``calls`` (each attend call's (start [B], new tokens [B])),
     ``poisoned`` (what was poisoned) and ``preallocated`` (storage existed right after new_cache).
@@ -343,7 +366,7 @@ def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenar
     except BackendError as exc:
         raise BackendError(f"{where_cache}: {exc}") from exc
     poisoned = poison(cache, tensors_of_checked(tensors, where_cache), batch_size=B, capacity=capacity,
-                      sentinel=poison_sentinel, name=where_cache)
+                      sentinel=poison_sentinel, name=where_cache, zero=zero_fill)
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     out = torch.zeros(B, T, config.hidden_size, dtype=torch.float64)
     xd = x.to(device=device, dtype=weights.dtype)
@@ -359,7 +382,13 @@ def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenar
             raise AssertionError(f"{backend.name}: attend() changed its hidden_states argument in place ({where}); "
                                  "a backend must not write to its inputs")
         calls.append((done.clone(), lengths.clone()))
-        return check_output(backend, o, h, lengths, where, positions)
+        try:
+            return check_output(backend, o, h, lengths, where, positions)
+        except NonFiniteOutput as exc:
+            if zero_fill:
+                raise
+            raise NonFiniteOutput(exc.where, _nan_cause(backend, weights, x, scenario, device=device, capacity=capacity,
+                                                        kv_codec=kv_codec)) from None
 
     while bool((done < prefill).any()):
         S = int(min(chunk, int((prefill - done).max())))
@@ -386,6 +415,18 @@ def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenar
     if trace is not None:
         trace.update(calls=calls, poisoned=poisoned, preallocated=bool(poisoned.storage))
     return out, cache
+
+
+def _nan_cause(backend, weights, x, scenario, **kw) -> str:
+    """The control run on a zero-filled cache: NAN_FROM_POISON when its outputs are finite, NAN_OWN when they are
+    not, NAN_HINT (both causes) when it cannot tell (the control run failed otherwise)."""
+    try:
+        run_scenario(backend, weights, x, scenario, zero_fill=True, **kw)
+    except NonFiniteOutput:
+        return NAN_OWN
+    except Exception:
+        return NAN_HINT
+    return NAN_FROM_POISON
 
 
 def tensors_of_checked(tensors, where: str) -> dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ def test_variant_reads_as_dsa_with_its_indexer(wide_variant):
     w = G.layer_weights(model, config)
     assert torch.equal(w[1]["indexer.wq_b.weight"], saved["model.layers.1.self_attn.indexer.wq_b.weight"])
     assert torch.equal(w[0]["q_a_proj.weight"], saved["model.layers.0.self_attn.q_a_proj.weight"])
-    with pytest.raises(MLAInputError, match="reference-absorbed implements dense MLA"):
+    with pytest.raises(MLAInputError, match="reference-absorbed does not declare DeepSeek Sparse Attention"):
         G.run_generation(out, get_backend("reference-absorbed"), prompt_sets=["tiny-long"], max_new_tokens=1,
                          model=model)
 

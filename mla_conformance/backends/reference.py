@@ -137,6 +137,7 @@ class ReferenceDSA(ReferenceAbsorbed):
     """
 
     name = "reference-dsa"
+    sparse_attention = "dsa"  # the opt-in declaration (the DSA tests run on it)
     cache_format = "latent+indexer"
     supports_paging = False
     #: the indexer's RoPE layout: None = the config's (``indexer_rope_interleave``: half-split for DeepSeek-V3.2,
