@@ -315,7 +315,8 @@ def dsa_bytes(config: MLAConfig, seq_len: int, elem_bytes: float) -> dict[str, A
                 "indexer_fraction_of_total": idx / total}
 
     return {"index_n_heads": config.index_n_heads, "index_head_dim": d_i, "index_topk": config.index_topk,
-            "cache_dtype": block(latent, indexer), "fp8": block(fp8_latent, fp8_indexer),
+            "cache_dtype": block(latent, indexer), "fp8_indexer": block(latent, fp8_indexer),
+            "fp8": block(fp8_latent, fp8_indexer),
             "note": "mla_latent (seed 004's figure) is the latent alone; a DSA cache also holds one indexer key "
                     "per token per layer (cache_format 'latent+indexer')"}
 
@@ -354,7 +355,9 @@ def format_report(report: dict[str, Any]) -> str:
                     f"top-{dsa['index_topk']:,}): the MLA latent row above is the latent alone (seed 004's "
                     f"{dsa['cache_dtype']['latent_bytes_per_token_per_layer']:,} B/token/layer); the cache also "
                     "holds one indexer key per token per layer"]
-        for key, label in (("cache_dtype", f"{report['dtype']}"), ("fp8", "FP8 (e4m3 + fp32 scales)")):
+        for key, label in (("cache_dtype", f"{report['dtype']}"),
+                           ("fp8_indexer", f"{report['dtype']} + FP8 indexer"),  # DeepSeek's V3.2-Exp reference
+                           ("fp8", "FP8 (e4m3 + fp32 scales)")):
             d = dsa[key]
             out.append(f"  {label:<26} latent {d['latent_bytes_per_token_per_layer']:>6,} + indexer "
                        f"{d['indexer_bytes_per_token_per_layer']:>4,} = {d['total_bytes_per_token_per_layer']:>6,} "

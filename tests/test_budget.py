@@ -99,6 +99,15 @@ def test_cli_json(capsys):
     assert (dsa["fp8"]["latent_bytes_per_token_per_layer"], dsa["fp8"]["indexer_bytes_per_token_per_layer"],
             dsa["fp8"]["total_bytes_per_token_per_layer"]) == (656, 132, 788)
     assert dsa["cache_dtype"]["total_sequence_bytes"] == 1_408 * 61 * 8192
+    # DeepSeek's V3.2-Exp reference: a BF16 latent beside the FP8 block-128 indexer key; the byte tests' formula agrees
+    assert (dsa["fp8_indexer"]["latent_bytes_per_token_per_layer"], dsa["fp8_indexer"]["indexer_bytes_per_token_per_layer"],
+            dsa["fp8_indexer"]["total_bytes_per_token_per_layer"]) == (1_152, 132, 1_284)
+    import torch
+
+    from mla_conformance.checks import format_bytes_per_token
+
+    assert format_bytes_per_token(MLAConfig.preset("deepseek-v3.2"), "latent+indexer", torch.bfloat16,
+                                  indexer_format="fp8-e4m3-block128") == 1_284
 
 
 def test_cli_table(capsys):
