@@ -45,9 +45,11 @@ def test_sparse_invalid_indices(mla_op, kind, mla_device, mla_figures):
     rule = declared(mla_op, "invalid_index")
     if kind != "minus-one" and rule == "minus-one":
         said = "declares" if getattr(mla_op, "invalid_index", None) is not None else "defaults to"
+        article = "an" if kind[0] in "aeiou" else "a"
         pytest.skip(f"{mla_op.name}: {said} invalid_index = 'minus-one' (FlashMLA's sparse decode: only -1 is "
-                    f"invalid), so a {kind} index is never handed to it; declare invalid_index = 'out-of-range' "
-                    "(FlashMLA's sparse prefill: every index outside the cache is invalid) to have it tested")
+                    f"invalid), so {article} {kind} index is never handed to it (declare invalid_index = "
+                    "'out-of-range', FlashMLA's sparse prefill rule: every index outside the cache is invalid, to "
+                    "have it tested)")
     oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=21, invalid=kind),
                             check=f"sparse invalid indices ({kind})", figures=mla_figures)
 

@@ -13,7 +13,8 @@ suite's half-precision bounds (tests/meta/test_op_meta.py):
   float16: u 8x the dtype's): an error about 4x the bound (3.5x in bfloat16, 3.7x in float16 on
   ``test_out_lse_vs_oracle``), which that test must fail;
 * :class:`NoLseTritonOp`: SGLang-style: returns no lse (``returns_lse = False``), leaves a query with no keys
-  undefined (``acc / e_sum`` = 0/0) and so declines such cases, takes no attention sink: passes with skips;
+  undefined (``acc / e_sum`` = 0/0) and so declines such cases, takes no attention sink, keeps the default
+  ``invalid_index`` ("minus-one"): passes with skips;
 * :class:`HalfLseOp` (broken): returns its lse in bfloat16 (vLLM's ``forward_mqa`` allocated lse in q's
   dtype): an error naming the dtype.
 """
@@ -183,6 +184,7 @@ class NoLseTritonOp(PRoundingOp):
     name = "no-lse-triton-op"
     returns_lse = False
     attn_sink = False
+    invalid_index = None  # the default, "minus-one": FlashMLA's sparse decode rule
     kv_formats = ("latent",)
 
     def unsupported_reason(self, case):

@@ -177,6 +177,27 @@ def test_broken_op_fails_its_check(run, key, test, nodeid):
         assert HINTS[key] in reason, f"{nodeid}: the failure does not name the likely cause {HINTS[key]!r}: {reason}"
 
 
+def test_declarations_decide_what_runs(run):
+    """invalid_index: an op of the default "minus-one" is handed -1 only (the other kinds skip naming the
+    declaration); returns_lse = False: out checks run with lse None, the merge skips naming returns_lse."""
+    by = run["by_id"]
+    kind = "suites/test_op_sparse.py::test_sparse_invalid_indices[no-lse-triton-op-{}]"
+    assert by[kind.format("minus-one")]["outcome"] == "passed"
+    for k in ("past-end", "int-max"):
+        got = by[kind.format(k)]
+        assert got["outcome"] == "skipped" and "defaults to invalid_index = 'minus-one'" in got["reason"] \
+            and "(declare invalid_index = 'out-of-range'" in got["reason"], got
+    assert by[kind.format("int-max").replace("no-lse-triton-op", "independent-op")]["outcome"] == "passed"
+    merge = by["suites/test_op_numerics.py::test_split_kv_merge[no-lse-triton-op-1]"]
+    assert merge["outcome"] == "skipped" and "returns_lse = False" in merge["reason"], merge
+    dense = by["suites/test_op_numerics.py::test_out_lse_vs_oracle[no-lse-triton-op-bfloat16]"]
+    assert dense["outcome"] == "passed" and dense["figures"]["lse_compared"] is False, dense
+    # rows without keys declined with the op's own sentence; the multi-token test falls back to rows of s_q keys
+    assert "leaves a query with no keys undefined" in by[
+        "suites/test_op_paging.py::test_empty_and_single_key_rows[no-lse-triton-op]"]["reason"]
+    assert by["suites/test_op_paging.py::test_multi_token_decode[no-lse-triton-op-8-causal]"]["outcome"] == "passed"
+
+
 def test_the_likely_cause_is_named_only_where_it_applies(run):
     """The top-left hint is not handed to ops failing causal tests for other reasons."""
     for t in run["tests"]:
