@@ -602,7 +602,8 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
         raise AssertionError(
             f"{w}: out differs from {against}: max abs error {float(err.max()):.3e}; worst against its bound at "
             f"(b, s, h, d) = {at}: got {float(out[at]):.6g}, expected {float(ref_out[at]):.6g}, error "
-            f"{float(err[at]):.3e} = {float(ratio[at]):.3g} x the bound {float(out_b[at]):.3e} ({key}: u_out x |ref| + "
+            f"{float(err[at]):.3e} = {float(ratio[at]):.3g} x the bound {float(out_b[at]):.3e} ({key}: u_out "
+            f"{figures['tolerance_u_out']:.3g} x |ref| + "
             f"(p_round {tol.p_round:.3g} + acc {tol.acc:.3g}) x S {float(mags['abs_v'][at]):.3g} + dot {tol.dot:.3g} "
             f"x T {float(mags['score_v'][at]):.3g}; S = softmax @ |V|, T = sum_t p_t (A_t + A_max) |v_t| from the "
             f"float64 oracle{'; both sides bounded' if ref_dtype is not None else ''}); {int(over.sum())} of "
