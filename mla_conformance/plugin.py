@@ -30,9 +30,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 import pytest
+
+from mla_conformance import isolation  # the standard library only: cheap in every pytest run
 
 _BACKENDS_KEY = pytest.StashKey[list]()
 _OPS_KEY = pytest.StashKey[list]()
@@ -42,7 +45,9 @@ _ENGAGED_KEY = pytest.StashKey[dict]()  # "header": header printed; "items": sui
 
 #: the plugin's fixtures: a test requesting any of them is a test of this suite
 FIXTURES = ("mla_backend", "mla_op", "mla_figures", "mla_device", "mla_checkpoint")
-_OPTIONS = ("--mla-backend", "--mla-op", "--mla-device", "--mla-checkpoint", "--mla-results", "--mla-expect")
+_OPTIONS = ("--mla-backend", "--mla-op", "--mla-device", "--mla-checkpoint", "--mla-results", "--mla-expect",
+            "--mla-timeout", "--mla-threads")
+_RUN_KEY = pytest.StashKey[dict]()  # this process's run state: journal, watch, tests started / finished, fault dir
 BENCHMARK_HINT = "pytest -m benchmark --benchmark-only -p no:xdist"
 
 
@@ -65,6 +70,14 @@ def pytest_addoption(parser):
     group.addoption("--mla-expect", action="append", default=None, metavar="FILE",
                     help="expectation file: known failures, one node-id prefix and its reason per line; listed "
                          "tests become xfail, a listed test that passes is reported (XPASS), an unmatched line warns")
+    group.addoption("--mla-timeout", type=float, default=None, metavar="SECONDS",
+                    help="bound on each suite test (setup + call + teardown; default "
+                         f"{isolation.DEFAULT_TIMEOUT_S:g} s, 0 = none): past it the test is an error 'timed out after N s' "
+                         "with every thread's stack; a hang in native code ends the process (under xdist the "
+                         "worker is replaced and the run goes on)")
+    group.addoption("--mla-threads", type=int, default=None, metavar="N",
+                    help="torch CPU threads in each process running suite tests (default 1: the figures do not "
+                         "depend on -n, and -n N workers do not oversubscribe the cores)")
 
 
 def _options_given(config) -> bool:
@@ -166,18 +179,28 @@ def device_of(config) -> str:
     dev = config.stash.get(_DEVICE_KEY, None)
     if dev is None:
         dev = config.stash[_DEVICE_KEY] = _device(config)
-        if os.environ.get("PYTEST_XDIST_WORKER") and dev == "cpu":
-            import torch  # N workers on N cores: one intra-op thread each, or they oversubscribe the CPU
-
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) //
-                                      int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+        _fix_threads(config)
     return dev
 
 
+def _fix_threads(config) -> None:
+    """One fixed torch intra-op thread count (--mla-threads, default 1) in every process that runs suite
+    tests, serial or xdist worker: a reduction's order, and so a figure's last digits, depends on it, and N
+    workers with a thread per core each oversubscribe the CPU (on 2 shared cores, 2 threads ran
+    test_numerics.py 6x slower than 1). Set once torch is imported: here, or before the first suite test."""
+    state = _run_state(config)
+    if state.get("threads") or "torch" not in sys.modules:
+        return
+    state["threads"] = max(1, config.getoption("--mla-threads") or 1)
+    sys.modules["torch"].set_num_threads(state["threads"])
+
+
 def _device(config) -> str:
+    dev = config.getoption("--mla-device")
+    if dev == "cpu":  # torch is not needed to know that (an xdist worker starts faster without it)
+        return dev
     import torch
 
-    dev = config.getoption("--mla-device")
     if dev is None:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev.startswith("cuda"):
@@ -213,6 +236,10 @@ def _benchmark_storage(config) -> None:
     no ``.benchmarks/`` is left in the current directory; another project's run is left alone."""
     if getattr(config.option, "benchmark_storage", None) != "file://./.benchmarks" or _benchmark_selected(config):
         return
+    given = getattr(config, "workerinput", {}).get("mla_benchmark_storage")
+    if given:  # an xdist worker uses its controller's (a worker that dies cleans up nothing)
+        config.option.benchmark_storage = given
+        return
     pyargs = any(str(a).startswith("mla_conformance.suites") for a in config.args)
     if not (pyargs or _options_given(config) or _covers_suite(config)):
         return
@@ -238,6 +265,13 @@ def _configure(config):
         device_of(config)
     if config.getoption("--mla-results"):
         config.stash[_RESULTS_KEY] = {}
+    timeout = config.getoption("--mla-timeout")
+    if timeout is not None and timeout < 0:
+        raise pytest.UsageError(f"--mla-timeout {timeout:g}: expected seconds >= 0 (0: no timeout)")
+    threads = config.getoption("--mla-threads")
+    if threads is not None and threads < 1:
+        raise pytest.UsageError(f"--mla-threads {threads}: expected an integer >= 1")
+    config.pluginmanager.register(_Recorder(config), "mla-conformance-recorder")
     ckpt = config.getoption("--mla-checkpoint")
     if ckpt:  # checked once, before any test: config, weights, tokenizer named as missing/corrupt
         from mla_conformance.checkpoint import validate_checkpoint
@@ -470,18 +504,311 @@ def pytest_runtest_makereport(item, call):
         else:
             crash = getattr(rep.longrepr, "reprcrash", None)
             msg = crash.message if crash else str(rep.longrepr)
+        fault = _fault_of(item, call.excinfo) if call.excinfo is not None else None
+        if fault is not None:
+            msg = fault.pop("reason")
+            entry["fault"] = fault
         entry["reason"] = (msg.strip().splitlines() or [""])[0][:1000]
     for key, value in item.user_properties:
         if key == "mla_figures":
             entry["figures"] = value
+    # the entry travels with the report: an xdist controller records it from there, so a worker that dies
+    # later loses nothing already reported
+    rep.mla_result = json.dumps(entry, sort_keys=True, default=str)
+    if rep.failed and call.excinfo is not None and call.excinfo.errisinstance(isolation.TestTimeout):
+        rep.mla_fault = entry.get("fault")  # shown as TIMEOUT (pytest_report_teststatus)
+
+
+def _fault_of(item, excinfo) -> dict | None:
+    """A timeout or CUDA fault in a test's exception, as the entry's ``fault`` (with its one-line
+    ``reason``); for a sticky CUDA error the process is marked to end after the test (or stop, serially)."""
+    if excinfo.errisinstance(isolation.TestTimeout):
+        text = str(excinfo.value)
+        head, _, stacks = text.partition("\n\nstacks of every thread (faulthandler):\n")
+        return {"kind": "timeout", "after_s": _timeout(item.config), "native": False,
+                "stack": isolation.current_block(stacks), "reason": head}
+    cuda = isolation.cuda_fault(excinfo.value)
+    if cuda is None:
+        return None
+    what, sticky = cuda
+    first = (f"{excinfo.typename}: {excinfo.value}".strip().splitlines() or [""])[0]
+    if not sticky:
+        return {"kind": "cuda", "error": what, "sticky": False,
+                "reason": f"{what} (the backend ran out of GPU memory: a smaller preset or batch, or a leak in "
+                          f"the backend): {first}"}
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    state = _run_state(item.config)
+    state["poisoned"] = item.nodeid
+    after = ("the worker process ends after this test and xdist starts a fresh one" if worker else
+             "the run stops after this test (serial: run under xdist, e.g. -n 1, to have the process replaced)")
+    if not worker:
+        item.session.shouldstop = (f"sticky CUDA error in {item.nodeid} ({what}): this process's CUDA context is "
+                                   "unusable, so no later test would say anything about its backend; run under "
+                                   "xdist (-n 1) to have the process replaced")
+    return {"kind": "cuda", "error": what, "sticky": True,
+            "reason": f"{what} (sticky: the CUDA context is unusable; {after}): {first}"}
+
+
+# --------------------------------------------------------------------------- crashes, hangs, the journal
+#
+# The process that writes --mla-results (serial pytest, or the xdist controller) records every result from
+# the reports as they arrive, and journals them (mla_conformance.isolation.Journal), so what a worker reported
+# before it died, or a run gathered before it was killed, is kept. Workers only report.
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _run_state(config) -> dict:
+    return config.stash.setdefault(_RUN_KEY, {"running": {}, "finished": set()})
+
+
+def _timeout(config) -> float:
+    value = config.getoption("--mla-timeout")
+    return isolation.DEFAULT_TIMEOUT_S if value is None else max(0.0, float(value))
+
+
+def _results_header(config, exitstatus) -> dict:
+    kind = _deselected_kind(config)
+    backends = [] if kind == "layer" else [b.name for b in _backends(config)]
+    ops = [] if kind == "op" else _ops(config)
+    return {"exitstatus": int(exitstatus) if exitstatus is not None else None, "device": device_of(config),
+            "backends": backends, "ops": [o.name for o in ops],
+            "op_declarations": {o.name: _op_declarations(o) for o in ops}}
+
+
+def _journal(config):
+    """The journal beside --mla-results (opened, with its header, on the first test), or None."""
+    state = _run_state(config)
+    if "journal" not in state:
+        path = config.getoption("--mla-results")
+        state["journal"] = None
+        if path and not _is_worker(config) and config.stash.get(_RESULTS_KEY, None) is not None:
+            try:
+                journal = isolation.Journal(isolation.journal_path(path))
+            except OSError:
+                return None
+            journal.write({"header": _results_header(config, None)})
+            state["journal"] = journal
+    return state["journal"]
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    fault_dir = getattr(config, "workerinput", {}).get("mla_fault_dir")
+    if fault_dir:  # an xdist worker: fatal-error dumps and the watchdog's go where the controller reads them
+        import faulthandler
+
+        fh = open(Path(fault_dir) / f"{config.workerinput.get('workerid', 'gw')}.txt", "w+", encoding="utf-8")
+        _run_state(config)["fault_file"] = fh
+        faulthandler.enable(file=fh, all_threads=True)
+    elif config.getoption("--mla-results") and not _is_worker(config):
+        # serial: fatal errors stay on stderr; the watchdog's dump goes beside the results, where `run`
+        # reads it when pytest itself was ended
+        try:
+            _run_state(config)["fault_file"] = open(str(config.getoption("--mla-results")) + ".fault", "w+",
+                                                    encoding="utf-8")
+        except OSError:
+            pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if is_suite_item(item):
+        _fix_threads(item.config)
+    timeout = _timeout(item.config) if is_suite_item(item) else 0
+    if timeout <= 0:
+        yield
+        return
+    state = _run_state(item.config)
+    watch = state.get("watch")
+    if watch is None or watch.timeout != timeout:
+        watch = state["watch"] = isolation.Watch(timeout, state.get("fault_file"))
+    watch.arm()
+    try:
+        yield
+    finally:
+        watch.disarm()
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):  # xdist: collect workers' results
-    results = node.config.stash.get(_RESULTS_KEY, None)
-    extra = getattr(node, "workeroutput", {}).get("mla_results")
-    if results is not None and extra:
-        results.update(json.loads(extra))
+def pytest_configure_node(node):  # xdist controller: where each worker's fault file goes
+    config = node.config
+    state = _run_state(config)
+    if "fault_dir" not in state:
+        import shutil
+        import tempfile
+
+        results = config.getoption("--mla-results")
+        where = Path(results).resolve().parent if results else None
+        try:
+            state["fault_dir"] = tempfile.mkdtemp(prefix="mla-conformance-faults-", dir=where)
+        except OSError:
+            state["fault_dir"] = tempfile.mkdtemp(prefix="mla-conformance-faults-")
+        config.add_cleanup(lambda d=state["fault_dir"]: shutil.rmtree(d, ignore_errors=True))
+    node.workerinput["mla_fault_dir"] = state["fault_dir"]
+    storage = getattr(config.option, "benchmark_storage", None)
+    if isinstance(storage, str) and storage.startswith("file://") and "mla-conformance-benchmarks-" in storage:
+        node.workerinput["mla_benchmark_storage"] = storage
+
+
+def _read_fault_file(config, workerid: str) -> str:
+    fault_dir = _run_state(config).get("fault_dir")
+    if not fault_dir:
+        return ""
+    path = Path(fault_dir) / f"{workerid}.txt"
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        path.unlink()
+    except OSError:
+        return ""
+    return text
+
+
+def _known_params(config, nodeid: str) -> dict:
+    """A crashed test's backend or op when no report of it carried its parameters: the name in its id."""
+    params = nodeid.partition("[")[2].rstrip("]")
+    if not params:
+        return {}
+    found = {}
+    for key, names in (("backend", lambda: [b.name for b in _backends(config)]),
+                       ("op", lambda: [o.name for o in _ops(config)])):
+        try:
+            hits = [n for n in names() if params == n or params.startswith(n + "-") or params.endswith("-" + n)
+                    or f"-{n}-" in params]
+        except pytest.UsageError:
+            hits = []
+        if hits:
+            found[key] = max(hits, key=len)
+    return found
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """xdist: a worker died while ``crashitem`` was its current test. Say how it died and record the test as
+    an error (``crashed``, or ``timeout`` when the watchdog ended it); a worker that ended itself after a
+    finished test (a sticky CUDA error) is no crash of that test."""
+    node = getattr(report, "node", None)
+    config = getattr(node, "config", None)
+    if config is None:
+        return
+    state = _run_state(config)
+    workerid = getattr(getattr(node, "gateway", None), "id", "?")
+    popen = getattr(getattr(getattr(node, "gateway", None), "_io", None), "popen", None)
+    returncode = None
+    if popen is not None:
+        try:
+            returncode = popen.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - still running or not a Popen: no code to report
+            returncode = None
+    dump = _read_fault_file(config, workerid)
+    if crashitem in state["finished"] and crashitem not in state["running"]:
+        # its reports are all in: the worker ended after it (the plugin ends a worker after a sticky CUDA
+        # error, so xdist replaces it); nothing to count
+        report.outcome, report.when, report.longrepr = "passed", "teardown", None
+        report.mla_ignore = True
+        return
+    started = crashitem in state["running"]
+    how = isolation.describe_exit(returncode)
+    stack = isolation.current_block(dump)
+    where = isolation.innermost_frame(dump)
+    timeout = _timeout(config)
+    if isolation.is_watchdog_dump(dump):
+        fault = {"kind": "timeout", "after_s": timeout, "native": True, "stack": stack}
+        reason = (f"timed out after {timeout:g} s (--mla-timeout)" + (f" in {where}" if where else "") +
+                  ": Python could not interrupt it (a native call that blocks signals or holds the GIL, a hung "
+                  "kernel), so its worker process was ended and a fresh one runs the rest")
+    else:
+        fatal = isolation.fatal_signal_of(dump)
+        fault = {"kind": "crashed", "exit_code": returncode, "stack": stack}
+        if returncode is not None and returncode < 0:
+            fault["signal"] = isolation.signal_name(-returncode)
+        reason = (f"crashed: its worker process {how}" + (f" ({fatal})" if fatal and fatal.lower() not in how.lower() else "") +
+                  (f" in {where}" if where else "") + (" while running it" if started else
+                                                      " before this test started (it did not run)") +
+                  "; a fresh worker runs the rest")
+    report.mla_fault = fault
+    report.mla_reason = reason
+    report.when = "call"
+    report.longrepr = (f"{reason}\n\n(xdist: worker {workerid!r} crashed while running {crashitem!r})"
+                       + (f"\n\n{dump.strip()}" if dump.strip() else ""))
+
+
+def pytest_report_teststatus(report, config):
+    fault = getattr(report, "mla_fault", None)
+    if fault is not None and report.failed:
+        return "error", "E", ("TIMEOUT" if fault.get("kind") == "timeout" else "CRASHED")
+    return None
+
+
+class _Recorder:
+    """Per session (registered in pytest_configure): the hooks that get no config -- tests started,
+    reported and finished. In the process that writes --mla-results it records and journals each result;
+    in an xdist worker it ends the process after a test that left a sticky CUDA error."""
+
+    def __init__(self, config):
+        self.config = config
+        self.state = _run_state(config)
+
+    def _recording(self) -> bool:
+        return not _is_worker(self.config) and self.config.stash.get(_RESULTS_KEY, None) is not None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logstart(self, nodeid, location):
+        if self._recording():
+            self.state["running"][nodeid] = True
+            self.state["finished"].discard(nodeid)
+            journal = _journal(self.config)
+            if journal is not None:
+                journal.write({"start": nodeid})
+
+    def pytest_runtest_logreport(self, report):
+        if not self._recording() or getattr(report, "mla_ignore", False):
+            return
+        results = self.config.stash[_RESULTS_KEY]
+        data = getattr(report, "mla_result", None)
+        fault = getattr(report, "mla_fault", None)
+        if isinstance(data, str):
+            entry = json.loads(data)
+        elif fault is not None:  # xdist's report of a crashed test: its earlier entry, now an error
+            entry = dict(results.get(report.nodeid) or {"nodeid": report.nodeid})
+            if "params" not in entry:
+                params = _known_params(self.config, report.nodeid)
+                if params:
+                    entry["params"] = params
+            entry.update(outcome="error", reason=report.mla_reason[:1000], fault=fault)
+            entry.setdefault("device", device_of(self.config))
+        else:
+            return  # another plugin's report (or a worker's report of a test outside the suite)
+        results[report.nodeid] = entry
+        journal = _journal(self.config)
+        if journal is not None:
+            journal.write({"result": entry})
+        if fault is not None and data is None:  # its worker is gone: the test will send no logfinish
+            self.state["running"].pop(report.nodeid, None)
+            self.state["finished"].add(report.nodeid)
+            if journal is not None:
+                journal.write({"finish": report.nodeid})
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logfinish(self, nodeid, location):
+        if self._recording():
+            self.state["running"].pop(nodeid, None)
+            self.state["finished"].add(nodeid)
+            journal = _journal(self.config)
+            if journal is not None:
+                journal.write({"finish": nodeid})
+        elif _is_worker(self.config) and self.state.get("poisoned") == nodeid:
+            # trylast: xdist has sent this test's reports and its logfinish; the controller sees the worker
+            # end after a finished test and starts a fresh one (pytest_handlecrashitem)
+            import sys
+
+            sys.stdout.flush()
+            isolation.sys_stderr().write(f"\nmla-conformance: sticky CUDA error in {nodeid}: this worker's CUDA "
+                                         "context is unusable; ending the worker so xdist replaces it\n")
+            isolation.sys_stderr().flush()
+            os._exit(0)
 
 
 _SKIP_LINES = 12
@@ -553,19 +880,22 @@ def pytest_sessionfinish(session, exitstatus):
     results = config.stash.get(_RESULTS_KEY, None)
     if results is None:
         return
-    workeroutput = getattr(config, "workeroutput", None)
-    if workeroutput is not None:  # an xdist worker hands its results to the controller
-        workeroutput["mla_results"] = json.dumps(results)
+    if _is_worker(config):  # a worker's results went to the controller with each report
         return
     path = config.getoption("--mla-results")
     if path:
-        kind = _deselected_kind(config)
-        backends = [] if kind == "layer" else [b.name for b in _backends(config)]
-        ops = [] if kind == "op" else _ops(config)
-        payload = {"exitstatus": int(exitstatus), "device": device_of(config),
-                   "backends": backends, "ops": [o.name for o in ops],
-                   "op_declarations": {o.name: _op_declarations(o) for o in ops},
-                   "tests": [results[k] for k in sorted(results)]}
+        running = _run_state(config)["running"]  # interrupted mid-test: no result of it (its setup "passed")
+        payload = {**_results_header(config, exitstatus),
+                   "tests": [results[k] for k in sorted(results) if k not in running]}
         tmp = Path(path).with_suffix(".tmp")
         tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str))
         os.replace(tmp, path)
+        state = _run_state(config)
+        journal = state.get("journal")
+        if journal is not None:  # the results file holds it all now (interrupted: `run` reads what was running)
+            journal.close(remove=int(exitstatus) != int(pytest.ExitCode.INTERRUPTED))
+        fault_file = state.pop("fault_file", None)
+        if fault_file is not None:
+            fault_file.close()
+            if not _is_worker(config):
+                Path(fault_file.name).unlink(missing_ok=True)

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mla_conformance import isolation
 from mla_conformance.errors import MLAInputError
 
 SCHEMA = "mla-conformance/report"
@@ -64,7 +65,7 @@ COSINE_DIGITS = 3
 #: The marker file in every directory this tool writes (JSON: kind and the files it owns).
 MARKER = ".mla-conformance-report"
 
-VERDICTS = ("CONFORMS", "DOES NOT CONFORM", "NOT TESTED")
+VERDICTS = ("CONFORMS", "DOES NOT CONFORM", "NOT TESTED", "NOT SELECTED")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 INDEPENDENT = "(backend-independent)"
 
@@ -158,9 +159,13 @@ def round_floats(value: Any, digits: int = SIG_DIGITS, key: str | None = None) -
 
 
 def verdict_of(counts: dict[str, int]) -> str:
-    """DOES NOT CONFORM on any failed/error; NOT TESTED when no conformance test executed; else CONFORMS."""
+    """DOES NOT CONFORM on any failed/error; NOT SELECTED when no test of it was in the run (the pytest
+    arguments deselected them all: no verdict, and no failure); NOT TESTED when every test of it that ran
+    skipped; else CONFORMS."""
     if counts.get("failed", 0) or counts.get("error", 0):
         return "DOES NOT CONFORM"
+    if not any(counts.get(k, 0) for k in OUTCOMES):
+        return "NOT SELECTED"
     if counts.get("passed", 0) + counts.get("xpassed", 0) == 0:
         return "NOT TESTED"
     return "CONFORMS"
@@ -274,6 +279,8 @@ def build_report(results: dict, *, name: str, env: dict) -> dict[str, Any]:
             entry["section"] = t["section"]
         if t.get("figures") and not is_timing(t):
             entry["figures"] = round_floats(t["figures"])
+        if t.get("fault"):  # crashed / timeout / cuda: what ended the test, as the plugin recorded it
+            entry["fault"] = round_floats(t["fault"])
         tests.append(entry)
     tests.sort(key=lambda e: e["nodeid"])
     backends = list(results.get("backends", []))
@@ -368,12 +375,13 @@ def _verdict_lines(report) -> list[str]:
                    f"{s.get('xpassed', 0)} |")
     out += ["", "*failed*: a conformance check found the backend's output or bytes wrong. *errors*: the backend "
                 "raised, or returned the wrong type, shape or dtype (or the test could not be set up). "
-                "Both fail the run. **NOT TESTED**: no conformance test executed for the backend (all skipped "
-                "or deselected); that is no verdict of conformance, and `mla-conformance run` exits non-zero."]
+                "Both fail the run. **NOT TESTED**: every selected test of the backend skipped; that is no "
+                "verdict of conformance, and `mla-conformance run` exits non-zero. **NOT SELECTED**: the run's "
+                "pytest arguments (`-k`, `-m`, node ids) selected no test of it; no verdict, no failure."]
     for backend, v in sorted(verdicts.items()):
         if v["verdict"] == "NOT TESTED":
             out += ["", f"**{backend}: NOT TESTED** ({v['executed']} conformance tests executed). "
-                        + ("Skip reasons:" if v["skip_reasons"] else "No test of it was selected.")]
+                        + ("Skip reasons:" if v["skip_reasons"] else "None of its tests executed.")]
             out += [f"- {r['reason']} ({r['count']} test{'s' if r['count'] != 1 else ''})" for r in v["skip_reasons"]]
     return out
 
@@ -425,7 +433,7 @@ def _op_verdict_lines(report) -> list[str]:
     for op, v in sorted(ops.items()):
         if v["verdict"] == "NOT TESTED":
             out += ["", f"**op {op}: NOT TESTED** ({v['executed']} conformance tests executed). "
-                        + ("Skip reasons:" if v["skip_reasons"] else "No test of it was selected.")]
+                        + ("Skip reasons:" if v["skip_reasons"] else "None of its tests executed.")]
             out += [f"- {r['reason']} ({r['count']} test{'s' if r['count'] != 1 else ''})" for r in v["skip_reasons"]]
     return out
 
@@ -1078,6 +1086,17 @@ def check_out_dir(out: str | Path, kind: str, option: str = "--out") -> Path:
         os.rmdir(probe)
     except OSError as exc:
         raise MLAInputError(f"{option} {given}: cannot write in {parent} ({exc.strerror or exc})") from None
+    if path.is_dir():  # proven writable before any work: a file created and removed in it
+        if os.path.ismount(path):
+            raise MLAInputError(f"{option} {given}: is a mount point; the report is swapped in as a whole "
+                                f"directory, so give a directory inside it (e.g. {Path(given) / 'NAME'})")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".mla-conformance-probe-", dir=path)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise MLAInputError(f"{option} {given}: cannot write in it ({exc.strerror or exc}); nothing was "
+                                "touched") from None
     return path
 
 
@@ -1237,6 +1256,8 @@ def run_command(args) -> int:
             raise MLAInputError(f"--checkpoint: {exc}") from None
     from mla_conformance.resources import pytest_location_args
 
+    user_args = list(args.pytest_args or [])
+    partial = partial_results_path(out)
     with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
         results_path = Path(tmpdir) / "results.json"
         cmd = [sys.executable, "-m", "pytest", str(suites), *pytest_location_args(suites, tmpdir), "-p", "no:cacheprovider",
@@ -1253,23 +1274,39 @@ def run_command(args) -> int:
             cmd += ["--mla-checkpoint", args.checkpoint]
         if device:
             cmd += ["--mla-device", device]
-        cmd += list(args.pytest_args or [])
+        if args.timeout is not None:
+            cmd += ["--mla-timeout", f"{args.timeout:g}"]
+        cmd += isolation_args(user_args) + user_args
         print(f"mla-conformance run: {' '.join(cmd[2:])}", flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd)
+        returncode, signum = _run_pytest(cmd)
         wall = time.perf_counter() - t0
-        if not results_path.exists():
-            print(f"mla-conformance run: pytest exited {proc.returncode} before any result was recorded; "
-                  "no report written", file=sys.stderr)
-            return proc.returncode or 1
-        try:
-            results = json.loads(results_path.read_text())
-        except ValueError as exc:
-            print(f"mla-conformance run: the results pytest wrote are not JSON ({exc}); no report written",
-                  file=sys.stderr)
-            return proc.returncode or 1
+        journal = isolation.journal_path(results_path)
+        if signum is not None:
+            return _interrupted(signum, out, partial, results_path, journal)
+        results = None
+        if results_path.exists():
+            try:
+                results = json.loads(results_path.read_text())
+            except ValueError as exc:
+                print(f"mla-conformance run: the results pytest wrote are not JSON ({exc}); no report written",
+                      file=sys.stderr)
+                return returncode or 1
+        else:  # pytest itself died (a serial run: no worker to replace): the journal has what it gathered
+            results = results_from_journal(journal, returncode, Path(str(results_path) + ".fault"))
+            if results is None:
+                print(f"mla-conformance run: pytest {isolation.describe_exit(returncode)} before any result was "
+                      "recorded; no report written", file=sys.stderr)
+                return returncode or 1
+            died = [t for t in results["tests"] if (t.get("fault") or {}).get("serial")]
+            print(f"mla-conformance run: pytest {isolation.describe_exit(returncode)}"
+                  + (f" while running {', '.join(t['nodeid'] for t in died)}" if died else "")
+                  + "; the tests after it did not run (a serial run: `-p no:xdist` or `-n 0` given, so no worker "
+                    "could be replaced); the report holds what was recorded", file=sys.stderr)
+            returncode = returncode if returncode > 0 else 1
     report = write_report(out, results, name=name, env=environment(results.get("device", "cpu")), wall=wall,
-                          pytest_exit=proc.returncode)
+                          pytest_exit=returncode)
+    _remove_partial(partial)
     plots = report.pop("_plots")
     written = ["conformance.json", "conformance.md", "timings.json"] + plots
     print(f"mla-conformance run: wrote {out}: {', '.join(written)} in {wall:.1f} s")
@@ -1278,12 +1315,205 @@ def run_command(args) -> int:
     for who, v, s in judged:
         print(f"  {who}: {v['verdict']} ({s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
               f"{s['skipped']} skipped)")
+    faults = [t for t in report["tests"] if (t.get("fault") or {}).get("kind") in ("crashed", "timeout")]
+    for t in faults:
+        print(f"  {t['fault']['kind'].upper()}: {t['nodeid']}: {t.get('reason', '')}", file=sys.stderr)
+    not_selected = [who for who, v, _ in judged if v["verdict"] == "NOT SELECTED"]
+    if not_selected:
+        print(f"mla-conformance run: not selected (no test of theirs matched the pytest arguments; not a failure): "
+              f"{', '.join(not_selected)}")
+    named = {f"op {o.name}" for o in _named(args.op, "op")} | {b.name for b in _named(args.backend, "backend")}
+    narrowed = narrows_selection(user_args)
     not_tested = [who for who, v, _ in judged if v["verdict"] == "NOT TESTED"]
+    failing = [who for who in not_tested if who in named or not narrowed]
     if not_tested:
-        print(f"mla-conformance run: NOT TESTED: {', '.join(not_tested)}: no conformance test executed "
-              f"(skip reasons in {out / 'conformance.md'})", file=sys.stderr)
-        return proc.returncode or 1
-    return proc.returncode
+        tolerated = [who for who in not_tested if who not in failing]
+        print(f"mla-conformance run: NOT TESTED: {', '.join(not_tested)}: every selected test skipped "
+              f"(skip reasons in {out / 'conformance.md'})"
+              + (f"; not failing the run for {', '.join(tolerated)}: not named by --backend/--op, and the "
+                 "pytest arguments narrowed the selection" if tolerated else ""), file=sys.stderr)
+        if failing:
+            return returncode or 1
+    return returncode
+
+
+def _named(specs, kind: str) -> list:
+    """The backends (kind "backend") or ops the user named, resolved (they resolved before the run)."""
+    if not specs:
+        return []
+    if kind == "op":
+        from mla_conformance.ops import get_op
+
+        return [get_op(s) for s in specs]
+    from mla_conformance.backends import get_backend
+
+    return [get_backend(s) for s in specs]
+
+
+def narrows_selection(pytest_args: list[str]) -> bool:
+    """The pytest arguments select a subset of the suite (-k, -m, --deselect, a node id or a test file)."""
+    for a in pytest_args:
+        if a in ("-k", "-m", "--deselect", "--lf", "--last-failed") or a.startswith(("-k", "-m", "--deselect=")):
+            return True
+        if not a.startswith("-") and ("::" in a or a.endswith(".py")):
+            return True
+    return False
+
+
+#: ``run`` runs its tests in an xdist worker that is replaced when it dies (``-n 1`` unless -n is given);
+#: a backend that crashes in every test costs a worker start per test, bounded by this many restarts.
+MAX_WORKER_RESTARTS = 1000
+
+
+def isolation_args(pytest_args: list[str]) -> list[str]:
+    """The pytest arguments that make the run survive its backend: ``-n 1`` (one xdist worker, replaced when
+    it dies) unless the user chose the distribution (``-n``, ``--dist``, ``--tx``) or turned xdist off
+    (``-p no:xdist``, ``--pdb``, ``--trace``); ``--max-worker-restart`` unless given."""
+    import importlib.util
+
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    joined = [a.replace(" ", "") for a in pytest_args]
+    if "no:xdist" in joined or "-pno:xdist" in joined or any(a in ("--pdb", "--trace") for a in joined):
+        return []
+    out = []
+    chose = any(a in ("-n", "--numprocesses", "--dist", "-d", "--tx") or
+                a.startswith(("-n", "--numprocesses=", "--dist=", "--tx=")) for a in joined)
+    if not chose:
+        out += ["-n", "1"]
+    if not any(a.startswith("--max-worker-restart") for a in joined):
+        out += ["--max-worker-restart", str(MAX_WORKER_RESTARTS)]
+    return out
+
+
+#: Seconds pytest gets to stop after run forwards SIGINT / SIGTERM before its process group is killed.
+STOP_GRACE_S = 5.0
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _run_pytest(cmd: list[str]) -> tuple[int, int | None]:
+    """Run pytest in a process group of its own; (its return code, the signal that interrupted ``run`` or None).
+
+    SIGINT, SIGTERM or SIGHUP to ``run`` is forwarded to the whole group as SIGINT (pytest stops after
+    saying where it was); a second signal, or pytest still running :data:`STOP_GRACE_S` later, kills the
+    group. Whatever the group left running when pytest exits (a worker, a test's child) is killed too.
+    """
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    got: list[int] = []
+    deadline: list[float] = []
+
+    def forward(signum, frame):
+        got.append(signum)
+        if len(got) == 1:
+            deadline.append(time.monotonic() + STOP_GRACE_S)
+            _killpg(proc.pid, signal.SIGINT)
+        else:
+            _killpg(proc.pid, signal.SIGKILL)
+
+    handled = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {sig: signal.signal(sig, forward) for sig in handled}
+    try:
+        while True:
+            try:
+                returncode = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if deadline and time.monotonic() > deadline[0]:
+                    _killpg(proc.pid, signal.SIGKILL)
+    except BaseException:
+        _killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    _killpg(proc.pid, signal.SIGKILL)  # stragglers of the group (the leader is gone; its pgid is not reused
+    # while members remain)
+    return returncode, (got[0] if got else None)
+
+
+def partial_results_path(out: Path) -> Path:
+    """Where an interrupted run keeps the results it gathered: beside --out, never inside it."""
+    return out.parent / f"{out.name}.partial-results.json"
+
+
+PARTIAL_SCHEMA = "mla-conformance/partial-results"
+
+
+def _remove_partial(path: Path) -> None:
+    """A finished run's report supersedes an earlier interrupted run's partial results (ours only)."""
+    try:
+        if json.loads(path.read_text(encoding="utf-8")).get("schema") == PARTIAL_SCHEMA:
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def results_from_journal(journal: Path, returncode: int | None, fault_file: Path | None = None) -> dict | None:
+    """The results a pytest that died had journalled, its running test recorded as an error (``crashed``,
+    or ``timeout`` when the watchdog's dump is in ``fault_file``); None when it journalled nothing."""
+    j = isolation.read_journal(journal)
+    if j["header"] is None:
+        return None
+    tests = dict(j["results"])
+    dump = ""
+    if fault_file is not None:
+        try:
+            dump = fault_file.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            dump = ""
+    for nodeid in j["running"]:
+        entry = dict(tests.get(nodeid) or {"nodeid": nodeid})
+        where = isolation.innermost_frame(dump)
+        if isolation.is_watchdog_dump(dump):
+            fault = {"kind": "timeout", "native": True, "serial": True, "stack": isolation.current_block(dump)}
+            reason = ("timed out (--mla-timeout)" + (f" in {where}" if where else "") + ": Python could not "
+                      "interrupt it, so the watchdog ended pytest")
+        else:
+            fault = {"kind": "crashed", "exit_code": returncode, "serial": True}
+            if returncode is not None and returncode < 0:
+                fault["signal"] = isolation.signal_name(-returncode)
+            reason = f"crashed: pytest {isolation.describe_exit(returncode)} while running it"
+        entry.update(outcome="error", reason=reason + " (a serial run: the tests after it did not run)", fault=fault)
+        tests[nodeid] = entry
+    return {**j["header"], "exitstatus": returncode, "tests": [tests[k] for k in sorted(tests)]}
+
+
+def _interrupted(signum: int, out: Path, partial: Path, results_path: Path, journal: Path) -> int:
+    """``run`` got SIGINT / SIGTERM: pytest is gone; keep what it gathered beside --out, say what ran."""
+    j = isolation.read_journal(journal)
+    results = None
+    if results_path.exists():
+        try:
+            results = json.loads(results_path.read_text())
+        except ValueError:
+            results = None
+    running = j["running"]
+    if results is None and j["header"] is not None:  # a running test's entry holds only its setup: left out
+        results = {**j["header"], "tests": [j["results"][k] for k in sorted(j["results"]) if k not in running]}
+    name = isolation.signal_name(signum)
+    msg = f"mla-conformance run: interrupted by {name}" + (
+        f" while running {', '.join(running)}" if running else "") + "; pytest and its workers were ended"
+    if results is not None and results.get("tests"):
+        payload = {"schema": PARTIAL_SCHEMA, "interrupted_by": name, "running": running, **results}
+        try:
+            write_file_atomically(partial, json.dumps(payload, indent=1, sort_keys=True, default=str) + "\n")
+            msg += f"; the {len(results['tests'])} results gathered so far are in {partial}"
+        except OSError as exc:
+            msg += f"; the results gathered so far could not be kept ({exc.strerror or exc})"
+    else:
+        msg += "; no result had been recorded yet"
+    print(msg + f"; the previous report in {out} is untouched", file=sys.stderr)
+    return 128 + signum
 
 
 # --------------------------------------------------------------------------- merge
@@ -1448,6 +1678,19 @@ def merge_command(args) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    """argparse type: seconds >= 0."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return value
+
+
 def add_cli(sub) -> None:
     p = sub.add_parser("run", help="run the conformance suite and write reports/<name>/conformance.{json,md}",
                        description="Run the conformance suite on the built-in backends and op (or --backend "
@@ -1472,6 +1715,9 @@ def add_cli(sub) -> None:
     p.add_argument("--name", help="report name (default: this host's name)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--suites", metavar="DIR", help="suites directory (default: the installed suites, mla_conformance.suites)")
+    p.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                   help=f"bound on each test (pytest's --mla-timeout; default {isolation.DEFAULT_TIMEOUT_S:g} s, 0 = "
+                        "none): past it the test is an error and the run goes on in a fresh worker")
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS")
     p.set_defaults(func=run_command)
     m = sub.add_parser("merge", help="merge conformance.json reports of several hosts into one matrix",

@@ -88,9 +88,13 @@ def test_verdicts_failed_error_and_not_tested():
     assert "| crashy | **DOES NOT CONFORM** | 0 | 0 | 1 |" in md
 
 
-def test_a_backend_not_selected_at_all_is_not_tested():
-    res = {"backends": ["a", "b"], "tests": [_numerics("a", "passed", 1e-7, 1e-6)]}
-    assert R.build_report(res, name="h", env=ENV)["verdicts"]["b"]["verdict"] == "NOT TESTED"
+def test_a_backend_or_op_with_no_test_selected_is_not_selected_not_not_tested():
+    """Issue 18 item 6: deselected by the user's -k/-m is no NOT TESTED (which stays for all-skipped)."""
+    res = {"backends": ["a", "b"], "ops": ["idle-op"], "tests": [_numerics("a", "passed", 1e-7, 1e-6)]}
+    rep = R.build_report(res, name="h", env=ENV)
+    assert rep["verdicts"]["b"]["verdict"] == "NOT SELECTED" and rep["verdicts"]["a"]["verdict"] == "CONFORMS"
+    assert rep["op_results"]["idle-op"]["verdict"] == "NOT SELECTED"
+    assert "| b | **NOT SELECTED** |" in R.render_markdown(rep)
 
 
 def test_error_table_keeps_failing_rows_with_tolerance_and_margin():
@@ -429,21 +433,16 @@ def two_runs(tmp_path_factory):
     from mla_conformance.cli import main
     from mla_conformance.resources import suites_dir
 
-    real = R.subprocess.run
-
-    def pytest_here(cmd, *a, **kw):
-        if "--mla-results" not in cmd:
-            return real(cmd, *a, **kw)
+    def pytest_here(cmd):
         assert cmd[1:3] == ["-m", "pytest"], cmd
         # the plugin is imported already, so pytest cannot assertion-rewrite it: say nothing about that
-        return R.subprocess.CompletedProcess(cmd, int(pytest.main([*cmd[3:], "-W",
-                                                                   "ignore::pytest.PytestAssertRewriteWarning"])))
+        return int(pytest.main([*cmd[3:], "-W", "ignore::pytest.PytestAssertRewriteWarning"])), None
 
     tmp = tmp_path_factory.mktemp("two-runs")
     ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
     outs, rcs = [], []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(R.subprocess, "run", pytest_here)
+        mp.setattr(R, "_run_pytest", pytest_here)
         for name, mode in (("a", ["-p", "no:xdist"]), ("b", ["-n", "2"])):
             outs.append(tmp / name)
             rcs.append(main(["run", "--out", str(tmp / name), "--name", "host", "--backend", "reference-naive",
