@@ -41,8 +41,8 @@ _WATCHDOG_HEAD = "Timeout ("
 
 def hard_deadline(timeout: float) -> float:
     """Seconds after which the C-level watchdog ends a process whose test ignored its timeout: the timeout
-    plus a tenth of it (at least 1 s, at most 30 s) for the timeout's exception to unwind."""
-    return timeout + min(30.0, max(1.0, timeout / 10))
+    plus a tenth of it (at least 0.5 s, at most 30 s) for the timeout's exception to unwind."""
+    return timeout + min(30.0, max(0.5, timeout / 10))
 
 
 class TestTimeout(BaseException):

@@ -8,6 +8,8 @@ Options::
     --mla-device DEV       cpu / cuda / cuda:N (default: cuda when available, else cpu)
     --mla-checkpoint DIR   a real DeepSeek checkpoint for the needs_checkpoint tests
     --mla-results FILE     write every test's outcome and measured figures as JSON (used by `run`)
+    --mla-timeout SECONDS  bound on each suite test (default 900 s; mla_conformance.isolation)
+    --mla-threads N        torch CPU threads per process running suite tests (default 1)
 
 Any test that takes the ``mla_backend`` fixture runs once per backend, and the backend's name is the
 test id's parameter, e.g. ``test_cache_bytes.py::test_seed_table[reference-absorbed]``; any test that takes

@@ -16,8 +16,11 @@ output directory:
   an error that names the files, and nothing is touched. The new report is written into a temporary
   sibling and swapped in; a failure or Ctrl-C leaves the previous report as it was.
 
-Verdicts: a backend with a failed or errored test DOES NOT CONFORM; one with no executed conformance
-test (0 passed, failed, errored or xpassed) is NOT TESTED (``run`` exits non-zero); else it CONFORMS.
+Verdicts: a backend with a failed or errored test DOES NOT CONFORM; one with no test in the run at all is
+NOT SELECTED (the pytest arguments deselected it: no verdict, no failure); one with no executed
+conformance test (0 passed, failed, errored or xpassed) is NOT TESTED (``run`` exits non-zero, unless it
+was not named and the pytest arguments narrowed the selection); else it CONFORMS. A test whose worker
+died, that timed out or hit a CUDA fault is an error with a ``fault`` (:mod:`mla_conformance.isolation`).
 ``failed`` = a conformance check found the output or bytes wrong; ``error`` = the backend raised or
 returned the wrong type/shape/dtype, or the test could not be set up.
 
@@ -1376,6 +1379,9 @@ def isolation_args(pytest_args: list[str]) -> list[str]:
     joined = [a.replace(" ", "") for a in pytest_args]
     if "no:xdist" in joined or "-pno:xdist" in joined or any(a in ("--pdb", "--trace") for a in joined):
         return []
+    marks = [pytest_args[i + 1] for i, a in enumerate(pytest_args[:-1]) if a == "-m"]
+    if "--benchmark-only" in joined or any("benchmark" in m and "not benchmark" not in m for m in marks):
+        return []  # pytest-benchmark does not time under xdist: benchmarks run in-process
     out = []
     chose = any(a in ("-n", "--numprocesses", "--dist", "-d", "--tx") or
                 a.startswith(("-n", "--numprocesses=", "--dist=", "--tx=")) for a in joined)

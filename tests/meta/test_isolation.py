@@ -5,7 +5,7 @@ signal blocked, or raise CUDA errors on their 2nd ``attend`` of a process. They 
 ``mla-conformance run`` on a three-test suite of their own (``SUITE``, written as the ``--suites`` directory),
 once serially (``run``'s default: one xdist worker, replaced when it dies) and once with ``-- -n 2``. pytest's
 controller runs in this process (``run``'s command, in-process, as ``test_report.two_runs`` does); its workers
-are real processes that really die. Timeouts are 1 s, so each hang costs 1-2 s.
+are real processes that really die. Timeouts are 0.5 s, so each hang costs 0.5-1 s.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def faulty_run(request, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(R, "_run_pytest", _in_process)
         t0 = time.perf_counter()
-        rc = main(["run", "--suites", str(suite), "--out", str(out), "--name", "host", "--timeout", "1",
+        rc = main(["run", "--suites", str(suite), "--out", str(out), "--name", "host", "--timeout", "0.5",
                    *_backend_args(*classes), "--", "-q", "--mla-device", "cpu", *LEAN, *extra])
         wall = time.perf_counter() - t0
     return mode, rc, json.loads((out / "conformance.json").read_text()), (out / "conformance.md").read_text(), wall
@@ -104,9 +104,9 @@ def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(fa
         elif backend == "exit3":
             assert kind == "crashed" and t["fault"]["exit_code"] == 3 and "exited with code 3" in t["reason"]
         elif backend == "hang-python":
-            assert kind == "timeout" and not t["fault"]["native"] and t["reason"].startswith("timed out after 1 s")
+            assert kind == "timeout" and not t["fault"]["native"] and t["reason"].startswith("timed out after 0.5 s")
         elif backend == "hang-native":
-            assert kind == "timeout" and t["fault"]["native"] and t["reason"].startswith("timed out after 1 s")
+            assert kind == "timeout" and t["fault"]["native"] and t["reason"].startswith("timed out after 0.5 s")
             assert "could not interrupt" in t["reason"]
         elif backend == "cuda-illegal":
             assert kind == "cuda" and t["fault"]["sticky"] and "illegal memory access" in t["reason"]
@@ -238,6 +238,7 @@ def test_how_a_process_died_is_said():
     (["-n4", "--max-worker-restart", "3"], []),
     (["-p", "no:xdist"], []),
     (["--pdb"], []),
+    (["-m", "benchmark", "--benchmark-only"], []),
 ])
 def test_run_isolates_tests_in_a_worker_unless_told_otherwise(user, added):
     assert R.isolation_args(user) == added
