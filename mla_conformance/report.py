@@ -1387,6 +1387,8 @@ def isolation_args(pytest_args: list[str]) -> list[str]:
                 a.startswith(("-n", "--numprocesses=", "--dist=", "--tx=")) for a in joined)
     if not chose:
         out += ["-n", "1"]
+        if importlib.util.find_spec("pytest_benchmark"):  # its "disabled under xdist" warning: they are deselected
+            out += ["-W", "ignore:Benchmarks are automatically disabled:pytest_benchmark.logger.PytestBenchmarkWarning"]
     if not any(a.startswith("--max-worker-restart") for a in joined):
         out += ["--max-worker-restart", str(MAX_WORKER_RESTARTS)]
     return out

@@ -233,7 +233,8 @@ def test_how_a_process_died_is_said():
 
 
 @pytest.mark.parametrize("user, added", [
-    ([], ["-n", "1", "--max-worker-restart", str(R.MAX_WORKER_RESTARTS)]),
+    ([], ["-n", "1", "-W", "ignore:Benchmarks are automatically disabled:pytest_benchmark.logger.PytestBenchmarkWarning",
+          "--max-worker-restart", str(R.MAX_WORKER_RESTARTS)]),
     (["-n", "2"], ["--max-worker-restart", str(R.MAX_WORKER_RESTARTS)]),
     (["-n4", "--max-worker-restart", "3"], []),
     (["-p", "no:xdist"], []),
@@ -265,3 +266,24 @@ def test_out_proven_writable_before_any_test(tmp_path, capsys, monkeypatch, brea
     err = capsys.readouterr().err
     assert rc == 2 and not ran and len(err.strip().splitlines()) == 1, err
     assert ("Read-only file system" in err) if breakage == "read-only" else ("mount point" in err)
+
+
+@pytest.mark.parametrize("argv, rc", [(["--", "-k", "test_seed_table"], 0),
+                                      (["--backend", "reference-absorbed", "--", "-k", "test_seed_table"], 1),
+                                      ([], 1)])
+def test_not_tested_fails_the_run_unless_unnamed_and_narrowed(tmp_path, capsys, monkeypatch, argv, rc):
+    """Issue 18 item 6: a default backend whose -k-selected tests all skipped is reported NOT TESTED but does
+    not fail a narrowed run; one the user named, or any in a full run, does. A deselected op is NOT SELECTED."""
+    results = {"backends": ["reference-absorbed"], "ops": ["reference-op"], "exitstatus": 0, "device": "cpu",
+               "tests": [{"nodeid": "suites/test_cache_bytes.py::test_seed_table[reference-absorbed]",
+                          "outcome": "skipped", "params": {"backend": "reference-absorbed"}, "reason": "declined"}]}
+
+    def fake(cmd):
+        Path(cmd[cmd.index("--mla-results") + 1]).write_text(json.dumps(results))
+        return 0, None
+
+    monkeypatch.setattr(R, "_run_pytest", fake)
+    assert main(["run", "--out", str(tmp_path / "r"), *argv]) == rc
+    out, err = capsys.readouterr()
+    assert "reference-absorbed: NOT TESTED" in out and "op reference-op: NOT SELECTED" in out
+    assert ("not failing the run for reference-absorbed" in err) is (rc == 0)
