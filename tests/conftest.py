@@ -19,3 +19,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if HERE in Path(item.path).resolve().parents:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the background jobs, one at a time (one core) (tests/meta/background.py) of the selected modules that declare
+    ``BACKGROUND`` (job name -> callable), in a serial session only (an xdist worker runs them in its tests)."""
+    if hasattr(session.config, "workerinput") or session.config.getoption("collectonly", False):
+        return
+    from tests.meta import background
+
+    modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
+    for module in sorted(modules, key=lambda m: m.__name__):
+        jobs = getattr(module, "BACKGROUND", None)
+        if jobs and not any(item.get_closest_marker("skip") for item in session.items if item.module is module):
+            background.start(jobs)
+
+
+def pytest_sessionfinish(session):
+    from tests.meta import background
+
+    background.shutdown()

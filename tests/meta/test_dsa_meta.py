@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.meta
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_dsa_meta")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
 SPEC = str(ROOT / "tests/meta/deepseek_v32_backend.py")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.meta
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_hf_v3_base_contract")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
 BACKEND = ROOT / "tests" / "meta" / "hf_deepseek_v3_backend.py"
 NAME = "hf-deepseek-v3"

@@ -3,9 +3,9 @@
 The backends of ``faulty_backends.py`` segfault, ``os._exit``, hang in Python, hang in native code with every
 signal blocked, or raise CUDA errors on their 2nd ``attend`` of a process. They run through
 ``mla-conformance run`` on a three-test suite of their own (``SUITE``, written as the ``--suites`` directory),
-once serially (``run``'s default: one xdist worker, replaced when it dies) and once with ``-- -n 2``. pytest's
-controller runs in this process (``run``'s command, in-process, as ``test_report.two_runs`` does); its workers
-are real processes that really die. Timeouts are 0.5 s, so each hang costs 0.5-1 s.
+once serially (``run``'s default: one xdist worker, replaced when it dies) and once with ``-- -n 2``. Each is a
+real ``mla-conformance run`` process (its pytest and workers are real processes that really die), started in
+the background when the session has collected this module (tests/meta/background.py). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import pytest
 from mla_conformance import isolation, report as R
 from mla_conformance.cli import main
 
-pytestmark = pytest.mark.meta
+from . import background
+
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_isolation")]  # module fixtures run once under -n
 
 HERE = Path(__file__).resolve().parent
 FAULTY = HERE / "faulty_backends.py"
@@ -52,31 +54,38 @@ def _backend_args(*classes: str) -> list[str]:
     return [a for c in classes for a in ("--backend", f"{FAULTY}:{c}")]
 
 
-def _in_process(cmd):
-    """run's pytest command, with the controller in this process (the workers are real processes)."""
-    assert cmd[1:3] == ["-m", "pytest"], cmd
-    return int(pytest.main([*cmd[3:], "-W", "ignore::pytest.PytestAssertRewriteWarning"])), None
-
-
 SCENARIOS = {  # mode -> (pytest args, backends)
     "serial": ([], ("Good", "Segfault", "NativeHang")),
     "n2": (["-n", "2"], ("Good", "Exit", "PythonHang", "CudaIllegalAccess", "CudaOOM")),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
-def faulty_run(request, tmp_path_factory):
-    mode = request.param
+def _faulty_run(mode: str):
+    """`mla-conformance run` (a real process: its pytest and workers are real processes that really die) on the
+    faulty backends of one scenario: (mode, rc, conformance.json, conformance.md, wall seconds)."""
     extra, classes = SCENARIOS[mode]
-    tmp = tmp_path_factory.mktemp(f"faulty-{mode}")
+    tmp = background.scratch(f"mla-faulty-{mode}-")
     suite, out = _suite(tmp), tmp / "out"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(R, "_run_pytest", _in_process)
-        t0 = time.perf_counter()
-        rc = main(["run", "--suites", str(suite), "--out", str(out), "--name", "host", "--timeout", "0.5",
-                   *_backend_args(*classes), "--", "-q", "--mla-device", "cpu", *LEAN, *extra])
-        wall = time.perf_counter() - t0
-    return mode, rc, json.loads((out / "conformance.json").read_text()), (out / "conformance.md").read_text(), wall
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
+                           str(out), "--name", "host", "--timeout", "0.5", *_backend_args(*classes), "--", "-q",
+                           "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120)
+    wall = time.perf_counter() - t0
+    if not (out / "conformance.json").is_file():
+        raise AssertionError(f"{mode}: no report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return mode, proc.returncode, json.loads((out / "conformance.json").read_text()), \
+        (out / "conformance.md").read_text(), wall
+
+
+#: started when the session has collected this module (tests/meta/background.py): they run on the core the
+#: serial session leaves idle
+BACKGROUND = {**{f"faulty-{mode}": (lambda mode=mode: _faulty_run(mode)) for mode in SCENARIOS},
+              "sigterm": lambda: _sigterm_run()}
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def faulty_run(request):
+    return background.result(f"faulty-{request.param}", lambda: _faulty_run(request.param))
 
 
 def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(faulty_run):
@@ -128,8 +137,10 @@ def test_a_sticky_cuda_error_replaces_the_worker(faulty_run):
 # --------------------------------------------------------------------------- signals
 
 
-def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(tmp_path):
-    """kill -TERM on a running `mla-conformance run` (a real one: the signal must reach `run`)."""
+def _sigterm_run() -> dict:
+    """kill -TERM on a running `mla-conformance run` (a real one: the signal must reach `run`) once its hanging
+    test has started; what the test then looks at."""
+    tmp_path = background.scratch("mla-sigterm-")
     suite, out = _suite(tmp_path), tmp_path / "out"
     out.mkdir()
     (out / "conformance.json").write_text("previous\n")
@@ -152,21 +163,31 @@ def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(tmp_pat
         time.sleep(0.05)
     else:
         proc.kill()
-        pytest.fail("the hanging test never started: " + proc.communicate()[1][-2000:])
+        return {"started": False, "stderr": proc.communicate()[1][-2000:]}
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    return {"started": True, "returncode": proc.returncode, "stderr": stderr, "hung": hung, "out": out,
+            "before": before, "after": {p.name: p.read_bytes() for p in out.iterdir()},
+            "tmp_left": [p.name for p in tmpdir.iterdir() if p.name != f"pytest-of-{_user()}"],
+            "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(suite))]}
+
+
+def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results():
+    """kill -TERM on a running `mla-conformance run`: exit 128 + 15, the running test named, the results so far
+    kept beside --out, the previous report untouched, no temporary file and no process left."""
+    got = background.result("sigterm", _sigterm_run)
+    assert got["started"], "the hanging test never started: " + got["stderr"]
+    stderr, hung, out = got["stderr"], got["hung"], got["out"]
+    assert got["returncode"] == 128 + signal.SIGTERM, stderr
     assert "interrupted by SIGTERM while running" in stderr and hung in stderr, stderr
     partial = R.partial_results_path(out)
     assert str(partial) in stderr and "untouched" in stderr
     data = json.loads(partial.read_text())
     assert data["schema"] == R.PARTIAL_SCHEMA and data["running"] == [f"suite/test_cache_bytes.py::{hung}"]
     assert [t["outcome"] for t in data["tests"]] == ["passed"], "the test finished before the signal is kept"
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the previous report is untouched"
-    left = [p.name for p in tmpdir.iterdir() if p.name != f"pytest-of-{_user()}"]  # pytest's own basetemp stays
-    assert not left, f"temporary files left: {left}"
-    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(suite))]
-    assert not left, "processes of the run left behind"
+    assert got["after"] == got["before"], "the previous report is untouched"
+    assert not got["tmp_left"], f"temporary files left: {got['tmp_left']}"  # pytest's own basetemp may stay
+    assert not got["procs_left"], "processes of the run left behind"
 
 
 def _user() -> str:

@@ -2,19 +2,21 @@
 runs a conformance test on a broken backend and must come out *failed* -- an AssertionError verdict naming
 the backend, not an error, a skip or a pass; the same tests on the correct backends written independently
 of the reference must pass (or skip an optional part they do not implement). All of it in one pytest
-subprocess, through the plugin as a user runs it; and every conformance test of suites/ has a cell."""
+subprocess (started in the background when the session has collected this module: tests/meta/background.py),
+through the plugin as a user runs it; and every conformance test of suites/ has a cell."""
 
 import ast
-import contextlib
-import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from . import background
 from .kill_matrix import BROKEN, CORRECT, CORRECT_TESTS, ERROR_CELLS, EXEMPT, KILL_MATRIX, correct_node_ids, node_ids
 
-pytestmark = pytest.mark.meta
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_kill_matrix")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
 CELLS = node_ids()
 PASSING = correct_node_ids()
@@ -31,22 +33,31 @@ def conformance_tests() -> set[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, dict]:
-    """Every cell in one pytest session, in this process (the torch import and the session's caches are
-    shared), through the plugin and its --mla-results exactly as a user's run."""
-    results = tmp_path_factory.mktemp("kill") / "results.json"
+def _kill_matrix_run() -> dict[str, dict]:
+    """Every cell in one pytest process, through the plugin and its --mla-results exactly as a user's run:
+    nodeid -> result."""
+    results = background.scratch("mla-kill-") / "results.json"
     args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-s", "-o", "addopts=", "--rootdir", str(ROOT),
             "--mla-results", str(results), "--mla-device", "cpu",
             *[str(ROOT / n.split("::")[0]) + "::" + n.split("::", 1)[1] for _, _, n in CELLS + PASSING + ERROR_CELLS]]
     for spec, _ in [*BROKEN.values(), *CORRECT.values(), *[(s, n) for s, n, _ in ERROR_CELLS]]:
         args += ["--mla-backend", str(ROOT / spec.split(":")[0]) + ":" + spec.split(":")[1] if ":" in spec else spec]
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        code = pytest.main(args)
-    assert results.is_file(), f"the kill-matrix run wrote no results (exit {code}):\n{log.getvalue()[-4000:]}"
-    assert code == 1, f"expected exit 1 (test failures), got {code}:\n{log.getvalue()[-4000:]}"
+    proc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    log = proc.stdout + proc.stderr
+    assert results.is_file(), f"the kill-matrix run wrote no results (exit {proc.returncode}):\n{log[-4000:]}"
+    assert proc.returncode == 1, f"expected exit 1 (test failures), got {proc.returncode}:\n{log[-4000:]}"
     return {t["nodeid"]: t for t in json.loads(results.read_text())["tests"]}
+
+
+#: started when the session has collected this module, on the core the serial session leaves idle
+#: (tests/meta/background.py)
+BACKGROUND = {"kill-matrix": _kill_matrix_run}
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, dict]:
+    return background.result("kill-matrix", _kill_matrix_run)
 
 
 def test_every_conformance_test_has_a_cell():

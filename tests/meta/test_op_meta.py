@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.meta
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_meta")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
 SUITES = ROOT / "suites"
 OPS = "tests/meta/broken_ops.py"

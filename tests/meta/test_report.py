@@ -13,7 +13,7 @@ import pytest
 
 from mla_conformance import report as R
 
-pytestmark = pytest.mark.meta
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_report")]  # module fixtures run once under -n
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = "seed_table or seed_figures or (test_against_float64 and tiny and float32 and prefill and not decode)"

@@ -1,0 +1,49 @@
+"""Inner runs that mostly wait on other processes, started as soon as the session has collected them.
+
+A serial ``pytest`` keeps one core busy (torch runs one thread per process, ``--mla-threads``); the isolation
+scenarios spend their time in subprocesses that start workers, crash, hang and time out. Started on a thread
+when collection ends (tests/conftest.py), they run on the other core while the rest of the session goes on; the
+tests that need them wait for their result. Jobs never call pytest in this process (pytest is not
+thread-safe): they drive subprocesses only. Under xdist, or when a test asks first, a job runs in the test.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_JOBS: dict[str, concurrent.futures.Future] = {}
+_DIRS: list[Path] = []
+
+
+def scratch(prefix: str) -> Path:
+    """A fresh directory for one job, removed at the end of the session (:func:`shutdown`)."""
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    _DIRS.append(d)
+    return d
+
+
+def start(jobs: dict[str, Callable[[], Any]]) -> None:
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="meta-background")
+    for key, fn in jobs.items():
+        if key not in _JOBS:
+            _JOBS[key] = _POOL.submit(fn)
+
+
+def result(key: str, fn: Callable[[], Any]) -> Any:
+    """The started job's result (waiting for it), else ``fn()`` run now."""
+    job = _JOBS.get(key)
+    return job.result() if job is not None else fn()
+
+
+def shutdown() -> None:
+    if _POOL is not None:
+        _POOL.shutdown(wait=True, cancel_futures=True)
+    for d in _DIRS:
+        shutil.rmtree(d, ignore_errors=True)
