@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mla_conformance.backends import cache_format_of, support_reason
+from mla_conformance.backends import cache_format_of, declared_on, support_reason
 from mla_conformance.config import MLAConfig
 from mla_conformance.cache.measure import (bookkeeping_limit, describe_buffers, is_bookkeeping, poison, slot_figures,
                                             written_bytes, written_masks)
@@ -571,16 +571,7 @@ def default_indexer_format(kv_codec: str = "none") -> str:
 def indexer_format_of(backend, cache=None, kv_codec: str = "none") -> str:
     """The indexer format declared on the cache, else on the backend, else :func:`default_indexer_format`;
     a value outside INDEXER_FORMATS is a bad spec (BackendSpecError) naming the allowed values."""
-    from mla_conformance.errors import BackendSpecError
-
-    for owner in (cache, backend):
-        fmt = getattr(owner, "indexer_format", None) if owner is not None else None
-        if fmt is not None:
-            if fmt not in INDEXER_FORMATS:
-                raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: indexer_format {fmt!r} is "
-                                       f"not one of {', '.join(map(repr, INDEXER_FORMATS))}")
-            return fmt
-    return default_indexer_format(kv_codec)
+    return declared_on(backend, cache, "indexer_format", INDEXER_FORMATS, default_indexer_format(kv_codec))
 
 
 def indexer_bytes_per_token(config: MLAConfig, cache_format: str, dtype: torch.dtype, kv_codec: str = "none",

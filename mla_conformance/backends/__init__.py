@@ -271,16 +271,22 @@ def dense_only_reason(name: str, config) -> str | None:
             "not implement (reference-dsa does)")
 
 
+def declared_on(backend, cache, attr: str, allowed, default):
+    """A declaration ``attr`` on the cache, else on the backend, else ``default``; a value outside ``allowed``
+    raises BackendSpecError naming the backend, the attribute and the allowed values."""
+    for owner in (cache, backend):
+        value = getattr(owner, attr, None) if owner is not None else None
+        if value is not None:
+            if value not in allowed:
+                raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: {attr} {value!r} "
+                                       f"is not one of {', '.join(map(repr, allowed))}")
+            return value
+    return default
+
+
 def cache_format_of(backend, cache=None) -> str:
     """The cache format a backend declares: on the cache, else on the backend, else "latent"."""
-    for owner in (cache, backend):
-        fmt = getattr(owner, "cache_format", None) if owner is not None else None
-        if fmt is not None:
-            if fmt not in CACHE_FORMATS:
-                raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: cache_format {fmt!r} "
-                                       f"is not one of {', '.join(map(repr, CACHE_FORMATS))}")
-            return fmt
-    return "latent"
+    return declared_on(backend, cache, "cache_format", CACHE_FORMATS, "latent")
 
 
 def supports_paging(backend) -> bool:
