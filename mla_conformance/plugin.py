@@ -78,8 +78,9 @@ def pytest_addoption(parser):
                          "with every thread's stack; a hang in native code ends the process (under xdist the "
                          "worker is replaced and the run goes on)")
     group.addoption("--mla-threads", type=int, default=None, metavar="N",
-                    help="torch CPU threads in each process running suite tests (default 1: the figures do not "
-                         "depend on -n, and -n N workers do not oversubscribe the cores)")
+                    help="torch CPU threads in each process running suite tests (default: 1 in an xdist worker, "
+                         "so -n N workers do not oversubscribe the cores; torch's own count in a serial run; "
+                         "mla-conformance run passes 1, so a report's figures do not depend on -n)")
 
 
 def _options_given(config) -> bool:
@@ -186,14 +187,17 @@ def device_of(config) -> str:
 
 
 def _fix_threads(config) -> None:
-    """One fixed torch intra-op thread count (--mla-threads, default 1) in every process that runs suite
-    tests, serial or xdist worker: a reduction's order, and so a figure's last digits, depends on it, and N
-    workers with a thread per core each oversubscribe the CPU (on 2 shared cores, 2 threads ran
-    test_numerics.py 6x slower than 1). Set once torch is imported: here, or before the first suite test."""
+    """The torch intra-op thread count of a process that runs suite tests: --mla-threads when given (``run``
+    gives 1: a reduction's order, and so a figure's last digits, depends on it, so its report is the same
+    serially and with -n N); else 1 in an xdist worker (N workers with a thread per core each oversubscribe
+    the CPU: on 2 shared cores, 2 threads ran test_numerics.py 6x slower than 1), and torch's own count in a
+    serial pytest (a verdict on one backend uses every core). Set once torch is imported: here, or before the
+    first suite test."""
     state = _run_state(config)
     if state.get("threads") or "torch" not in sys.modules:
         return
-    state["threads"] = max(1, config.getoption("--mla-threads") or 1)
+    given = config.getoption("--mla-threads")
+    state["threads"] = given or (1 if hasattr(config, "workerinput") else sys.modules["torch"].get_num_threads())
     sys.modules["torch"].set_num_threads(state["threads"])
 
 

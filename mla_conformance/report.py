@@ -1279,7 +1279,7 @@ def run_command(args) -> int:
             cmd += ["--mla-device", device]
         if args.timeout is not None:
             cmd += ["--mla-timeout", f"{args.timeout:g}"]
-        cmd += isolation_args(user_args) + user_args
+        cmd += isolation_args(user_args) + threads_args(user_args) + user_args
         print(f"mla-conformance run: {' '.join(cmd[2:])}", flush=True)
         t0 = time.perf_counter()
         returncode, signum = _run_pytest(cmd)
@@ -1392,6 +1392,12 @@ def isolation_args(pytest_args: list[str]) -> list[str]:
     if not any(a.startswith("--max-worker-restart") for a in joined):
         out += ["--max-worker-restart", str(MAX_WORKER_RESTARTS)]
     return out
+
+
+def threads_args(pytest_args: list[str]) -> list[str]:
+    """``--mla-threads 1`` unless the user gave a count: a report's figures do not depend on how the run was
+    distributed (serial, -n N) or on the machine's core count (a reduction's order depends on the threads)."""
+    return [] if any(a.startswith("--mla-threads") for a in pytest_args) else ["--mla-threads", "1"]
 
 
 #: Seconds pytest gets to stop after run forwards SIGINT / SIGTERM before its process group is killed.

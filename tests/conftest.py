@@ -28,11 +28,17 @@ def pytest_collection_finish(session):
         return
     from tests.meta import background
 
+    started = False
     modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
     for module in sorted(modules, key=lambda m: m.__name__):
         jobs = getattr(module, "BACKGROUND", None)
         if jobs and not any(item.get_closest_marker("skip") for item in session.items if item.module is module):
             background.start(jobs)
+            started = True
+    if started and not session.config.getoption("--mla-threads", None):
+        import torch  # the jobs take one core: the session keeps to one thread (figures as under -n)
+
+        torch.set_num_threads(1)
 
 
 def pytest_sessionfinish(session):
