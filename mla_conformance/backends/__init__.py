@@ -145,6 +145,9 @@ def _import_attr(spec: str, target: str, attr: str, kind: str = "backend") -> An
                 raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: "
                                        f"{type(exc).__name__}: {exc}") from None
     else:
+        cwd = str(Path.cwd())
+        if cwd not in sys.path and "" not in sys.path:  # module:attr resolves from where it is typed (as uvicorn's)
+            sys.path.append(cwd)
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:

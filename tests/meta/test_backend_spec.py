@@ -45,3 +45,19 @@ def test_pytest_reports_bad_spec_without_traceback(spec, capsys, monkeypatch):
     code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_cache_bytes.py", "--mla-backend", spec)
     assert code == 4, out + err
     assert spec in err and "Traceback" not in err + out
+
+
+def test_module_spec_resolves_from_the_current_directory(tmp_path, monkeypatch):
+    """`mla-conformance run --backend mypkg.mla:MyBackend` typed in the project directory (a console script's
+    sys.path does not hold the current directory) finds mypkg there."""
+    import sys
+
+    from mla_conformance.backends import get_backend
+
+    pkg = tmp_path / "mypkg_from_cwd"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mla.py").write_text((Path(__file__).parent / "frozen_base_backend.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert get_backend("mypkg_from_cwd.mla:MyBackend").name == "my-mla"
