@@ -12,16 +12,19 @@ import importlib
 import sys
 
 # (module, description) in the order they appear in --help.
-SUBCOMMAND_MODULES = (
-    "mla_conformance.report",     # run, merge
-    "mla_conformance.testcmd",    # test
-    "mla_conformance.generate",   # generate
-    "mla_conformance.codec_table",  # codecs
-    "mla_conformance.arch",       # matrix
-    "mla_conformance.budget",     # budget
-    "mla_conformance.bench",      # bench
-    "mla_conformance.docs",       # docs
-)
+#: command -> the module whose ``add_cli(sub)`` defines it (only that module is imported to run it: ``run``
+#: imports no torch; ``--help`` imports them all)
+COMMANDS = {
+    "run": "mla_conformance.report", "merge": "mla_conformance.report",
+    "test": "mla_conformance.testcmd",
+    "generate": "mla_conformance.generate", "dsa-variant": "mla_conformance.generate",
+    "codecs": "mla_conformance.codec_table",
+    "matrix": "mla_conformance.arch",
+    "budget": "mla_conformance.budget",
+    "bench": "mla_conformance.bench",
+    "docs": "mla_conformance.docs",
+}
+SUBCOMMAND_MODULES = tuple(dict.fromkeys(COMMANDS.values()))
 
 
 from mla_conformance.errors import MLAInputError
@@ -87,7 +90,8 @@ def positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``command`` alone (its module only is imported)."""
     from mla_conformance import __version__
 
     parser = argparse.ArgumentParser(
@@ -96,21 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mla-conformance {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue
-            raise
-        add = getattr(module, "add_cli", None)
-        if add is not None:
-            add(sub)
+    for name in ((COMMANDS[command],) if command in COMMANDS else SUBCOMMAND_MODULES):
+        importlib.import_module(name).add_cli(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
