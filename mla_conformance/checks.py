@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mla_conformance.backends import cache_format_of, declared_on, support_reason
+from mla_conformance.codecs import FP8_INDEXER_BLOCK
 from mla_conformance.config import MLAConfig
 from mla_conformance.cache.measure import (bookkeeping_limit, describe_buffers, is_bookkeeping, poison, slot_figures,
                                             written_bytes, written_masks)
@@ -544,9 +545,6 @@ def per_token_elements(config: MLAConfig, cache_format: str) -> int:
     return config.latent_dim + indexer_elements(config, cache_format)
 
 
-#: The FP8 indexer key of DeepSeek-V3.2: e4m3 values plus one float32 scale per block of FP8_INDEXER_BLOCK
-#: values (128 + 4 = 132 B at index_head_dim 128).
-FP8_INDEXER_BLOCK = 128
 
 #: How a "latent+indexer" cache stores its indexer key, declared apart from the latent's storage as
 #: ``indexer_format`` on the cache or the backend (:func:`indexer_format_of`); each has its own bytes per token

@@ -48,6 +48,9 @@ FLASHMLA_SCALE_FLOOR = 1e-4
 
 
 FLASHMLA_TILE = 128
+#: DeepSeek-V3.2's FP8 indexer key (and act_quant's block): e4m3 values with one float32 scale per block of
+#: this many values along the head dim, 128 + 4 = 132 B per token at index_head_dim 128.
+FP8_INDEXER_BLOCK = 128
 FLASHMLA_ROW_BYTES = 656
 
 

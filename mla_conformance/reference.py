@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_conformance.codecs import FP8_E4M3_MAX
+from mla_conformance.codecs import FP8_E4M3_MAX, FP8_INDEXER_BLOCK
 from mla_conformance.config import MLAConfig, rope_inv_freq
 from mla_conformance.weights import MLAWeights
 
@@ -233,7 +233,7 @@ def other_rope_layout(layout: str) -> str:
     return "half" if layout == "interleaved" else "interleaved"
 
 #: Elements per FP8 scale in DeepSeek's act_quant (a block of at most this many along the head dim).
-FP8_BLOCK = 128
+FP8_BLOCK = FP8_INDEXER_BLOCK
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

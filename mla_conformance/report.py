@@ -500,10 +500,10 @@ def _slots(f) -> str:
 
 
 #: Keys of a bytes row's figures, in order of preference. Measured: bytes written per stored token, counted
-#: in the cache's own tensors. Formula: what the declared format takes (checks.format_bytes_per_token);
-#: ``per_token_bytes`` is the formula and is never read as a measurement.
+#: in the cache's own tensors. Formula: what the declared format takes (checks.format_bytes_per_token), never
+#: read as a measurement.
 MEASURED_BYTES_KEYS = ("measured_bytes_per_token", "bytes_per_token")
-FORMULA_BYTES_KEYS = ("formula_bytes_per_token", "format_bytes_per_token", "per_token_bytes")
+FORMULA_BYTES_KEYS = ("formula_bytes_per_token", "format_bytes_per_token")
 NOT_MEASURED = "not measured"
 
 

@@ -22,19 +22,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start the background jobs, one at a time (one core) (tests/meta/background.py) of the selected modules that declare
-    ``BACKGROUND`` (job name -> callable), in a serial session only (an xdist worker runs them in its tests)."""
+    """Start the background jobs (tests/meta/background.py) that a selected, unskipped test needs, one at a
+    time (one core): a module declares ``BACKGROUND`` = {job: (fixture, param or None, callable)}, and a job is
+    needed by a test that uses that fixture (with that parameter). A serial session only: an xdist worker runs
+    each job in the test that needs it."""
     if hasattr(session.config, "workerinput") or session.config.getoption("collectonly", False):
         return
     from tests.meta import background
 
     started = False
-    modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
-    for module in sorted(modules, key=lambda m: m.__name__):
-        jobs = getattr(module, "BACKGROUND", None)
-        if jobs and not any(item.get_closest_marker("skip") for item in session.items if item.module is module):
-            background.start(jobs)
-            started = True
+    for item in session.items:
+        jobs = getattr(getattr(item, "module", None), "BACKGROUND", None)
+        if not jobs or item.get_closest_marker("skip"):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for key, (fixture, param, fn) in jobs.items():
+            if fixture in item.fixturenames and (param is None or params.get(fixture) == param):
+                background.start(key, fn)
+                started = True
     if started and not session.config.getoption("--mla-threads", None):
         import torch  # the jobs take one core: the session keeps to one thread (figures as under -n)
 

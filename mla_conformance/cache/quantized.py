@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mla_conformance.cache.slots import LatentSlotCache
-from mla_conformance.codecs import FP8_E4M3_MAX, get_codec
+from mla_conformance.codecs import FP8_E4M3_MAX, FP8_INDEXER_BLOCK, get_codec
 
 
 def write_encoded(cache, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -70,9 +70,6 @@ class QuantizedLatentCache(LatentSlotCache):
         return torch.where(valid, c, zero), torch.where(valid, k_pe, zero.to(k_pe.dtype))
 
 
-#: DeepSeek-V3.2's FP8 indexer key: e4m3 values with one float32 scale per block of this many values
-#: (power-of-two "ue8m0" scales, as act_quant), 128 + 4 = 132 B per token at index_head_dim 128.
-FP8_INDEXER_BLOCK = 128
 
 
 class FP8IndexerLatentCache(QuantizedLatentCache):

@@ -27,13 +27,13 @@ def scratch(prefix: str) -> Path:
     return d
 
 
-def start(jobs: dict[str, Callable[[], Any]]) -> None:
+def start(key: str, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on the background thread (one job at a time: one core), once per session."""
     global _POOL
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="meta-background")
-    for key, fn in jobs.items():
-        if key not in _JOBS:
-            _JOBS[key] = _POOL.submit(fn)
+    if key not in _JOBS:
+        _JOBS[key] = _POOL.submit(fn)
 
 
 def result(key: str, fn: Callable[[], Any]) -> Any:

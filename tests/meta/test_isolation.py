@@ -79,8 +79,8 @@ def _faulty_run(mode: str):
 
 #: started when the session has collected this module (tests/meta/background.py): they run on the core the
 #: serial session leaves idle
-BACKGROUND = {**{f"faulty-{mode}": (lambda mode=mode: _faulty_run(mode)) for mode in SCENARIOS},
-              "sigterm": lambda: _sigterm_run()}
+BACKGROUND = {**{f"faulty-{mode}": ("faulty_run", mode, lambda mode=mode: _faulty_run(mode)) for mode in SCENARIOS},
+              "sigterm": ("sigterm_run", None, lambda: _sigterm_run())}
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))
@@ -172,10 +172,15 @@ def _sigterm_run() -> dict:
             "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(suite))]}
 
 
-def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results():
+@pytest.fixture(scope="module")
+def sigterm_run() -> dict:
+    return background.result("sigterm", _sigterm_run)
+
+
+def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm_run):
     """kill -TERM on a running `mla-conformance run`: exit 128 + 15, the running test named, the results so far
     kept beside --out, the previous report untouched, no temporary file and no process left."""
-    got = background.result("sigterm", _sigterm_run)
+    got = sigterm_run
     assert got["started"], "the hanging test never started: " + got["stderr"]
     stderr, hung, out = got["stderr"], got["hung"], got["out"]
     assert got["returncode"] == 128 + signal.SIGTERM, stderr

@@ -52,7 +52,7 @@ def _kill_matrix_run() -> dict[str, dict]:
 
 #: started when the session has collected this module, on the core the serial session leaves idle
 #: (tests/meta/background.py)
-BACKGROUND = {"kill-matrix": _kill_matrix_run}
+BACKGROUND = {"kill-matrix": ("outcomes", None, _kill_matrix_run)}
 
 
 @pytest.fixture(scope="module")

@@ -146,19 +146,20 @@ def _probe_row(backend, preset, dtype, **figures):
 
 
 def test_bytes_table_never_shows_the_formula_as_measured():
-    """A row that recorded only the format formula (``per_token_bytes``) reads "not measured" in the measured
+    """A row that recorded only the format formula (``formula_bytes_per_token``) reads "not measured" in the measured
     column and its formula beside it; a row with both shows both, each under its own label."""
     res = {"backends": ["formula-only", "both"], "tests": [
-        _probe_row("formula-only", "deepseek-v2-lite", "bfloat16", cache_format="latent", per_token_bytes=1152),
+        _probe_row("formula-only", "deepseek-v2-lite", "bfloat16", cache_format="latent",
+                   formula_bytes_per_token=1152),
         _probe_row("both", "deepseek-v2-lite", "bfloat16", cache_format="latent", formula_bytes_per_token=1152,
                    measured_bytes_per_token=1153)]}
     md = R.render_markdown(R.build_report(res, name="h", env=ENV))
     assert "| bytes/token/layer measured | bytes/token/layer formula |" in md
     assert "| ok | formula-only | latent | not measured | 1,152 |" in md
     assert "| ok | both | latent | 1,153 | 1,152 |" in md
-    assert R.measured_bytes({"per_token_bytes": 1152, "format_bytes_per_token": 1152}) is None
-    assert R.measured_bytes({"bytes_per_token": 7, "per_token_bytes": 9}) == 7
-    assert R.formula_bytes({"per_token_bytes": 9}) == 9
+    assert R.measured_bytes({"formula_bytes_per_token": 1152, "format_bytes_per_token": 1152}) is None
+    assert R.measured_bytes({"bytes_per_token": 7, "formula_bytes_per_token": 9}) == 7
+    assert R.formula_bytes({"format_bytes_per_token": 9}) == 9
 
 
 def test_bytes_plot_bars_only_measurements(tmp_path, monkeypatch):
@@ -173,7 +174,8 @@ def test_bytes_plot_bars_only_measurements(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, x, h, *a, **kw: (bars.append((list(x), list(h))),
                                                                                     real_bar(self, x, h, *a, **kw))[1])
     res = {"backends": ["formula-only", "both"], "tests": [
-        _probe_row("formula-only", "deepseek-v2-lite", "bfloat16", cache_format="latent", per_token_bytes=1152),
+        _probe_row("formula-only", "deepseek-v2-lite", "bfloat16", cache_format="latent",
+                   formula_bytes_per_token=1152),
         _probe_row("both", "deepseek-v2-lite", "bfloat16", cache_format="latent", format_bytes_per_token=1152,
                    bytes_per_token=1153)]}
     assert R.write_plots(R.build_report(res, name="h", env=ENV), tmp_path) == ["bytes_per_token.png"]
