@@ -1,7 +1,7 @@
 """Repository-level pytest configuration.
 
 The suite's options, backend parametrisation and report header come from the installed plugin
-(``mla_conformance.plugin``, entry point ``pytest11``), so they work from any directory; this file only
+(``mla_conformance.pytest_plugin``, entry point ``pytest11``), so they work from any directory; this file only
 holds what is specific to this checkout: where the fixtures and goldens live.
 """
 

@@ -6,14 +6,14 @@ __all__ = ["MLAConfig", "MLAWeights", "__version__"]
 
 
 def __getattr__(name):
-    # lazy: the pytest plugin (mla_conformance.plugin) loads in every pytest run of the environment, and
+    # lazy: the pytest plugin (mla_conformance.pytest_plugin) loads in every pytest run of the environment, and
     # importing the package must not import torch there
     if name == "MLAConfig":
-        from mla_conformance.config import MLAConfig
+        from mla_conformance.model.config import MLAConfig
 
         return MLAConfig
     if name == "MLAWeights":
-        from mla_conformance.weights import MLAWeights
+        from mla_conformance.model.weights import MLAWeights
 
         return MLAWeights
     raise AttributeError(f"module 'mla_conformance' has no attribute {name!r}")

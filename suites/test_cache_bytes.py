@@ -1,6 +1,6 @@
 """Cache bytes, measured from the real cache tensors of every backend under test.
 
-One rule (mla_conformance.checks.cache_bytes, mla_conformance.cache.measure): the suite poisons every
+One rule (mla_conformance.checks.cache_bytes, mla_conformance.kv.caches.measure): the suite poisons every
 token-storage buffer of a fresh cache, drives tokens through attend(), and counts the bytes that no longer
 hold the poison. Bytes per stored token must equal the declared format's; slots beyond the requested
 capacity are an allocation policy, reported (allocated_slots, slot_overhead), never a failure.

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from mla_conformance import checks
-from mla_conformance.generate import DEFAULT_MODEL, episodes, load_prompts
-from mla_conformance.probe import layer1_input, layer1_weights, tokenize
-from mla_conformance.reference import reference_attention_f64
+from mla_conformance.generation.generate import DEFAULT_MODEL, episodes, load_prompts
+from mla_conformance.model.probe import layer1_input, layer1_weights, tokenize
+from mla_conformance.model.reference import reference_attention_f64
 
 SEED_PROMPT_SET = "seed-000"
 

@@ -5,14 +5,14 @@ DeepSeek's V2 modeling code multiply cos/sin by mscale(factor, mscale) / mscale(
 DeepSeek-V3's reference ``inference/model.py`` has a single mscale and no such factor. Every published
 DeepSeek config has the two equal (factor 1), and so has every numerics preset of this suite, so only
 this test sees the difference: it passes when the backend matches either float64 oracle
-(``mla_conformance.reference.ROPE_CONVENTIONS``) and records which one in its figures.
+(``mla_conformance.model.reference.ROPE_CONVENTIONS``) and records which one in its figures.
 """
 
 import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
-from mla_conformance.reference import ROPE_CONVENTIONS, reference_attention_f64
+from mla_conformance.model.reference import ROPE_CONVENTIONS, reference_attention_f64
 
 #: tiny-sized, q_lora + YaRN from 16 positions, mscale (1.0) != mscale_all_dim (0.8): cos/sin factor 1.025
 MSCALE_SPLIT = MLAConfig(hidden_size=64, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32,

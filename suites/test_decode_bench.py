@@ -11,7 +11,7 @@ only meaningful one test at a time anyway.
 
 ``test_decode_step`` times ``backend.attend`` on a single new token with pytest-benchmark's
 ``pedantic`` (setup rewinds the cache before every round, so each round sees exactly ``context``
-cached tokens; see :mod:`mla_conformance.bench` for how caches are filled without a quadratic
+cached tokens; see :mod:`mla_conformance.perf.bench` for how caches are filled without a quadratic
 prefill), at DeepSeek-V2-Lite dims in BF16, for every backend under test x kv_codec x context x
 batch. ``extra_info`` carries bytes per step, achieved GB/s, FLOPs (with the formula's model) and the
 fraction of the memory bandwidth measured in the same run.
@@ -32,7 +32,7 @@ with GB/s and the machine's copy bandwidth read before every context and at the 
 :data:`CLAIM_FLOOR` (1.3x at 16k, far below the 2.8x measured on the development CPU: the absorbed step
 moves 8.9x fewer cache bytes), and then says "inconclusive (machine busy: N% of copy bandwidth
 measured)" -- a skip, not a failure -- when the copy bandwidth dropped during the run
-(:func:`mla_conformance.bench.ratio_verdict`). It requests the ``benchmark`` fixture only so that
+(:func:`mla_conformance.perf.bench.ratio_verdict`). It requests the ``benchmark`` fixture only so that
 ``--benchmark-only`` does not skip it; its figures are its own medians, not pytest-benchmark's.
 """
 
@@ -44,8 +44,9 @@ import statistics
 import pytest
 import torch
 
-from mla_conformance import MLAConfig, bench, checks
-from mla_conformance.backends import get_backend
+from mla_conformance import MLAConfig, checks
+from mla_conformance.perf import bench
+from mla_conformance.contract.layer import get_backend
 
 pytestmark = pytest.mark.benchmark
 
@@ -57,7 +58,7 @@ ROUNDS = {1024: 10, 4096: 5, 16384: 3, 32768: 3}
 WARMUP = 1
 #: (context, batch): batch 1 everywhere, batch 4 at 1k and 4k.
 CASES = [(ctx, b) for ctx in CONTEXTS for b in (1, 4) if b == 1 or ctx <= 4096]
-KV_CODECS = ("none", "int8-g32") if importlib.util.find_spec("mla_conformance.codecs") else ("none",)
+KV_CODECS = ("none", "int8-g32") if importlib.util.find_spec("mla_conformance.kv.codecs") else ("none",)
 
 
 def _ctx_id(ctx: int) -> str:

@@ -39,7 +39,7 @@ import torch
 
 from mla_conformance import MLAConfig, checks
 from mla_conformance.checks import Scenario
-from mla_conformance.reference import (FP8_BLOCK, indexer_project, indexer_rope_layout, indexer_scores_f64,
+from mla_conformance.model.reference import (FP8_BLOCK, indexer_project, indexer_rope_layout, indexer_scores_f64,
                                        other_rope_layout, reference_attention_f64, sparse_attention_f64)
 
 #: the V3.2-width runs: small enough for the default run (3 rows, 42 tokens at most), several x index_topk

@@ -17,8 +17,8 @@ import torch
 
 from mla_conformance import MLAConfig, checks
 from mla_conformance.errors import MLAInputError
-from mla_conformance.generate import DEFAULT_MODEL, DSA_MODEL, load_model, numerics_class, run_generation
-from mla_conformance.golden import golden_extension, golden_path, golden_payload, read_golden
+from mla_conformance.generation.generate import DEFAULT_MODEL, DSA_MODEL, load_model, numerics_class, run_generation
+from mla_conformance.generation.golden import golden_extension, golden_path, golden_payload, read_golden
 
 PROMPT_SETS = ["tiny-short", "tiny-long"]
 #: golden name -> the DSA tiny model's prompt set it generates (its goldens are named apart from the dense model's)

@@ -5,9 +5,9 @@ op (--mla-op) that declares kv_formats "fp8-e4m3-flashmla"; q is bfloat16."""
 import pytest
 import torch
 
-from mla_conformance import op_checks as oc
-from mla_conformance.ops import declared
-from mla_conformance.ops.reference import fp8_scales
+from mla_conformance.checks import op as oc
+from mla_conformance.contract.op import declared
+from mla_conformance.impl.ops.reference import fp8_scales
 
 FP8 = "fp8-e4m3-flashmla"
 LENS = (37, 100, 5)

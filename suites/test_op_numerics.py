@@ -1,13 +1,13 @@
-"""Op contract (mla_conformance.ops): out and lse against the float64 oracle, the split-KV merge, determinism and
+"""Op contract (mla_conformance.contract.op): out and lse against the float64 oracle, the split-KV merge, determinism and
 batch invariance. Every test runs once per op (--mla-op; the test id carries its name); inputs are poisoned
-paged caches behind shuffled block tables with canaries after every buffer (mla_conformance.op_checks).
+paged caches behind shuffled block tables with canaries after every buffer (mla_conformance.checks.op).
 Tolerances: mla_conformance.checks.OP_TOLERANCES."""
 
 import pytest
 
-from mla_conformance import op_checks as oc
-from mla_conformance.ops import declared
-from mla_conformance.ops.reference import merge_by_lse
+from mla_conformance.checks import op as oc
+from mla_conformance.contract.op import declared
+from mla_conformance.impl.ops.reference import merge_by_lse
 
 LENS = (37, 100, 5, 64)
 

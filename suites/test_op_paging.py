@@ -1,9 +1,9 @@
 """Op contract: poisoned paged caches, page sizes, multi-token decode alignment, head counts, rows without keys
-or with one key, non-contiguous q. Every test runs once per op (--mla-op); see mla_conformance.op_checks."""
+or with one key, non-contiguous q. Every test runs once per op (--mla-op); see mla_conformance.checks.op."""
 
 import pytest
 
-from mla_conformance import op_checks as oc
+from mla_conformance.checks import op as oc
 
 
 @pytest.mark.mla_section("op-poison")

@@ -6,8 +6,8 @@ sparse equal to dense over the selected keys. Every test runs once per op (--mla
 
 import pytest
 
-from mla_conformance import op_checks as oc
-from mla_conformance.ops import declared
+from mla_conformance.checks import op as oc
+from mla_conformance.contract.op import declared
 
 LENS = (40, 70, 30)
 TOPK = 32

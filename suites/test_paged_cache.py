@@ -12,7 +12,7 @@
 * NaN in a slot no token was written to never reaches an output: the test fills every floating-point
   buffer of a fresh paged cache with NaN before the first write (the pool's pages hold garbage until
   written), so masking must *select* (0 * NaN is NaN).
-* FlashMLA's page layout (mla_conformance.cache.to_flashmla_layout / from_contiguous) against the
+* FlashMLA's page layout (mla_conformance.kv.caches.to_flashmla_layout / from_contiguous) against the
   contiguous reference cache's contents.
 
 A backend without the extension (only the base contract) skips with a sentence saying so.
@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
-from mla_conformance.backends import get_backend, supports_paging
-from mla_conformance.cache import PagedLatentCache
-from mla_conformance.cache.measure import poison
-from mla_conformance.reference import reference_attention_f64
+from mla_conformance.contract.layer import get_backend, supports_paging
+from mla_conformance.kv.caches import PagedLatentCache
+from mla_conformance.kv.caches.measure import poison
+from mla_conformance.model.reference import reference_attention_f64
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE_SIZES = [16, 64]

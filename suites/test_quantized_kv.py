@@ -1,4 +1,4 @@
-"""Quantized latent caches (KV codecs of mla_conformance.codecs): bytes, errors, the FP8 layout, the CLI.
+"""Quantized latent caches (KV codecs of mla_conformance.kv.codecs): bytes, errors, the FP8 layout, the CLI.
 
 * bytes per token per layer measured from the cache tensors after tokens went through ``attend`` equal
   the layout formula (V2-Lite BF16: plain 1,152 B, FlashMLA FP8 656 B), next to seed 001's figures;
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from mla_conformance import checks
-from mla_conformance import reference as ref
-from mla_conformance.backends import cache_format_of, get_backend
-from mla_conformance.codecs import CODECS, ERROR_BOUNDS, QUANT_STUDY_SCHEMES, get_codec
-from mla_conformance.config import MLAConfig
+from mla_conformance.model import reference as ref
+from mla_conformance.contract.layer import cache_format_of, get_backend
+from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS, QUANT_STUDY_SCHEMES, get_codec
+from mla_conformance.model.config import MLAConfig
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "models" / "tiny-mla"
 PROMPTS = MODEL_DIR.parent.parent / "prompts.json"
@@ -206,7 +206,7 @@ def ATTENTION_X() -> torch.Tensor:
 
 @functools.cache
 def _attention_oracle() -> torch.Tensor:
-    from mla_conformance.reference import reference_attention_f64
+    from mla_conformance.model.reference import reference_attention_f64
 
     w64 = checks.weights_for("deepseek-v2-lite", torch.float64)
     return reference_attention_f64(w64, ATTENTION_X().to(torch.bfloat16).to(torch.float64),
@@ -219,7 +219,7 @@ def _attention_oracle() -> torch.Tensor:
 @functools.cache
 def _trained():
     """Layer inputs and latents of the tiny trained model on its pinned prompts (float32)."""
-    from mla_conformance.generate import layer_weights, load_model
+    from mla_conformance.generation.generate import layer_weights, load_model
 
     model = load_model(MODEL_DIR)
     config = MLAConfig.from_hf(model.config.to_dict())

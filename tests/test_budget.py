@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from mla_conformance import budget as B
-from mla_conformance.config import MLAConfig
+from mla_conformance.kv import budget as B
+from mla_conformance.model.config import MLAConfig
 
 V32 = MLAConfig.preset("deepseek-v3.2")
 

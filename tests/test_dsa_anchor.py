@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
-from mla_conformance.reference import (indexer_scores_f64, reference_attention_f64, select_topk,
+from mla_conformance.model.reference import (indexer_scores_f64, reference_attention_f64, select_topk,
                                        select_topk_f64, selection_mask, sparse_attention_f64)
 
 PRESET = "tiny-dsa"
@@ -36,7 +36,7 @@ def _modeling():
 
 def _hf_v32_config(config: MLAConfig):
     """transformers' DeepseekV32Config for the config, built as the hf-transformers backend builds it."""
-    from mla_conformance.backends.hf import _hf_v32_config as build
+    from mla_conformance.impl.backends.hf import _hf_v32_config as build
 
     cfg = build(config)
     cfg._attn_implementation = "eager"

@@ -4,7 +4,7 @@ and the DSA cache fill / FLOP model of ``bench.prepare``."""
 import pytest
 import torch
 
-from mla_conformance import bench
+from mla_conformance.perf import bench
 
 
 def test_sparse_decode_bytes_at_v32_dims():
@@ -29,7 +29,7 @@ def test_sparse_decode_bytes_at_v32_dims():
 
 def test_sparse_decode_bytes_are_measured(monkeypatch):
     """A cache that stored the indexer keys in fewer bytes would change the figures: they come from its tensors."""
-    from mla_conformance.cache import IndexerLatentCache
+    from mla_conformance.kv.caches import IndexerLatentCache
 
     real = IndexerLatentCache.allocate.__func__
 

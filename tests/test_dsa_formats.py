@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, checks
-from mla_conformance.backends import CACHE_FORMATS, cache_format_of, get_backend
+from mla_conformance.contract.layer import CACHE_FORMATS, cache_format_of, get_backend
 from mla_conformance.errors import BackendSpecError
 
 V32 = MLAConfig.preset("deepseek-v3.2")
@@ -46,7 +46,7 @@ def test_dense_backends_decline_dsa_and_dsa_declines_dense():
         reason = get_backend(name).unsupported_reason(tiny_dsa, dtype=torch.bfloat16, device="cpu", kv_codec="none")
         assert reason and "Sparse Attention" in reason, (name, reason)
     # hf-transformers serves DSA through transformers' DeepseekV32Attention where the release has it
-    from mla_conformance.backends.hf import v32_unavailable_reason
+    from mla_conformance.impl.backends.hf import v32_unavailable_reason
 
     hf = get_backend("hf-transformers").unsupported_reason(tiny_dsa, dtype=torch.bfloat16, device="cpu", kv_codec="none")
     assert hf == v32_unavailable_reason(), hf
@@ -76,7 +76,7 @@ def test_reference_dsa_cache_and_selection():
 def test_fp8_indexer_cache_round_trip():
     """The packed FP8 indexer row: 128 e4m3 + one float32 power-of-two scale = 132 B; decode within e4m3's
     relative step (2^-3 of the block's scale range), zeros past a row's length."""
-    from mla_conformance.cache import FP8IndexerLatentCache
+    from mla_conformance.kv.caches import FP8IndexerLatentCache
 
     config = MLAConfig.preset("v3.2-mini")
     cache = FP8IndexerLatentCache(config, batch_size=2, capacity=8, dtype=torch.bfloat16, device="cpu",
@@ -94,7 +94,7 @@ def test_fp8_indexer_cache_round_trip():
 def test_indexer_format_declaration():
     """indexer_format: on the cache, else the backend, else the default (the cache dtype; FP8 block-128 with the
     fp8-e4m3-flashmla codec); a value outside INDEXER_FORMATS is a bad spec naming the allowed ones."""
-    from mla_conformance.cache import FP8IndexerLatentCache
+    from mla_conformance.kv.caches import FP8IndexerLatentCache
 
     class Backend:
         name = "b"
@@ -135,7 +135,7 @@ def test_config_indexer_rope_layout():
     """indexer_rope_interleave: a DSA config field (default False = DeepSeek-V3.2's half-split), read from HF
     configs where present (GLM-MoE-DSA), refused on a dense config; the oracle follows it."""
     from mla_conformance.errors import MLAInputError
-    from mla_conformance.reference import indexer_rope_layout, indexer_scores_f64
+    from mla_conformance.model.reference import indexer_rope_layout, indexer_scores_f64
 
     v32, glm = MLAConfig.preset("v3.2-mini"), MLAConfig.preset("glm-dsa-mini")
     assert (v32.indexer_rope_interleave, glm.indexer_rope_interleave) == (False, True)

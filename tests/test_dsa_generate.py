@@ -14,8 +14,9 @@ import json
 import pytest
 import torch
 
-from mla_conformance import MLAConfig, generate as G
-from mla_conformance.backends import get_backend
+from mla_conformance import MLAConfig
+from mla_conformance.generation import generate as G
+from mla_conformance.contract.layer import get_backend
 from mla_conformance.cli import main
 from mla_conformance.errors import MLAInputError
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance import config as mla_config
+from mla_conformance.model import config as mla_config
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MODEL_DIR = FIXTURES / "models" / "tiny-mla"

@@ -1,5 +1,5 @@
-"""The ``flashmla`` backend (mla_conformance.backends.flashmla: OpBackend over the ``flashmla`` op of
-mla_conformance.ops.flashmla): gating, its glue around the kernel, and the kernel itself where a device allows.
+"""The ``flashmla`` backend (mla_conformance.impl.backends.flashmla: OpBackend over the ``flashmla`` op of
+mla_conformance.impl.ops.flashmla): gating, its glue around the kernel, and the kernel itself where a device allows.
 
 Without an SM90 GPU and the ``flash_mla`` package every check of the suite skips it with the support
 matrix's sentence. The glue (absorbed query layout, paged cache, get_mla_metadata across FlashMLA
@@ -20,12 +20,12 @@ import torch
 
 from mla_conformance import MLAConfig, checks
 from mla_conformance.arch import DeviceInfo, PackageInfo, detect, why_not
-from mla_conformance.backends import get_backend
-from mla_conformance.backends.flashmla import KERNEL_ID, FlashMLA, mla_metadata
-from mla_conformance.cache import PagedLatentCache
-from mla_conformance.reference import reference_attention_f64
+from mla_conformance.contract.layer import get_backend
+from mla_conformance.impl.backends.flashmla import KERNEL_ID, FlashMLA, mla_metadata
+from mla_conformance.kv.caches import PagedLatentCache
+from mla_conformance.model.reference import reference_attention_f64
 
-SPEC = "mla_conformance.backends.flashmla:FlashMLA"
+SPEC = "mla_conformance.impl.backends.flashmla:FlashMLA"
 LITE = MLAConfig.preset("deepseek-v2-lite")
 BF16 = torch.bfloat16
 
@@ -89,8 +89,8 @@ def test_an_sm120_is_told_it_needs_sm90(monkeypatch):
 
 def test_flashmla_is_projections_plus_the_flashmla_op():
     """The layer backend is OpBackend over FlashMLAOp: `flashmla` and `op:flashmla` decline alike on this host."""
-    from mla_conformance.ops.flashmla import FlashMLAOp
-    from mla_conformance.ops.layer import OpBackend
+    from mla_conformance.impl.ops.flashmla import FlashMLAOp
+    from mla_conformance.impl.ops.layer import OpBackend
 
     backend = FlashMLA()
     assert isinstance(backend, OpBackend) and isinstance(backend.op, FlashMLAOp) and backend.op.name == "flashmla"
@@ -287,7 +287,7 @@ def test_flashmla_kernel_matches_reference_absorbed(scenario, mla_device, mla_fi
 
 
 def test_flashmla_sparse_gating_sentences():
-    from mla_conformance.backends.flashmla import FlashMLASparse
+    from mla_conformance.impl.backends.flashmla import FlashMLASparse
 
     backend = get_backend("flashmla-sparse")
     assert isinstance(backend, FlashMLASparse) and backend.cache_format == "latent+indexer"
@@ -305,7 +305,7 @@ def test_flashmla_sparse_gating_sentences():
 def test_flashmla_sparse_glue_equals_reference_dsa(mla_figures):
     """reference-dsa's FP8 cache and selection, the attention in FlashMLASparseOp over a stand-in flash_mla
     (tests/test_op_adapters.py): same selection, outputs within the bf16 tolerance of reference-dsa's."""
-    from mla_conformance.backends.flashmla import FlashMLASparse
+    from mla_conformance.impl.backends.flashmla import FlashMLASparse
     from tests.test_op_adapters import fake_flash_mla
 
     calls = []

@@ -18,7 +18,7 @@ def test_transformers_generate_matches_golden(prompt_set, tiny_model, request, m
     stored = read_golden(path)
     if stored is None:
         pytest.skip(f"no golden at {path}")
-    from mla_conformance.generate import episodes, load_prompts
+    from mla_conformance.generation.generate import episodes, load_prompts
 
     eps = {ep["id"]: ep for ep in episodes(load_prompts(), [prompt_set])}
     for out in stored["outputs"]:
@@ -31,7 +31,7 @@ def test_transformers_generate_matches_golden(prompt_set, tiny_model, request, m
 
 def test_int2_negative_control_collapses(tiny_model, mla_device, mla_figures):
     """INT2 is the negative control: it must measurably hurt, or the accuracy check has no teeth."""
-    from mla_conformance.backends import get_backend
+    from mla_conformance.contract.layer import get_backend
 
     dtype = model_dtype(mla_device)
     acc = {}
@@ -51,7 +51,7 @@ def test_model_missing_a_tensor_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from mla_conformance.errors import CheckpointError
-    from mla_conformance.generate import DEFAULT_MODEL, load_model
+    from mla_conformance.generation.generate import DEFAULT_MODEL, load_model
 
     for f in Path(DEFAULT_MODEL).iterdir():
         if f.is_file() and f.suffix != ".safetensors":

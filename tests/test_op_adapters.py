@@ -1,4 +1,4 @@
-"""The kernel adapters of the op contract (mla_conformance.ops.flashmla, mla_conformance.ops.flashinfer): gating
+"""The kernel adapters of the op contract (mla_conformance.impl.ops.flashmla, mla_conformance.impl.ops.flashinfer): gating
 and their glue.
 
 On a host without the kernels every adapter declines with the support matrix's own sentence. Their glue
@@ -20,10 +20,10 @@ import torch
 
 from mla_conformance import arch
 from mla_conformance.arch import DeviceInfo, PackageInfo
-from mla_conformance.ops import OpCase, declarations, get_op
-from mla_conformance.ops.flashinfer import FlashInferOp
-from mla_conformance.ops.flashmla import FlashMLAOp, FlashMLASparseOp
-from mla_conformance.ops.reference import ReferenceOp, encode_fp8_656, lse_to_natural
+from mla_conformance.contract.op import OpCase, declarations, get_op
+from mla_conformance.impl.ops.flashinfer import FlashInferOp
+from mla_conformance.impl.ops.flashmla import FlashMLAOp, FlashMLASparseOp
+from mla_conformance.impl.ops.reference import ReferenceOp, encode_fp8_656, lse_to_natural
 
 BF16 = torch.bfloat16
 INT_MAX = 2**31 - 1

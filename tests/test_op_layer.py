@@ -1,4 +1,4 @@
-"""OpBackend (mla_conformance.ops.layer): an op behind the layer contract, and the ``op:SPEC`` backend spec.
+"""OpBackend (mla_conformance.impl.ops.layer): an op behind the layer contract, and the ``op:SPEC`` backend spec.
 
 ``pytest suites --mla-backend op:reference-op`` runs the whole layer suite through the wrapper; these tests
 keep the wrapper's own behaviour checked in the default run, cheaply: numerics against the float64 oracle at
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, arch, checks
-from mla_conformance.backends import get_backend
+from mla_conformance.contract.layer import get_backend
 from mla_conformance.errors import BackendSpecError
-from mla_conformance.ops.layer import OpBackend
-from mla_conformance.ops.reference import ReferenceOp
+from mla_conformance.impl.ops.layer import OpBackend
+from mla_conformance.impl.ops.reference import ReferenceOp
 
 V3_MINI = MLAConfig.preset("v3-mini")  # kv_lora 512 + rope 64, 2 heads: cheap on a CPU
 BF16 = torch.bfloat16
@@ -35,7 +35,7 @@ def test_op_spec_resolves_to_the_wrapper():
     assert backend.name == "op:reference-op" and backend.supports_paging and backend.cache_format == "latent"
     assert backend.page_block_sizes == (1, 16, 64) and backend.page_block_size == 64
     assert backend.kv_codecs == ("none", "fp8-e4m3-flashmla")
-    assert get_backend(" op:mla_conformance.ops.reference:ReferenceOp ").name == "op:reference-op"
+    assert get_backend(" op:mla_conformance.impl.ops.reference:ReferenceOp ").name == "op:reference-op"
     cache = backend.new_cache(V3_MINI, batch_size=2, capacity=20, dtype=BF16, device="cpu", page_block_size=16)
     assert cache.page_block_size == 16 and cache.kv_pages.shape[1:] == (16, 1, 576)
     with pytest.raises(ValueError, match="pages of 1, 16, 64 tokens, not 32"):
@@ -45,7 +45,7 @@ def test_op_spec_resolves_to_the_wrapper():
 def test_op_spec_from_a_file(tmp_path):
     path = tmp_path / "my_op.py"
     path.write_text(textwrap.dedent("""
-        from mla_conformance.ops.reference import ReferenceOp
+        from mla_conformance.impl.ops.reference import ReferenceOp
 
         class MyOp(ReferenceOp):
             name = "my-op"
@@ -58,9 +58,9 @@ def test_op_spec_from_a_file(tmp_path):
 @pytest.mark.parametrize("spec,needles", [
     ("op:", ["'op:'", "needs an op spec", "reference-op"]),
     ("op:referense-op", ["'op:referense-op'", "did you mean 'reference-op'"]),
-    ("op:mla_conformance.ops.reference:oracle", ["not an op", "missing unsupported_reason, decode"]),
+    ("op:mla_conformance.impl.ops.reference:oracle", ["not an op", "missing unsupported_reason, decode"]),
     ("op:no/such/file.py:Op", ["'no/such/file.py'", "does not exist"]),
-    ("op:mla_conformance.ops.reference:NoSuch", ["has no attribute 'NoSuch'"]),
+    ("op:mla_conformance.impl.ops.reference:NoSuch", ["has no attribute 'NoSuch'"]),
     ("reference-op", ["is an op", "'op:reference-op'"]),
 ])
 def test_bad_op_specs_say_what_is_wrong(spec, needles):
@@ -137,7 +137,7 @@ def test_flashinfer_glue_through_the_layer_contract(monkeypatch, mla_figures):
     """FlashInferOp's glue (stand-in kernel module, tests/test_op_adapters.py) behind OpBackend, on a device
     stated as an SM89 with flashinfer installed: the same numerics check (float64 oracle, bfloat16 tolerance)."""
     from mla_conformance.arch import DeviceInfo, PackageInfo
-    from mla_conformance.ops.flashinfer import FlashInferOp
+    from mla_conformance.impl.ops.flashinfer import FlashInferOp
     from tests.test_op_adapters import fake_flashinfer
 
     monkeypatch.setattr(arch, "detect", lambda device=None: DeviceInfo.from_capability(

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from mla_conformance import op_checks as oc
-from mla_conformance.ops import OpCase
-from mla_conformance.ops.reference import (ReferenceOp, decode_fp8_656, encode_fp8_656, fp8_scales, lse_to_natural,
+from mla_conformance.checks import op as oc
+from mla_conformance.contract.op import OpCase
+from mla_conformance.impl.ops.reference import (ReferenceOp, decode_fp8_656, encode_fp8_656, fp8_scales, lse_to_natural,
                                            merge_by_lse, natural_to_base, oracle)
 
 F64 = torch.float64

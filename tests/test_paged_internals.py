@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from mla_conformance.cache import LatentSlotCache, from_contiguous, to_flashmla_layout
+from mla_conformance.kv.caches import LatentSlotCache, from_contiguous, to_flashmla_layout
 from tests._suite_modules import suite_namespace
 
 globals().update(suite_namespace("test_paged_cache"))
@@ -22,7 +22,7 @@ def test_base_contract_backend_skips_not_fails():
 
 
 def test_listed_page_sizes_gate():
-    flashmla = get_backend("mla_conformance.backends.flashmla:FlashMLA")
+    flashmla = get_backend("mla_conformance.impl.backends.flashmla:FlashMLA")
     require_paging(flashmla, 64)
     with pytest.raises(pytest.skip.Exception, match="blocks of 64 tokens, not 16"):
         require_paging(flashmla, 16)

@@ -49,7 +49,7 @@ def test_format_figures_are_what_budget_prints(capsys):
 def test_seed_000_figures_are_what_the_probe_measures(mla_device):
     """29,952 B / 266,240 B / 8.888…x: the probe `mla-conformance run` renders, run here on both references."""
     from mla_conformance import checks
-    from mla_conformance.backends import get_backend
+    from mla_conformance.contract.layer import get_backend
 
     absorbed = checks.v2_lite_cache_probe(get_backend("reference-absorbed"), device=mla_device)["active_nbytes"]
     naive = checks.v2_lite_cache_probe(get_backend("reference-naive"), device=mla_device)["active_nbytes"]
@@ -61,7 +61,7 @@ def test_seed_000_figures_are_what_the_probe_measures(mla_device):
 def test_sparse_decode_ratios_are_what_bench_measures():
     """BF16 2.88× / 3.51×, FP8 3.07× / 3.79× and reference-dsa's 1,408 B: `bench --json`'s sparse_decode_bytes,
     from bytes per token measured on reference-dsa's cache tensors."""
-    from mla_conformance import bench
+    from mla_conformance.perf import bench
 
     got = bench.sparse_decode_bytes()
     ratios = {form: [r["dense_over_sparse"] for r in sorted(got["forms"][form]["contexts"], key=lambda r: r["context"])]
@@ -101,9 +101,9 @@ def test_figures_nothing_re_derives_are_gone(gone):
 def test_adapters_map_to_the_kernels_the_ops_run():
     """arch.ADAPTERS names each built-in adapter under the matrix row its op gates on."""
     from mla_conformance import arch
-    from mla_conformance.ops import BUILTIN_OPS
-    from mla_conformance.ops.flashinfer import FlashInferFA2Op, FlashInferOp
-    from mla_conformance.ops.flashmla import FlashMLAOp, FlashMLASparseOp
+    from mla_conformance.contract.op import BUILTIN_OPS
+    from mla_conformance.impl.ops.flashinfer import FlashInferFA2Op, FlashInferOp
+    from mla_conformance.impl.ops.flashmla import FlashMLAOp, FlashMLASparseOp
 
     sm90, sm80 = arch.DeviceInfo.from_capability((9, 0), "H100"), arch.DeviceInfo.from_capability((8, 0), "A100")
     runs = {(FlashMLAOp.name, FlashMLAOp.kernel_id), (FlashMLASparseOp.name, FlashMLASparseOp.kernel_id),

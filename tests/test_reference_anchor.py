@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
-from mla_conformance.backends import get_backend
-from mla_conformance.backends.hf import _hf_config, restore_yarn_softmax_scale, yarn_scale_diagnosis
-from mla_conformance.config import PRESETS as ALL_PRESETS
-from mla_conformance.config import rope_inv_freq
-from mla_conformance.reference import reference_attention_f64
+from mla_conformance.contract.layer import get_backend
+from mla_conformance.impl.backends.hf import _hf_config, restore_yarn_softmax_scale, yarn_scale_diagnosis
+from mla_conformance.model.config import PRESETS as ALL_PRESETS
+from mla_conformance.model.config import rope_inv_freq
+from mla_conformance.model.reference import reference_attention_f64
 
 PRESETS = ["tiny", "deepseek-v2-lite"]
 

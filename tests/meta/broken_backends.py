@@ -13,9 +13,9 @@ import dataclasses
 
 import torch
 
-from mla_conformance import reference as ref
-from mla_conformance.backends.reference import ReferenceAbsorbed, ReferenceDSA, ReferenceNaive
-from mla_conformance.cache import LatentSlotCache
+from mla_conformance.model import reference as ref
+from mla_conformance.impl.backends.reference import ReferenceAbsorbed, ReferenceDSA, ReferenceNaive
+from mla_conformance.kv.caches import LatentSlotCache
 
 
 class _Absorbed(ReferenceAbsorbed):
@@ -281,9 +281,9 @@ ERRORS_BY = {
 }
 
 
-# --- bug classes of mla_conformance.diagnose
+# --- bug classes of mla_conformance.checks.diagnose
 
-from mla_conformance.config import yarn_get_mscale  # noqa: E402
+from mla_conformance.model.config import yarn_get_mscale  # noqa: E402
 
 
 class ChunkMaskTopLeft(_Absorbed):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from mla_conformance import reference as ref
-from mla_conformance.backends.reference import ReferenceAbsorbed, ReferenceNaive
-from mla_conformance.cache import LatentSlotCache, PagedLatentCache, QuantizedLatentCache, SlotCache
-from mla_conformance.codecs import IntCodec
+from mla_conformance.model import reference as ref
+from mla_conformance.impl.backends.reference import ReferenceAbsorbed, ReferenceNaive
+from mla_conformance.kv.caches import LatentSlotCache, PagedLatentCache, QuantizedLatentCache, SlotCache
+from mla_conformance.kv.codecs import IntCodec
 
 try:
     from .independent_backend import IndependentMLA, LatentCache

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from mla_conformance.ops.reference import ReferenceOp
+from mla_conformance.impl.ops.reference import ReferenceOp
 
 
 class Base2DeclaredE(ReferenceOp):

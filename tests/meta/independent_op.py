@@ -1,5 +1,5 @@
-"""Correct ops written independently of reference-op (nothing imported from mla_conformance.ops.reference or
-mla_conformance.reference): if the op suite were tuned to the reference's arithmetic or conventions, these
+"""Correct ops written independently of reference-op (nothing imported from mla_conformance.impl.ops.reference or
+mla_conformance.model.reference): if the op suite were tuned to the reference's arithmetic or conventions, these
 would fail it.
 
 * :class:`IndependentOp` walks each row's pages with an explicit loop and an online softmax (running max, sum

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance.backends import BUILTINS, get_backend
+from mla_conformance.contract.layer import BUILTINS, get_backend
 from mla_conformance.errors import BackendSpecError
 
 pytestmark = pytest.mark.meta
@@ -18,7 +18,7 @@ def test_builtins_resolve(spec):
 
 
 def test_module_and_file_specs():
-    assert get_backend("mla_conformance.backends.reference:ReferenceAbsorbed").name == "reference-absorbed"
+    assert get_backend("mla_conformance.impl.backends.reference:ReferenceAbsorbed").name == "reference-absorbed"
     path = ROOT / "tests" / "meta" / "independent_backend.py"
     assert get_backend(f"{path}:IndependentMLA").name == "independent-absorbed"
     assert get_backend(f"{path}:BACKEND").name == "independent-absorbed"  # an instance
@@ -28,9 +28,9 @@ def test_module_and_file_specs():
     ("no_such_module:X", "no module named 'no_such_module'"),
     ("tests/meta/missing_file.py:X", "file 'tests/meta/missing_file.py' does not exist"),
     ("reference-absorbd", "not a built-in backend (did you mean 'reference-absorbed'?)"),
-    ("mla_conformance.backends.reference:Nope", "has no attribute 'Nope'"),
-    ("mla_conformance.config:MLAConfig", "instantiating MLAConfig without arguments failed"),
-    ("mla_conformance.config:PRESETS", "is not a backend: missing"),
+    ("mla_conformance.impl.backends.reference:Nope", "has no attribute 'Nope'"),
+    ("mla_conformance.model.config:MLAConfig", "instantiating MLAConfig without arguments failed"),
+    ("mla_conformance.model.config:PRESETS", "is not a backend: missing"),
 ])
 def test_bad_specs_name_the_spec(spec, message):
     with pytest.raises(BackendSpecError) as info:
@@ -52,7 +52,7 @@ def test_module_spec_resolves_from_the_current_directory(tmp_path, monkeypatch):
     sys.path does not hold the current directory) finds mypkg there."""
     import sys
 
-    from mla_conformance.backends import get_backend
+    from mla_conformance.contract.layer import get_backend
 
     pkg = tmp_path / "mypkg_from_cwd"
     pkg.mkdir()

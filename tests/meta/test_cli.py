@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance import bench, report as R
+from mla_conformance import report as R
+from mla_conformance.perf import bench
 from mla_conformance.cli import main
 
 pytestmark = pytest.mark.meta
@@ -188,7 +189,7 @@ def test_run_without_backend_or_op_leaves_the_selection_to_the_plugin(tmp_path, 
 
 @pytest.mark.parametrize("spec, words", [("reference-opp", "did you mean 'reference-op'"),
                                          ("nosuchpkg.mod:Op", "'nosuchpkg.mod:Op'"),
-                                         ("mla_conformance.ops:OpCase", "'mla_conformance.ops:OpCase'")])
+                                         ("mla_conformance.contract.op:OpCase", "'mla_conformance.contract.op:OpCase'")])
 def test_run_bad_op_is_one_line_naming_the_option_writing_nothing(tmp_path, capsys, fake_pytest, spec, words):
     out = tmp_path / "new" / "r"
     rc, _, err = _main(["run", "--out", str(out), "--backend", "reference-absorbed", "--op", spec], capsys)
@@ -275,7 +276,7 @@ def test_run_checkpoint_validated_before_any_test(tmp_path, capsys, fake_pytest,
 
 
 def test_pytest_checkpoint_validated_in_configure(tmp_path):
-    from mla_conformance.checkpoint import validate_checkpoint
+    from mla_conformance.model.checkpoint import validate_checkpoint
     from mla_conformance.errors import CheckpointError
 
     validate_checkpoint(TINY)
@@ -332,7 +333,7 @@ def test_cuda_device_on_a_cpu_build(capsys):
 
 def test_presets_and_one_default_in_help(capsys):
     from mla_conformance.cli import DEFAULT_PRESET, build_parser
-    from mla_conformance.config import PRESETS
+    from mla_conformance.model.config import PRESETS
 
     sub = build_parser()._subparsers._group_actions[0].choices
     for cmd in ("budget", "bench"):

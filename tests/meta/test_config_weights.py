@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from mla_conformance import MLAConfig, MLAWeights
 from mla_conformance.errors import CheckpointError, MLAInputError
-from mla_conformance.weights import V3_REFERENCE_NAMES
+from mla_conformance.model.weights import V3_REFERENCE_NAMES
 
 pytestmark = pytest.mark.meta
 
@@ -58,7 +58,7 @@ def test_from_hf_errors_name_the_file(tmp_path):
 
 
 def test_random_weights_deterministic_and_well_scaled():
-    from mla_conformance.reference import reference_attention_f64
+    from mla_conformance.model.reference import reference_attention_f64
 
     c = MLAConfig.preset("tiny")
     a, b = MLAWeights.random(c, seed=3), MLAWeights.random(c, seed=3)

@@ -1,4 +1,4 @@
-"""mla_conformance.diagnose names the bug class of each broken backend, in float32 and bfloat16, and
+"""mla_conformance.checks.diagnose names the bug class of each broken backend, in float32 and bfloat16, and
 never names one for a correct backend.
 
 Measured margins: the correct reference's rel_fro / the named oracle's, on the positions where the two
@@ -37,11 +37,12 @@ import functools
 import pytest
 import torch
 
-from mla_conformance import checks, diagnose
-from mla_conformance.backends import get_backend
-from mla_conformance.config import MLAConfig
-from mla_conformance.reference import reference_attention_f64
-from mla_conformance.weights import MLAWeights
+from mla_conformance import checks
+from mla_conformance.checks import diagnose
+from mla_conformance.contract.layer import get_backend
+from mla_conformance.model.config import MLAConfig
+from mla_conformance.model.reference import reference_attention_f64
+from mla_conformance.model.weights import MLAWeights
 
 from . import broken_backends as bb
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mla_conformance import docs
+from mla_conformance.report import docs
 from mla_conformance.cli import main
 
 pytestmark = pytest.mark.meta

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.errors import MLAInputError
-from mla_conformance.golden import read_golden
+from mla_conformance.generation.golden import read_golden
 
 pytestmark = pytest.mark.meta
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance import isolation, report as R
+from mla_conformance import report as R
+from mla_conformance.pytest_plugin import isolation
 from mla_conformance.cli import main
 
 from . import background

@@ -136,8 +136,8 @@ def _pytest(*args, timeout=600):
 
 def test_independent_backend_generates_the_golden_tokens():
     """The contract-only backend, driving all layers of the tiny model, reproduces the shared goldens."""
-    from mla_conformance.generate import DEFAULT_MODEL, load_model, numerics_class, run_generation
-    from mla_conformance.golden import golden_path, read_golden
+    from mla_conformance.generation.generate import DEFAULT_MODEL, load_model, numerics_class, run_generation
+    from mla_conformance.generation.golden import golden_path, read_golden
 
     model = load_model(DEFAULT_MODEL, torch.float32, "cpu")
     for prompt_set in ("tiny-short", "tiny-long"):
@@ -157,7 +157,7 @@ def test_independent_backend_generates_the_golden_tokens():
      r"likely cause: matches the reference with one-token \(decode\) calls rotated at position - 1"),
 ])
 def test_failure_names_the_likely_cause(broken, check, phrase):
-    """The numerics check itself (not only mla_conformance.diagnose) says which bug the output matches."""
+    """The numerics check itself (not only mla_conformance.checks.diagnose) says which bug the output matches."""
     from . import broken_backends
 
     info = _fails(check, getattr(broken_backends, broken)())

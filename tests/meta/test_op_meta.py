@@ -268,7 +268,7 @@ def test_the_frozen_op_is_the_readme_template():
     import inspect
     import re
 
-    from mla_conformance.ops import DECLARATIONS
+    from mla_conformance.contract.op import DECLARATIONS
 
     source = (ROOT / FROZEN).read_text(encoding="utf-8")
     tree = ast.parse(source)
@@ -338,7 +338,7 @@ def _ids(out: str, kind: str) -> list[str]:
 
 
 def test_selection_by_options(selection_dir):
-    from mla_conformance.backends import DEFAULT_BACKENDS
+    from mla_conformance.contract.layer import DEFAULT_BACKENDS
 
     independent = f"{ROOT / 'tests/meta/independent_op.py'}:IndependentOp"
     code, out = _collect(selection_dir)  # neither option: the default backends' layer tests, the default ops' op tests

@@ -34,7 +34,7 @@ import pytest
 
 code = pytest.main(["-p", "no:cacheprovider", "-rA"])
 print(f"POLITE exit={int(code)} torch={'torch' in sys.modules} "
-      f"plugin={'mla_conformance.plugin' in sys.modules}")
+      f"plugin={'mla_conformance.pytest_plugin' in sys.modules}")
 '''
 
 

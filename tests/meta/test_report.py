@@ -219,7 +219,7 @@ def test_rope_convention_in_the_report_and_the_terminal_summary():
     assert "| skip | off | not recorded (skipped: off: no YaRN here) |" in sec
     from types import SimpleNamespace
 
-    from mla_conformance import plugin
+    from mla_conformance import pytest_plugin as plugin
 
     rep = lambda b, c: SimpleNamespace(when="call", nodeid=conv(b, c)["nodeid"],
                                        user_properties=[("mla_figures", {"rope_convention": c})])

@@ -1,0 +1,296 @@
+"""The backend contract: what an MLA implementation provides to be checked by this suite.
+
+A backend is any object with::
+
+    name: str
+    unsupported_reason(config, *, dtype, device, kv_codec) -> str | None
+    new_cache(config, *, batch_size, capacity, dtype, device, kv_codec="none") -> cache
+    attend(weights, hidden_states, positions, cache, lengths=None) -> Tensor
+
+``attend``: ``hidden_states`` [B, S, hidden_size] is the attention input (after the layer's input
+RMSNorm); ``positions`` [B, S] int64 with ``positions[b, i] == cache.seq_lens[b] + i``; optional
+``lengths`` [B] = valid new tokens per row (right padding; outputs at padded slots are ignored). It
+appends the valid tokens to the cache, attends causally over everything cached for that row, and
+returns the output after ``o_proj``, [B, S, hidden_size], in hidden_states' dtype. ``weights`` is an
+:class:`mla_conformance.MLAWeights` (a Mapping of HF tensor names, with ``.config``).
+
+A cache has ``batch_size``, ``capacity``, ``seq_lens`` (int64 tensor [B]), ``active_nbytes()`` (bytes
+holding the stored tokens, payload plus metadata such as scales), ``allocated_nbytes()`` (every
+buffer it allocated) and ``tensors() -> dict[str, Tensor]`` (every buffer, by name: the cache's own
+tensors, never copies).
+
+What the suite does around a backend (the rules of :mod:`mla_conformance.kv.caches.measure`):
+
+* **Bytes are measured, not believed.** Every buffer in ``tensors()`` counts, of any dtype. A buffer is
+  *bookkeeping* (block table, lengths, page map, a per-cache scale) only by structure: at most
+  2 x batch_size x pages + 16 elements, pages = ceil(capacity / page_block_size) (16-token pages when
+  the cache declares no ``page_block_size``). Everything else is token storage. Bytes per stored token
+  are measured from the tensors (the token storage that no longer holds the suite's poison, below) and
+  must equal the declared format's; ``active_nbytes()`` must equal stored tokens x that (plus at most
+  the bookkeeping bytes); ``allocated_nbytes()`` must equal the bytes of ``tensors()``.
+* **Slots are policy, bytes per token are format.** A cache may allocate more slots than
+  ``batch_size x capacity`` (a pool, ``max_seq_len``): reported as ``allocated_slots`` /
+  ``slot_overhead``, never a failure. One that preallocates fewer fails. A cache that grows as tokens
+  arrive (transformers' DynamicCache) is reported as growing.
+* **Unwritten slots are poison.** Right after ``new_cache`` the suite fills every token-storage buffer
+  with NaN (integer, uint8 and float8 storage with 0xFF bytes: NaN once read as e4m3, bfloat16 or
+  float32) and checks it landed. A backend must never let a slot no token was written to reach its
+  output: select (``torch.where``) or read only written slots; 0 x NaN is NaN.
+* **Inputs are the backend's own, read-only.** Each run gets its own copy of the weights; changing them,
+  or the ``hidden_states`` of a call, in place fails, naming the tensor.
+* **Failed vs error.** A check that finds wrong outputs or bytes *fails* the test (AssertionError). A
+  backend that raises, or returns something that is not a Tensor of the right shape and dtype, is an
+  *error* (:class:`mla_conformance.errors.BackendError`). Both fail the run; reports count them apart.
+* **Conventions are reported, not imposed.** Where correct implementations differ (YaRN's cos/sin
+  factor when ``mscale != mscale_all_dim``: transformers / DeepSeek-V2 vs DeepSeek-V3's reference),
+  the presets avoid the difference and one named test reports which convention a backend follows.
+
+Optional parts are **opt-in, never opt-out**: each applies to a backend only when the backend declares it,
+so code written to an older contract gets the same verdict from a newer suite, with explicit skips naming
+the declaration that would opt it in. Every later extension is held to this rule. The optional parts:
+
+* ``cache_format`` on the backend or the cache: ``"latent"`` (default), ``"expanded"`` or
+  ``"latent+indexer"`` (DeepSeek Sparse Attention: the latent plus one indexer key of ``index_head_dim``
+  elements per token); byte checks hold the cache to the per-token formula of the format it declares
+  (:func:`mla_conformance.checks.format_bytes_per_token`).
+* DeepSeek Sparse Attention (V3.2): a backend opts in by *declaring* it, ``sparse_attention = "dsa"`` on
+  the backend (or ``cache_format = "latent+indexer"`` on the backend). A backend that declares neither is
+  never handed a config with ``index_topk`` set: every DSA test skips for it with a sentence naming the
+  declaration (:func:`declaration_reason`), whatever its ``unsupported_reason`` says. A declaring backend may
+  still decline a DSA config in ``unsupported_reason``. Its
+  ``attend`` scores every cached token with the lightning indexer, keeps the top-min(index_topk, len)
+  per query (causal) and attends over those only. Optionally the cache (or the backend) exposes the last
+  ``attend`` call's selection as ``last_topk_indices``: int64 [B, S, index_topk], key slots (positions)
+  by any order, unused slots -1; the DSA tests then check the selected set against the oracle's. Optionally
+  also ``last_indexer_scores``: float32 [B, S, T], the lightning indexer's score of every key position
+  0..T-1 for each query of the last call, -inf where the key is masked (future, past the row); the DSA tests
+  then check them against the float64 oracle (the ``indexer-scores`` rows of checks.TOLERANCES).
+* ``kv_codec`` values other than ``"none"`` (quantized caches): a backend that cannot do one says so
+  in ``unsupported_reason`` and the suite skips with that sentence.
+* ``supports_paging = True`` with ``new_cache(..., page_block_size=N)`` (paged latent cache).
+* ``diagnose(weights) -> str | None``: a known cause, appended to a numerics failure's message
+  (hf-transformers uses it to say when a transformers release drops YaRN's mscale^2).
+
+A backend is named on the command line by a *spec*: a registered name (``reference-absorbed``), a
+``package.module:attr`` or a ``path/to/file.py:attr``, where attr is a class (instantiated without
+arguments) or an instance; or ``op:SPEC``, where SPEC is an *op* spec (:mod:`mla_conformance.contract.op`: a
+built-in op such as ``reference-op`` or ``flashmla``, ``package.module:attr``, ``path/to/file.py:attr``):
+the op wrapped by :class:`mla_conformance.impl.ops.layer.OpBackend` (projections, RoPE and both absorptions in
+torch, the attention in ``op.decode``), named ``op:<op name>``. One op implementation thus runs both the
+op suite (``--mla-op SPEC``) and this one (``--mla-backend op:SPEC``). The prefix ``op:`` is reserved: a
+module named ``op`` cannot be given as ``op:attr``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+from mla_conformance.errors import BackendError, BackendSpecError
+
+#: Built-in backends: name -> "module:attr".
+BUILTINS: dict[str, str] = {
+    "reference-naive": "mla_conformance.impl.backends.reference:ReferenceNaive",
+    "reference-absorbed": "mla_conformance.impl.backends.reference:ReferenceAbsorbed",
+    "hf-transformers": "mla_conformance.impl.backends.hf:HFTransformers",
+    "flashmla": "mla_conformance.impl.backends.flashmla:FlashMLA",
+    "reference-dsa": "mla_conformance.impl.backends.reference:ReferenceDSA",
+    "flashmla-sparse": "mla_conformance.impl.backends.flashmla:FlashMLASparse",
+}
+
+#: Backends a default run checks.
+DEFAULT_BACKENDS = ("reference-naive", "reference-absorbed", "hf-transformers", "reference-dsa")
+
+REQUIRED_METHODS = ("unsupported_reason", "new_cache", "attend")
+
+#: ``op:SPEC``: an op (mla_conformance.contract.op) behind the layer contract
+OP_PREFIX = "op:"
+
+
+def _op_backend(spec: str):
+    """``op:SPEC`` -> OpBackend(get_op(SPEC)); a bad SPEC is a BackendSpecError naming both."""
+    from mla_conformance.contract.op import BUILTIN_OPS, get_op
+    from mla_conformance.impl.ops.layer import OpBackend
+
+    op_spec = spec[len(OP_PREFIX):].strip()
+    if not op_spec:
+        raise BackendSpecError(f"backend spec {spec!r}: 'op:' needs an op spec after it: a built-in op "
+                               f"({', '.join(BUILTIN_OPS)}), package.module:attr or path/to/file.py:attr")
+    try:
+        op = get_op(op_spec)
+    except BackendSpecError as exc:
+        raise BackendSpecError(f"backend spec {spec!r}: {exc}") from None
+    return OpBackend(op)
+
+
+def _import_attr(spec: str, target: str, attr: str, kind: str = "backend") -> Any:
+    if target.endswith(".py") or "/" in target or target.startswith("."):
+        path = Path(target)
+        if not path.is_file():
+            raise BackendSpecError(f"{kind} spec {spec!r}: file {target!r} does not exist")
+        mod_name = f"_mla_backend_{abs(hash(str(path.resolve())))}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[mod_name] = module
+            try:
+                loader_spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[mod_name]
+                raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: "
+                                       f"{type(exc).__name__}: {exc}") from None
+    else:
+        cwd = str(Path.cwd())
+        if cwd not in sys.path and "" not in sys.path:  # module:attr resolves from where it is typed (as uvicorn's)
+            sys.path.append(cwd)
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
+                raise BackendSpecError(f"{kind} spec {spec!r}: no module named {exc.name!r}") from None
+            raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: {exc}") from None
+        except Exception as exc:
+            raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: "
+                                   f"{type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise BackendSpecError(f"{kind} spec {spec!r}: {target!r} has no attribute {attr!r}") from None
+
+
+def resolve_spec(spec: str, *, kind: str, builtins: dict[str, str], required: tuple[str, ...],
+                 forms: str = "package.module:attr or path/to/file.py:attr", hint=None) -> Any:
+    """Resolve a spec (a built-in name, ``package.module:attr`` or ``path/to/file.py:attr``; a class is
+    instantiated without arguments) to an object with a ``name`` string and the ``required`` methods, or raise
+    BackendSpecError naming the spec. ``kind`` ("backend", "op") words the messages; ``hint(spec)`` may add a
+    sentence to the unknown-name message."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise BackendSpecError(f"{kind} spec {spec!r}: empty; give a built-in {kind} ({', '.join(builtins)}), {forms}")
+    spec = spec.strip()
+    if spec in builtins:
+        target, attr = builtins[spec].split(":")
+    elif ":" in spec:
+        target, _, attr = spec.rpartition(":")
+        if not target or not attr:
+            raise BackendSpecError(f"{kind} spec {spec!r}: expected module:attr or file.py:attr")
+    else:
+        import difflib
+
+        close = difflib.get_close_matches(spec, list(builtins), n=1, cutoff=0.6)
+        extra = hint(spec) if hint is not None else None
+        extra = f" ({extra})" if extra else (f" (did you mean {close[0]!r}?)" if close else "")
+        raise BackendSpecError(f"{kind} spec {spec!r}: not a built-in {kind}{extra}; built-ins are "
+                               f"{', '.join(builtins)}; or give {forms}")
+    obj = _import_attr(spec, target, attr, kind)
+    if inspect.isclass(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise BackendSpecError(f"{kind} spec {spec!r}: instantiating {attr} without arguments failed: "
+                                   f"{type(exc).__name__}: {exc}") from None
+    missing = [m for m in required if not callable(getattr(obj, m, None))]
+    if missing:
+        contract = "the contract" if kind == "backend" else f"the {kind} contract"
+        raise BackendSpecError(f"{kind} spec {spec!r}: {type(obj).__name__} is not a{'n' if kind[0] in 'aeio' else ''} "
+                               f"{kind}: missing {', '.join(missing)} ({contract} needs name, {', '.join(required)})")
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not name:
+        raise BackendSpecError(f"{kind} spec {spec!r}: {type(obj).__name__} has no 'name' string attribute")
+    return obj
+
+
+def _op_hint(spec: str) -> str | None:
+    from mla_conformance.contract.op import BUILTIN_OPS
+
+    if spec in BUILTIN_OPS:
+        return f"{spec!r} is an op: give {OP_PREFIX + spec!r} to run it behind the layer contract"
+    return None
+
+
+def get_backend(spec: str):
+    """Resolve a backend spec to a backend instance, or raise BackendSpecError naming the spec."""
+    if isinstance(spec, str) and spec.strip().startswith(OP_PREFIX):
+        return _op_backend(spec.strip())
+    return resolve_spec(spec, kind="backend", builtins=BUILTINS, required=REQUIRED_METHODS,
+                        forms="package.module:attr, path/to/file.py:attr or op:SPEC (an op behind the layer contract)",
+                        hint=_op_hint)
+
+
+#: Cache formats a backend may declare (``cache_format``).
+CACHE_FORMATS = ("latent", "expanded", "latent+indexer")
+
+
+#: Sparse attention schemes a backend may declare (``sparse_attention``).
+SPARSE_ATTENTION = ("dsa",)
+
+
+def declares_dsa(backend) -> bool:
+    """Whether the backend declares DeepSeek Sparse Attention: ``sparse_attention = "dsa"`` or
+    ``cache_format = "latent+indexer"`` on the backend (a value outside the known ones raises BackendSpecError)."""
+    kind = getattr(backend, "sparse_attention", None)
+    if kind is not None and kind not in SPARSE_ATTENTION:
+        raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: sparse_attention {kind!r} is not "
+                               f"one of {', '.join(map(repr, SPARSE_ATTENTION))} (or None: dense MLA)")
+    return kind == "dsa" or getattr(backend, "cache_format", None) == "latent+indexer"
+
+
+def declaration_reason(backend, config) -> str | None:
+    """The skip sentence when ``config`` needs an optional part the backend does not declare (today: DeepSeek
+    Sparse Attention, ``index_topk`` set, without ``sparse_attention = "dsa"``); None when the backend may be
+    asked (its own ``unsupported_reason`` decides next)."""
+    if getattr(config, "index_topk", None) is None or declares_dsa(backend):
+        return None
+    return (f"{getattr(backend, 'name', backend)} does not declare DeepSeek Sparse Attention; this config has "
+            f"index_topk {config.index_topk} (a lightning indexer selects the keys each query attends to). A "
+            "backend opts in with sparse_attention = \"dsa\" (or cache_format = \"latent+indexer\")")
+
+
+def support_reason(backend, config, *, dtype, device, kv_codec="none") -> str | None:
+    """Why the backend is not run on this combination, as a sentence: an optional part the config needs and the
+    backend does not declare (:func:`declaration_reason`), else the backend's own ``unsupported_reason``
+    prefixed with its name; None to run it. A raising ``unsupported_reason`` is a BackendError."""
+    undeclared = declaration_reason(backend, config)
+    if undeclared:
+        return undeclared
+    try:
+        reason = backend.unsupported_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
+    except Exception as exc:
+        raise BackendError(f"{getattr(backend, 'name', backend)}: unsupported_reason() raised "
+                           f"{type(exc).__name__}: {exc}") from exc
+    return f"{backend.name}: {reason}" if reason else None
+
+
+def dense_only_reason(name: str, config) -> str | None:
+    """The sentence of a dense-MLA backend asked for a DeepSeek Sparse Attention config (index_topk set)."""
+    if getattr(config, "index_topk", None) is None:
+        return None
+    return (f"{name} implements dense MLA; this config has DeepSeek Sparse Attention (index_topk "
+            f"{config.index_topk}: a lightning indexer selects the keys each query attends to), which it does "
+            "not implement (reference-dsa does)")
+
+
+def declared_on(backend, cache, attr: str, allowed, default):
+    """A declaration ``attr`` on the cache, else on the backend, else ``default``; a value outside ``allowed``
+    raises BackendSpecError naming the backend, the attribute and the allowed values."""
+    for owner in (cache, backend):
+        value = getattr(owner, attr, None) if owner is not None else None
+        if value is not None:
+            if value not in allowed:
+                raise BackendSpecError(f"backend {getattr(backend, 'name', backend)!r}: {attr} {value!r} "
+                                       f"is not one of {', '.join(map(repr, allowed))}")
+            return value
+    return default
+
+
+def cache_format_of(backend, cache=None) -> str:
+    """The cache format a backend declares: on the cache, else on the backend, else "latent"."""
+    return declared_on(backend, cache, "cache_format", CACHE_FORMATS, "latent")
+
+
+def supports_paging(backend) -> bool:
+    return bool(getattr(backend, "supports_paging", False))

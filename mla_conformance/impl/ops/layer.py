@@ -1,0 +1,190 @@
+"""Any op behind the layer contract: projections, RoPE and both absorptions in torch, attention in the op.
+
+:class:`OpBackend` turns an op (:mod:`mla_conformance.contract.op`) into a layer backend
+(:mod:`mla_conformance.contract.layer`), so one op implementation is checked by both suites: ``pytest suites
+--mla-backend op:SPEC`` runs the whole layer suite (numerics, bytes, paging, goldens) on it, SPEC being any
+op spec ``--mla-op`` takes (a built-in op name, ``package.module:attr``, ``path/to/file.py:attr``)::
+
+    q_nope, q_pe, c, k_pe = project(weights, x, positions)        (mla_conformance.model.reference)
+    cache <- [c | k_pe]                                            PagedLatentCache, page = the op's
+    q     = [q_nope W_UK | q_pe]                    [B, S, H, 576]  (the query absorbs W_UK)
+    o_lat = op.decode(q, kv_pages, block_table, seq_lens, causal=True)[0]     [B, S, H, 512]
+    out   = o_proj(o_lat W_UV^T)                                    (the output absorbs W_UV)
+
+Every call, prefill chunks (S > 1) included, goes through ``op.decode`` with ``causal=True``: the contract's
+causal multi-token decode aligns the S queries with the *last* S keys of the row (query i sees keys
+< cache_seqlens - S + i + 1), which is exactly query i at position seq_lens + i when the row appended S
+tokens. Rows of a padded batch appended fewer tokens, so rows are grouped by how many they appended and
+each group is one ``decode`` call with that many queries; rows that appended nothing are left out.
+
+What the wrapper declines (``unsupported_reason``), in this order, each with a sentence: DeepSeek Sparse
+Attention configs (the wrapper drives dense decode); head dims other than kv_lora_rank 512 + qk_rope_head_dim
+64 (the op contract's 576 / 512) unless the op declares them in ``head_dims`` (reference-op takes any: the
+embedded tiny model's golden generations then run through it, with ``head_dim_v`` passed); a kv_codec that is not ``"none"`` (the op's ``"latent"`` format) or
+``"fp8-e4m3-flashmla"`` (the op's 656-byte format, when the op lists it in ``kv_formats``); then whatever
+the op itself declines for the cases the layer hands it (s_q 1 and s_q > 1, causal, the layer's head
+count, the page size, the dtype), asked through ``op.unsupported_reason(OpCase(...))``.
+
+The cache is always paged (``supports_paging``; the op's ``page_block_sizes``). ``paged_bit_exact`` is False:
+another page size is another call of the op, which may split its reductions differently; paged runs are
+held to the dtype's tolerance instead of bit equality.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_conformance.model import reference as ref
+from mla_conformance.kv.caches import PagedLatentCache, to_flashmla_layout
+from mla_conformance.contract.op import D_QK, D_ROPE, D_V, OpCase, declared, takes_head_dims
+
+FP8_CODEC = "fp8-e4m3-flashmla"
+#: layer kv_codec -> the op's kv format
+CODEC_FORMATS = {"none": "latent", FP8_CODEC: "fp8-e4m3-flashmla"}
+#: how many queries the multi-token (prefill, MTP) case asks the op about
+MULTI_TOKEN_S_Q = 2
+
+
+def head_dims_of(config) -> tuple[int, int]:
+    """(d_qk, d_v) of a config's latent: kv_lora_rank + qk_rope_head_dim, kv_lora_rank."""
+    return int(config.kv_lora_rank) + int(config.qk_rope_head_dim), int(config.kv_lora_rank)
+
+
+def dims_reason(name: str, config, op=None) -> str | None:
+    """The sentence for a config whose latent is not the op contract's 512 + 64 and not among the head dims
+    the op declares (``head_dims``)."""
+    d_qk, d_v = head_dims_of(config)
+    if (d_qk, d_v) == (D_QK, D_V) or (op is not None and takes_head_dims(op, d_qk, d_v)):
+        return None
+    return (f"{name} hands the op the op contract's head dims, {D_QK} = kv_lora_rank {D_V} + qk_rope_head_dim "
+            f"{D_ROPE} (value {D_V}), or others the op declares in head_dims; this config has kv_lora_rank "
+            f"{config.kv_lora_rank} and qk_rope_head_dim {config.qk_rope_head_dim} ({d_qk} / {d_v}), which "
+            f"op {getattr(op, 'name', '?')} does not declare")
+
+
+class OpBackend:
+    """A layer backend made of torch projections and an op's ``decode`` (the op contract)."""
+
+    cache_format = "latent"
+    supports_paging = True
+    paged_bit_exact = False
+
+    def __init__(self, op, page_block_size: int | None = None):
+        for attr in ("unsupported_reason", "decode"):
+            if not callable(getattr(op, attr, None)):
+                raise TypeError(f"OpBackend needs an op (name, unsupported_reason, decode); "
+                                f"{type(op).__name__} has no {attr}()")
+        op_name = getattr(op, "name", None)
+        if not isinstance(op_name, str) or not op_name:
+            raise TypeError(f"OpBackend needs an op with a 'name' string; {type(op).__name__} has none")
+        self.op = op
+        self.name = f"op:{op_name}"
+        sizes = tuple(int(n) for n in declared(op, "page_block_sizes"))
+        self.page_block_sizes = sizes
+        if page_block_size is None:
+            page_block_size = 64 if 64 in sizes else sizes[0]
+        elif page_block_size not in sizes:
+            raise ValueError(f"{self.name}: the op reads pages of {', '.join(map(str, sizes))} tokens, "
+                             f"not {page_block_size}")
+        self.page_block_size = int(page_block_size)
+        formats = declared(op, "kv_formats")
+        self.kv_codecs = tuple(codec for codec, fmt in CODEC_FORMATS.items() if fmt in formats)
+
+    # ------------------------------------------------------------------ gating
+    def request_reason(self, config, *, dtype, device, kv_codec="none") -> str | None:
+        """What the wrapper itself declines (before asking the op)."""
+        from mla_conformance.contract.layer import dense_only_reason
+
+        reason = dense_only_reason(self.name, config)
+        if reason:
+            return reason
+        reason = dims_reason(self.name, config, self.op)
+        if reason:
+            return reason
+        if kv_codec not in CODEC_FORMATS:
+            return (f"{self.name} hands the op an unquantized latent cache (kv_codec 'none') or FlashMLA's FP8 "
+                    f"656-byte cache ({FP8_CODEC}); kv_codec {kv_codec!r} is neither")
+        if kv_codec not in self.kv_codecs:
+            return (f"op {self.op.name} reads kv formats {', '.join(declared(self.op, 'kv_formats'))}, not "
+                    f"{CODEC_FORMATS[kv_codec]!r} (kv_codec {kv_codec!r})")
+        if kv_codec == FP8_CODEC:
+            from mla_conformance.kv.codecs import get_codec
+
+            reason = get_codec(kv_codec).unsupported_reason(config, dtype)
+            if reason:
+                return reason
+        if not torch.empty(0, dtype=dtype).is_floating_point():
+            return f"{self.name} needs a floating-point dtype, got {dtype}"
+        return None
+
+    def op_cases(self, config, *, dtype, device, kv_codec="none") -> list[OpCase]:
+        """The cases a layer run hands the op: one-token decode and multi-token causal decode."""
+        fmt = CODEC_FORMATS.get(kv_codec, kv_codec)
+        common = dict(h_q=int(config.num_attention_heads), page_block_size=self.page_block_size, dtype=dtype,
+                      kv_format=fmt, causal=True, device=str(device))
+        return [OpCase(batch=1, s_q=1, **common), OpCase(batch=1, s_q=MULTI_TOKEN_S_Q, **common)]
+
+    def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        reason = self.request_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
+        if reason:
+            return reason
+        for case in self.op_cases(config, dtype=dtype, device=device, kv_codec=kv_codec):
+            reason = self.op.unsupported_reason(case)
+            if reason:
+                return reason
+        return None
+
+    # ------------------------------------------------------------------ cache
+    def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none", page_block_size=None):
+        page_block_size = self.page_block_size if page_block_size is None else page_block_size
+        if page_block_size not in self.page_block_sizes:
+            raise ValueError(f"{self.name}: the op reads pages of {', '.join(map(str, self.page_block_sizes))} "
+                             f"tokens, not {page_block_size}")
+        if kv_codec not in self.kv_codecs:
+            raise ValueError(f"{self.name} stores kv_codec {', '.join(map(repr, self.kv_codecs))}, not {kv_codec!r}")
+        return PagedLatentCache(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device,
+                                kv_codec=kv_codec, page_block_size=page_block_size)
+
+    # ------------------------------------------------------------------ attention
+    def decode(self, q, kv_cache, block_table, cache_seqlens, softmax_scale: float, head_dim_v: int = D_V):
+        """One ``op.decode`` call (causal): q [b, s_q, H, 576] -> o_lat [b, s_q, H, 512] (other head dims: the
+        op declared them and gets ``head_dim_v``); checks what comes back."""
+        extra = {} if (q.shape[-1], head_dim_v) == (D_QK, D_V) else {"head_dim_v": head_dim_v}
+        out = self.op.decode(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=True,
+                             **extra)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"op {self.op.name}: decode() returned {type(out).__name__}, not (out, lse)")
+        o, _lse = out
+        expected = (*q.shape[:3], head_dim_v)
+        if not isinstance(o, torch.Tensor) or tuple(o.shape) != expected:
+            got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+            raise ValueError(f"op {self.op.name}: decode() returned out {got}, expected {expected}")
+        return o
+
+    def attend(self, weights, hidden_states, positions, cache, lengths=None):
+        if hidden_states.dtype != weights.dtype:
+            raise ValueError(f"hidden_states are {hidden_states.dtype} but weights are {weights.dtype}")
+        if not isinstance(cache, PagedLatentCache):
+            raise TypeError(f"{self.name}: expected the PagedLatentCache of new_cache(), got {type(cache).__name__}")
+        cfg = weights.config
+        lengths, new_lens = cache.write_plan(positions, lengths)
+        q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
+        cache.write_latent(c, k_pe, lengths)
+        w_uk, w_uv = ref.split_kv_b(weights)
+        q = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_pe], dim=-1)  # [B, S, H, 576]
+        kv_cache, block_table, cache_seqlens = to_flashmla_layout(cache, new_lens)
+
+        B, S, H = q.shape[:3]
+        o_lat = torch.zeros(B, S, H, cfg.kv_lora_rank, dtype=q.dtype, device=q.device)
+        for n in sorted({int(v) for v in lengths.tolist()} - {0}):
+            rows = (lengths == n).nonzero().flatten().to(q.device)
+            o_lat[rows, :n] = self.decode(q[rows, :n].contiguous(), kv_cache, block_table[rows].contiguous(),
+                                          cache_seqlens[rows].contiguous(), cfg.softmax_scale,
+                                          cfg.kv_lora_rank).to(q.dtype)
+        o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)
+        out = o.flatten(-2) @ weights["o_proj.weight"].T
+        cache.commit(new_lens)
+        return out.to(hidden_states.dtype)
+
+
+__all__ = ["OpBackend", "dims_reason", "head_dims_of"]

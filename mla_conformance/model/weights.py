@@ -1,0 +1,175 @@
+"""One layer's MLA attention parameters, keyed by Hugging Face names relative to ``self_attn.``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from mla_conformance.model.checkpoint import SafetensorsCheckpoint
+from mla_conformance.model.config import MLAConfig
+from mla_conformance.errors import CheckpointError
+
+#: DeepSeek-V3 ``inference/model.py`` names -> Hugging Face names (seed 000, section 3.3).
+V3_REFERENCE_NAMES = {
+    "wq.weight": "q_proj.weight",
+    "wq_a.weight": "q_a_proj.weight",
+    "q_norm.weight": "q_a_layernorm.weight",
+    "wq_b.weight": "q_b_proj.weight",
+    "wkv_a.weight": "kv_a_proj_with_mqa.weight",
+    "kv_norm.weight": "kv_a_layernorm.weight",
+    "wkv_b.weight": "kv_b_proj.weight",
+    "wo.weight": "o_proj.weight",
+    # DeepSeek Sparse Attention (V3.2) indexer: the same names under both prefixes (DeepSeek-V3.2-Exp
+    # inference/convert.py maps wq_b/wk/k_norm/weights_proj to themselves), so only the prefix differs:
+    # model.layers.{L}.self_attn.indexer.* (HF) or layers.{L}.attn.indexer.* (reference).
+    "indexer.wq_b.weight": "indexer.wq_b.weight",
+    "indexer.wk.weight": "indexer.wk.weight",
+    "indexer.k_norm.weight": "indexer.k_norm.weight",
+    "indexer.k_norm.bias": "indexer.k_norm.bias",
+    "indexer.weights_proj.weight": "indexer.weights_proj.weight",
+}
+
+
+def expected_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """The HF parameter names of one attention layer and their shapes (nn.Linear: [out, in])."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {}
+    if c.q_lora_rank is None:
+        shapes["q_proj.weight"] = (c.num_attention_heads * c.qk_head_dim, c.hidden_size)
+    else:
+        shapes["q_a_proj.weight"] = (c.q_lora_rank, c.hidden_size)
+        shapes["q_a_layernorm.weight"] = (c.q_lora_rank,)
+        shapes["q_b_proj.weight"] = (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank)
+    shapes["kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size)
+    shapes["kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+    shapes["kv_b_proj.weight"] = (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+    shapes["o_proj.weight"] = (c.hidden_size, c.num_attention_heads * c.v_head_dim)
+    if c.dsa:  # DeepSeek Sparse Attention's lightning indexer, transformers' DeepseekV32Indexer names
+        shapes["indexer.wq_b.weight"] = (c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+        shapes["indexer.wk.weight"] = (c.index_head_dim, c.hidden_size)
+        shapes["indexer.k_norm.weight"] = (c.index_head_dim,)   # a LayerNorm, with bias
+        shapes["indexer.k_norm.bias"] = (c.index_head_dim,)
+        shapes["indexer.weights_proj.weight"] = (c.index_n_heads, c.hidden_size)
+    return shapes
+
+
+class MLAWeights(Mapping):
+    """A read-only ``Mapping[str, Tensor]`` of one attention layer's parameters, with ``.config``."""
+
+    def __init__(self, config: MLAConfig, tensors: Mapping[str, torch.Tensor], *, source: str = "weights"):
+        self.config = config
+        shapes = expected_shapes(config)
+        missing = [k for k in shapes if k not in tensors]
+        if missing:
+            raise CheckpointError(f"{source}: missing attention tensor(s) {missing}")
+        extra = sorted(set(tensors) - set(shapes))
+        if extra:
+            raise CheckpointError(f"{source}: unexpected tensor(s) {extra} for this config "
+                                  f"({'q_lora' if config.q_lora_rank else 'no q_lora'}"
+                                  f"{', DSA' if config.dsa else ', dense: no indexer'})")
+        for name, shape in shapes.items():
+            if tuple(tensors[name].shape) != shape:
+                raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                                      f"expected {shape} for {config.describe()}")
+        self._tensors = {k: tensors[k] for k in shapes}
+        self.source = source
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        t = next(iter(self._tensors.values()))
+        return f"MLAWeights({self.source}, {t.dtype}, {t.device}, {self.config.describe()})"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._tensors["kv_b_proj.weight"].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._tensors["kv_b_proj.weight"].device
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "MLAWeights":
+        return MLAWeights(self.config, {k: v.to(device=device, dtype=dtype) for k, v in self._tensors.items()},
+                          source=self.source)
+
+    def clone(self) -> "MLAWeights":
+        """Own copies of every tensor: what a backend gets, so it cannot change anyone else's weights."""
+        return MLAWeights(self.config, {k: v.detach().clone() for k, v in self._tensors.items()},
+                          source=self.source)
+
+    def changed_from(self, other: "MLAWeights") -> list[str]:
+        """Names of the tensors whose values differ from ``other``'s (same names, shapes and dtypes)."""
+        return [k for k, v in self._tensors.items() if not torch.equal(v, other[k])]
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def random(cls, config: MLAConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", draw_dtype: torch.dtype = torch.float64) -> "MLAWeights":
+        """Deterministic, well-scaled random weights (drawn in ``draw_dtype``, float64 by default, on CPU,
+        then cast).
+
+        Linear layers have std 1/sqrt(fan_in) so projections of an RMS-normalised input stay of order
+        one; the query gets a gain so attention is peaked rather than uniform (uniform attention would
+        hide position and masking bugs); norm weights are 1 + small noise, norm biases (the DSA
+        indexer's k_norm) small noise; o_proj is scaled so outputs are of order one, not tiny. The indexer
+        tensors are drawn after the dense ones, so a DSA config's attention weights equal its dense twin's.
+        """
+        gen = torch.Generator().manual_seed(int(seed))
+        tensors = {}
+        gains = {"q_proj.weight": 2.0, "q_b_proj.weight": 2.0, "o_proj.weight": 3.0}
+        for name, shape in expected_shapes(config).items():
+            if name.endswith(".bias"):
+                t = 0.1 * torch.randn(shape, generator=gen, dtype=draw_dtype)
+            elif len(shape) == 1:
+                t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=draw_dtype)
+            else:
+                t = torch.randn(shape, generator=gen, dtype=draw_dtype) / math.sqrt(shape[1])
+                t = t * gains.get(name, 1.0)
+            tensors[name] = t.to(device=device, dtype=dtype)
+        return cls(config, tensors, source=f"random(seed={seed})")
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, *, layer: int = 0, config: MLAConfig | None = None,
+                        dtype: torch.dtype | None = None) -> "MLAWeights":
+        """Read one layer's attention tensors (and only those) from a safetensors checkpoint.
+
+        Accepts Hugging Face names (``model.layers.{L}.self_attn.*``) and DeepSeek-V3 reference names
+        (``layers.{L}.attn.wq.weight`` ...); a DSA config also reads the indexer (``indexer.*``, the same
+        suffixes under either prefix). ``config`` defaults to the directory's config.json.
+        """
+        directory = Path(directory)
+        ckpt = SafetensorsCheckpoint(directory)
+        config = config or MLAConfig.from_hf(directory)
+        wanted = expected_shapes(config)
+        hf_prefix = f"model.layers.{layer}.self_attn."
+        v3_prefix = f"layers.{layer}.attn."
+        inverse = {hf: v3 for v3, hf in V3_REFERENCE_NAMES.items()}
+        names = {}
+        for name in wanted:
+            if hf_prefix + name in ckpt:
+                names[name] = hf_prefix + name
+            elif v3_prefix + inverse[name] in ckpt:
+                names[name] = v3_prefix + inverse[name]
+            else:
+                raise CheckpointError(f"{directory}: layer {layer} attention tensor {hf_prefix + name!r} "
+                                      f"(or {v3_prefix + inverse[name]!r}) is not in the checkpoint")
+        read = ckpt.read(names.values())
+        tensors = {}
+        for name, full in names.items():
+            t = read[full]
+            if tuple(t.shape) != wanted[name]:
+                raise CheckpointError(f"{ckpt.file_of(full)}: tensor {full!r} has shape {tuple(t.shape)}, "
+                                      f"expected {wanted[name]} for {config.describe()}")
+            tensors[name] = t if dtype is None else t.to(dtype)
+        return cls(config, tensors, source=f"{directory}:layer{layer}")

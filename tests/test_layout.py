@@ -1,0 +1,94 @@
+"""The package's layout rules (issue 20), checked from its source: no import cycle, no file over 700 lines,
+argparse only in cli/, no ``globals().update`` in the tests."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "mla_conformance"
+MAX_LINES = 700
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports, at module level or inside a function (an implicit parent
+    package import is not an edge: ``import a.b.c`` runs ``a.b``'s ``__init__`` but depends on ``a.b.c``)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - (node.level - 1)]
+                    base = ".".join(pkg + ([base] if base else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    targets.append(sub if sub in mods else base)
+            for t in targets:
+                if t in mods and t != name:
+                    graph[name].add(t)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state:
+                found = visit(n)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_file_over_700_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_argparse_only_in_cli():
+    users = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+                   if "argparse" in p.read_text() and "cli" not in p.relative_to(PKG).parts[:1])
+    assert not users, f"argparse outside mla_conformance/cli/: {users}"
+
+
+def test_no_globals_update_in_tests():
+    users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+                   if p != Path(__file__) and "globals().update" in p.read_text())
+    assert not users, f"globals().update in {users}"
