@@ -46,7 +46,7 @@ import torch
 
 from mla_conformance import MLAConfig, checks
 from mla_conformance.perf import bench
-from mla_conformance.contract.layer import get_backend
+from mla_conformance.specs import get_backend
 
 pytestmark = pytest.mark.benchmark
 

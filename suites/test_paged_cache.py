@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
-from mla_conformance.contract.layer import get_backend, supports_paging
+from mla_conformance.contract.layer import supports_paging
+from mla_conformance.specs import get_backend
 from mla_conformance.kv.caches import PagedLatentCache
 from mla_conformance.kv.caches.measure import poison
 from mla_conformance.model.reference import reference_attention_f64

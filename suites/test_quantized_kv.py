@@ -22,7 +22,8 @@ import torch
 
 from mla_conformance import checks
 from mla_conformance.model import reference as ref
-from mla_conformance.contract.layer import cache_format_of, get_backend
+from mla_conformance.contract.layer import cache_format_of
+from mla_conformance.specs import get_backend
 from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS, QUANT_STUDY_SCHEMES, get_codec
 from mla_conformance.model.config import MLAConfig
 

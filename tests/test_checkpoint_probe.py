@@ -15,7 +15,7 @@ globals().update(suite_namespace("test_checkpoint"))
 @pytest.mark.mla_section("checkpoint-naive-vs-absorbed")
 def test_naive_vs_absorbed_on_checkpoint(probe, mla_device, mla_figures):
     """Seed 000 section 5.2 / 5.3: the two reference paths on the same input, BF16 and the FP32 audit."""
-    from mla_conformance.contract.layer import get_backend
+    from mla_conformance.specs import get_backend
 
     source, directory = probe
     ids, x, w = probe_inputs(directory, source)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, checks
-from mla_conformance.contract.layer import CACHE_FORMATS, cache_format_of, get_backend
+from mla_conformance.contract.layer import CACHE_FORMATS, cache_format_of
+from mla_conformance.specs import get_backend
 from mla_conformance.errors import BackendSpecError
 
 V32 = MLAConfig.preset("deepseek-v3.2")

@@ -16,7 +16,7 @@ import torch
 
 from mla_conformance import MLAConfig
 from mla_conformance.generation import generate as G
-from mla_conformance.contract.layer import get_backend
+from mla_conformance.specs import get_backend
 from mla_conformance.cli import main
 from mla_conformance.errors import MLAInputError
 

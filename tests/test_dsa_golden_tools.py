@@ -13,7 +13,7 @@ tokens -- the <eos> after a wrong value -- and 0 of the 4 recalled values.)
 
 from mla_conformance import MLAConfig
 from mla_conformance.generation import generate as G
-from mla_conformance.contract.layer import get_backend
+from mla_conformance.specs import get_backend
 from mla_conformance.model.weights import MLAWeights
 from tests._suite_modules import suite_namespace
 

@@ -20,7 +20,7 @@ import torch
 
 from mla_conformance import MLAConfig, checks
 from mla_conformance.arch import DeviceInfo, PackageInfo, detect, why_not
-from mla_conformance.contract.layer import get_backend
+from mla_conformance.specs import get_backend
 from mla_conformance.impl.backends.flashmla import KERNEL_ID, FlashMLA, mla_metadata
 from mla_conformance.kv.caches import PagedLatentCache
 from mla_conformance.model.reference import reference_attention_f64

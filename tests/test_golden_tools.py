@@ -31,7 +31,7 @@ def test_transformers_generate_matches_golden(prompt_set, tiny_model, request, m
 
 def test_int2_negative_control_collapses(tiny_model, mla_device, mla_figures):
     """INT2 is the negative control: it must measurably hurt, or the accuracy check has no teeth."""
-    from mla_conformance.contract.layer import get_backend
+    from mla_conformance.specs import get_backend
 
     dtype = model_dtype(mla_device)
     acc = {}

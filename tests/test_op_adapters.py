@@ -20,7 +20,8 @@ import torch
 
 from mla_conformance import arch
 from mla_conformance.arch import DeviceInfo, PackageInfo
-from mla_conformance.contract.op import OpCase, declarations, get_op
+from mla_conformance.contract.op import OpCase, declarations
+from mla_conformance.specs import get_op
 from mla_conformance.impl.ops.flashinfer import FlashInferOp
 from mla_conformance.impl.ops.flashmla import FlashMLAOp, FlashMLASparseOp
 from mla_conformance.impl.ops.reference import ReferenceOp, encode_fp8_656, lse_to_natural

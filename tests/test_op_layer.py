@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, arch, checks
-from mla_conformance.contract.layer import get_backend
+from mla_conformance.specs import get_backend
 from mla_conformance.errors import BackendSpecError
 from mla_conformance.impl.ops.layer import OpBackend
 from mla_conformance.impl.ops.reference import ReferenceOp

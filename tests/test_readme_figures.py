@@ -49,7 +49,7 @@ def test_format_figures_are_what_budget_prints(capsys):
 def test_seed_000_figures_are_what_the_probe_measures(mla_device):
     """29,952 B / 266,240 B / 8.888…x: the probe `mla-conformance run` renders, run here on both references."""
     from mla_conformance import checks
-    from mla_conformance.contract.layer import get_backend
+    from mla_conformance.specs import get_backend
 
     absorbed = checks.v2_lite_cache_probe(get_backend("reference-absorbed"), device=mla_device)["active_nbytes"]
     naive = checks.v2_lite_cache_probe(get_backend("reference-naive"), device=mla_device)["active_nbytes"]

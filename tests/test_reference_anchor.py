@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
-from mla_conformance.contract.layer import get_backend
+from mla_conformance.specs import get_backend
 from mla_conformance.impl.backends.hf import _hf_config, restore_yarn_softmax_scale, yarn_scale_diagnosis
 from mla_conformance.model.config import PRESETS as ALL_PRESETS
 from mla_conformance.model.config import rope_inv_freq

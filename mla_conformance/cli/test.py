@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def run_tests(args) -> int:
-    from mla_conformance.contract.layer import get_backend
+    from mla_conformance.specs import get_backend
     from mla_conformance.report import find_suites
     from mla_conformance.resources import pytest_location_args
 

@@ -83,12 +83,6 @@ module named ``op`` cannot be given as ``op:attr``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
-import sys
-from pathlib import Path
-from typing import Any
 
 from mla_conformance.errors import BackendError, BackendSpecError
 
@@ -106,120 +100,6 @@ BUILTINS: dict[str, str] = {
 DEFAULT_BACKENDS = ("reference-naive", "reference-absorbed", "hf-transformers", "reference-dsa")
 
 REQUIRED_METHODS = ("unsupported_reason", "new_cache", "attend")
-
-#: ``op:SPEC``: an op (mla_conformance.contract.op) behind the layer contract
-OP_PREFIX = "op:"
-
-
-def _op_backend(spec: str):
-    """``op:SPEC`` -> OpBackend(get_op(SPEC)); a bad SPEC is a BackendSpecError naming both."""
-    from mla_conformance.contract.op import BUILTIN_OPS, get_op
-    from mla_conformance.impl.ops.layer import OpBackend
-
-    op_spec = spec[len(OP_PREFIX):].strip()
-    if not op_spec:
-        raise BackendSpecError(f"backend spec {spec!r}: 'op:' needs an op spec after it: a built-in op "
-                               f"({', '.join(BUILTIN_OPS)}), package.module:attr or path/to/file.py:attr")
-    try:
-        op = get_op(op_spec)
-    except BackendSpecError as exc:
-        raise BackendSpecError(f"backend spec {spec!r}: {exc}") from None
-    return OpBackend(op)
-
-
-def _import_attr(spec: str, target: str, attr: str, kind: str = "backend") -> Any:
-    if target.endswith(".py") or "/" in target or target.startswith("."):
-        path = Path(target)
-        if not path.is_file():
-            raise BackendSpecError(f"{kind} spec {spec!r}: file {target!r} does not exist")
-        mod_name = f"_mla_backend_{abs(hash(str(path.resolve())))}"
-        module = sys.modules.get(mod_name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[mod_name] = module
-            try:
-                loader_spec.loader.exec_module(module)
-            except Exception as exc:
-                del sys.modules[mod_name]
-                raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: "
-                                       f"{type(exc).__name__}: {exc}") from None
-    else:
-        cwd = str(Path.cwd())
-        if cwd not in sys.path and "" not in sys.path:  # module:attr resolves from where it is typed (as uvicorn's)
-            sys.path.append(cwd)
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
-                raise BackendSpecError(f"{kind} spec {spec!r}: no module named {exc.name!r}") from None
-            raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: {exc}") from None
-        except Exception as exc:
-            raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise BackendSpecError(f"{kind} spec {spec!r}: {target!r} has no attribute {attr!r}") from None
-
-
-def resolve_spec(spec: str, *, kind: str, builtins: dict[str, str], required: tuple[str, ...],
-                 forms: str = "package.module:attr or path/to/file.py:attr", hint=None) -> Any:
-    """Resolve a spec (a built-in name, ``package.module:attr`` or ``path/to/file.py:attr``; a class is
-    instantiated without arguments) to an object with a ``name`` string and the ``required`` methods, or raise
-    BackendSpecError naming the spec. ``kind`` ("backend", "op") words the messages; ``hint(spec)`` may add a
-    sentence to the unknown-name message."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise BackendSpecError(f"{kind} spec {spec!r}: empty; give a built-in {kind} ({', '.join(builtins)}), {forms}")
-    spec = spec.strip()
-    if spec in builtins:
-        target, attr = builtins[spec].split(":")
-    elif ":" in spec:
-        target, _, attr = spec.rpartition(":")
-        if not target or not attr:
-            raise BackendSpecError(f"{kind} spec {spec!r}: expected module:attr or file.py:attr")
-    else:
-        import difflib
-
-        close = difflib.get_close_matches(spec, list(builtins), n=1, cutoff=0.6)
-        extra = hint(spec) if hint is not None else None
-        extra = f" ({extra})" if extra else (f" (did you mean {close[0]!r}?)" if close else "")
-        raise BackendSpecError(f"{kind} spec {spec!r}: not a built-in {kind}{extra}; built-ins are "
-                               f"{', '.join(builtins)}; or give {forms}")
-    obj = _import_attr(spec, target, attr, kind)
-    if inspect.isclass(obj):
-        try:
-            obj = obj()
-        except Exception as exc:
-            raise BackendSpecError(f"{kind} spec {spec!r}: instantiating {attr} without arguments failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
-    missing = [m for m in required if not callable(getattr(obj, m, None))]
-    if missing:
-        contract = "the contract" if kind == "backend" else f"the {kind} contract"
-        raise BackendSpecError(f"{kind} spec {spec!r}: {type(obj).__name__} is not a{'n' if kind[0] in 'aeio' else ''} "
-                               f"{kind}: missing {', '.join(missing)} ({contract} needs name, {', '.join(required)})")
-    name = getattr(obj, "name", None)
-    if not isinstance(name, str) or not name:
-        raise BackendSpecError(f"{kind} spec {spec!r}: {type(obj).__name__} has no 'name' string attribute")
-    return obj
-
-
-def _op_hint(spec: str) -> str | None:
-    from mla_conformance.contract.op import BUILTIN_OPS
-
-    if spec in BUILTIN_OPS:
-        return f"{spec!r} is an op: give {OP_PREFIX + spec!r} to run it behind the layer contract"
-    return None
-
-
-def get_backend(spec: str):
-    """Resolve a backend spec to a backend instance, or raise BackendSpecError naming the spec."""
-    if isinstance(spec, str) and spec.strip().startswith(OP_PREFIX):
-        return _op_backend(spec.strip())
-    return resolve_spec(spec, kind="backend", builtins=BUILTINS, required=REQUIRED_METHODS,
-                        forms="package.module:attr, path/to/file.py:attr or op:SPEC (an op behind the layer contract)",
-                        hint=_op_hint)
-
 
 #: Cache formats a backend may declare (``cache_format``).
 CACHE_FORMATS = ("latent", "expanded", "latent+indexer")

@@ -226,16 +226,6 @@ def declarations(op) -> dict[str, Any]:
     return {key: declared(op, key) for key in DECLARATIONS}
 
 
-def get_op(spec: str):
-    """Resolve an op spec to an op instance, or raise BackendSpecError naming the spec."""
-    from mla_conformance.contract.layer import resolve_spec
-
-    obj = resolve_spec(spec, kind="op", builtins=BUILTIN_OPS, required=REQUIRED_METHODS)
-    for key in DECLARATIONS:
-        declared(obj, key)  # a bad declaration is a bad spec, said now
-    return obj
-
-
 __all__ = ["OpCase", "BUILTIN_OPS", "DEFAULT_OPS", "DECLARATIONS", "KV_FORMATS", "declared", "declarations",
            "takes_head_dims",
-           "get_op", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES"]
+           "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES"]

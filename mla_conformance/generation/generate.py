@@ -28,7 +28,8 @@ from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.errors import CheckpointError, MLAInputError
 from mla_conformance.resources import fixtures_dir, prompts_file, tiny_model_dir
-from mla_conformance.model.weights import MLAWeights, expected_shapes
+from mla_conformance.model.config import expected_shapes
+from mla_conformance.model.weights import MLAWeights
 
 #: the embedded tiny model and its prompts (package data; the checkout's fixtures/ in an editable install)
 DEFAULT_MODEL = tiny_model_dir()
@@ -240,7 +241,7 @@ def numerics_class(device: str, dtype: torch.dtype) -> str:
 
 
 def _generate_cli(args) -> int:
-    from mla_conformance.contract.layer import get_backend
+    from mla_conformance.specs import get_backend
     from mla_conformance.checks import DTYPES
 
     from mla_conformance.cli import check_device

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from mla_conformance.errors import CheckpointError
+from mla_conformance.model.config import MLAConfig, expected_shapes
 
 
 class SafetensorsCheckpoint:
@@ -124,8 +125,6 @@ def validate_checkpoint(directory: str | Path, *, layer: int = 1) -> None:
     if not cfg.is_file():
         problems.append("config missing (no config.json)")
     else:
-        from mla_conformance.model.config import MLAConfig
-
         try:
             config = MLAConfig.from_hf(cfg)
         except Exception as exc:  # MLAInputError naming the field, or a JSON error
@@ -137,8 +136,6 @@ def validate_checkpoint(directory: str | Path, *, layer: int = 1) -> None:
         problems.append(("weights missing (" if "no *.safetensors" in text else "weights corrupt (") + text + ")")
     else:
         if config is not None:
-            from mla_conformance.model.weights import expected_shapes
-
             hf = f"model.layers.{layer}.self_attn."
             v3 = f"layers.{layer}.attn."
             if not any(n.startswith((hf, v3)) for n in ckpt.names()):

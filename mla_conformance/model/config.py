@@ -375,3 +375,26 @@ PRESETS["deepseek-v3.2"] = {**PRESETS["deepseek-v3"], "index_n_heads": 64, "inde
 PRESETS["tiny-dsa"] = {**PRESETS["tiny"], "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
 PRESETS["v3.2-mini"] = {**PRESETS["v3-mini"], "index_n_heads": 4, "index_head_dim": 128, "index_topk": 16}
 PRESETS["glm-dsa-mini"] = {**PRESETS["v3.2-mini"], "indexer_rope_interleave": True}
+
+
+def expected_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """The HF parameter names of one attention layer and their shapes (nn.Linear: [out, in])."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {}
+    if c.q_lora_rank is None:
+        shapes["q_proj.weight"] = (c.num_attention_heads * c.qk_head_dim, c.hidden_size)
+    else:
+        shapes["q_a_proj.weight"] = (c.q_lora_rank, c.hidden_size)
+        shapes["q_a_layernorm.weight"] = (c.q_lora_rank,)
+        shapes["q_b_proj.weight"] = (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank)
+    shapes["kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size)
+    shapes["kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+    shapes["kv_b_proj.weight"] = (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+    shapes["o_proj.weight"] = (c.hidden_size, c.num_attention_heads * c.v_head_dim)
+    if c.dsa:  # DeepSeek Sparse Attention's lightning indexer, transformers' DeepseekV32Indexer names
+        shapes["indexer.wq_b.weight"] = (c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+        shapes["indexer.wk.weight"] = (c.index_head_dim, c.hidden_size)
+        shapes["indexer.k_norm.weight"] = (c.index_head_dim,)   # a LayerNorm, with bias
+        shapes["indexer.k_norm.bias"] = (c.index_head_dim,)
+        shapes["indexer.weights_proj.weight"] = (c.index_n_heads, c.hidden_size)
+    return shapes

@@ -90,7 +90,8 @@ from typing import Any, Callable
 import torch
 
 from mla_conformance.model import reference as ref
-from mla_conformance.contract.layer import cache_format_of, get_backend, support_reason
+from mla_conformance.contract.layer import cache_format_of, support_reason
+from mla_conformance.specs import get_backend
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.errors import MLAInputError
 from mla_conformance.report import write_file_atomically

@@ -45,6 +45,9 @@ _DEVICE_KEY = pytest.StashKey[str]()
 _RESULTS_KEY = pytest.StashKey[dict]()
 _ENGAGED_KEY = pytest.StashKey[dict]()  # "header": header printed; "items": suite tests collected; counts
 
+#: plugin modules registered with this one (pytest honours ``pytest_plugins`` in an entry-point plugin)
+pytest_plugins = ["mla_conformance.pytest_plugin.generated"]
+
 #: the plugin's fixtures: a test requesting any of them is a test of this suite
 FIXTURES = ("mla_backend", "mla_op", "mla_figures", "mla_device", "mla_checkpoint")
 _OPTIONS = ("--mla-backend", "--mla-op", "--mla-device", "--mla-checkpoint", "--mla-results", "--mla-expect",
@@ -148,14 +151,16 @@ def _resolved(config, key, option: str, kind: str, defaults, resolve) -> list:
 def _backends(config) -> list:
     """The backends under test (--mla-backend, else DEFAULT_BACKENDS), resolved once per session (and only
     when something needs them)."""
-    from mla_conformance.contract.layer import DEFAULT_BACKENDS, get_backend
+    from mla_conformance.contract.layer import DEFAULT_BACKENDS
+    from mla_conformance.specs import get_backend
 
     return _resolved(config, _BACKENDS_KEY, "--mla-backend", "backend", DEFAULT_BACKENDS, get_backend)
 
 
 def _ops(config) -> list:
     """The ops under test (--mla-op, else DEFAULT_OPS), resolved once per session."""
-    from mla_conformance.contract.op import DEFAULT_OPS, get_op
+    from mla_conformance.contract.op import DEFAULT_OPS
+    from mla_conformance.specs import get_op
 
     return _resolved(config, _OPS_KEY, "--mla-op", "op", DEFAULT_OPS, get_op)
 

@@ -1238,8 +1238,8 @@ def run_command(args) -> int:
     if args.suites and not (suites / "test_cache_bytes.py").is_file():
         raise MLAInputError(f"--suites {args.suites}: not the suites directory (no test_cache_bytes.py)")
     name = _check_name(args.name or default_name())
-    from mla_conformance.contract.layer import get_backend
-    from mla_conformance.contract.op import get_op
+    from mla_conformance.specs import get_backend
+    from mla_conformance.specs import get_op
 
     for spec in args.backend or []:
         get_backend(spec)  # fail fast, naming the spec, before anything is written
@@ -1345,10 +1345,10 @@ def _named(specs, kind: str) -> list:
     if not specs:
         return []
     if kind == "op":
-        from mla_conformance.contract.op import get_op
+        from mla_conformance.specs import get_op
 
         return [get_op(s) for s in specs]
-    from mla_conformance.contract.layer import get_backend
+    from mla_conformance.specs import get_backend
 
     return [get_backend(s) for s in specs]
 

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance.contract.layer import BUILTINS, get_backend
+from mla_conformance.contract.layer import BUILTINS
+from mla_conformance.specs import get_backend
 from mla_conformance.errors import BackendSpecError
 
 pytestmark = pytest.mark.meta
@@ -52,7 +53,7 @@ def test_module_spec_resolves_from_the_current_directory(tmp_path, monkeypatch):
     sys.path does not hold the current directory) finds mypkg there."""
     import sys
 
-    from mla_conformance.contract.layer import get_backend
+    from mla_conformance.specs import get_backend
 
     pkg = tmp_path / "mypkg_from_cwd"
     pkg.mkdir()

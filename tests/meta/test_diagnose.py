@@ -39,7 +39,7 @@ import torch
 
 from mla_conformance import checks
 from mla_conformance.checks import diagnose
-from mla_conformance.contract.layer import get_backend
+from mla_conformance.specs import get_backend
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.reference import reference_attention_f64
 from mla_conformance.model.weights import MLAWeights
