@@ -29,8 +29,13 @@ from __future__ import annotations
 
 import torch
 
-from mla_conformance.impl.ops.flashmla import DENSE_KERNEL, FlashMLAOp, mla_metadata
+from mla_conformance.contract.op import OpCase
+from mla_conformance.impl.backends.reference import ReferenceDSA
+from mla_conformance.impl.ops.flashmla import DENSE_KERNEL, FlashMLAOp, FlashMLASparseOp, mla_metadata
 from mla_conformance.impl.ops.layer import OpBackend
+from mla_conformance.kv.caches import FP8IndexerLatentCache
+from mla_conformance.kv.codecs import get_codec
+from mla_conformance.model import reference as ref
 
 KERNEL_ID = DENSE_KERNEL
 PAGE_BLOCK_SIZE = 64
@@ -104,16 +109,10 @@ class FlashMLASparse:
     kernel_id = "flashmla/sparse_decode"
 
     def __init__(self, flash_mla_module=None):
-        from mla_conformance.impl.backends.reference import ReferenceDSA
-        from mla_conformance.impl.ops.flashmla import FlashMLASparseOp
-
         self.op = FlashMLASparseOp(flash_mla_module=flash_mla_module)
         self._dsa = ReferenceDSA()  # its cache, projections and indexer selection
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
-        from mla_conformance.kv.codecs import get_codec
-        from mla_conformance.contract.op import OpCase
-
         if not getattr(config, "dsa", False):
             return ("flashmla-sparse runs DeepSeek Sparse Attention (index_topk set) through FlashMLA's sparse "
                     "decode; this config is dense MLA (the flashmla backend drives dense decode)")
@@ -134,9 +133,6 @@ class FlashMLASparse:
                                    kv_codec=kv_codec, page_block_size=page_block_size)
 
     def attend(self, weights, hidden_states, positions, cache, lengths=None):
-        from mla_conformance.model import reference as ref
-        from mla_conformance.kv.caches import FP8IndexerLatentCache
-
         if hidden_states.dtype != weights.dtype:
             raise ValueError(f"hidden_states are {hidden_states.dtype} but weights are {weights.dtype}")
         if not isinstance(cache, FP8IndexerLatentCache):
