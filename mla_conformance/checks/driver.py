@@ -1,0 +1,248 @@
+"""Running a backend through a scenario: the scenarios, the seeded weights and inputs they use, the calls into
+the backend (whatever it raises is a BackendError), the checks on every attend() result, and the poison the
+suite puts in a fresh cache (:mod:`mla_conformance.kv.caches.measure`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from mla_conformance.checks.metrics import NAN_FROM_POISON, NAN_HINT, NAN_OWN
+from mla_conformance.contract.layer import support_reason
+from mla_conformance.errors import BackendError, BackendOutputError
+from mla_conformance.kv.caches.measure import poison
+from mla_conformance.model.config import MLAConfig
+from mla_conformance.model.weights import MLAWeights
+
+
+class NonFiniteOutput(AssertionError):
+    """attend() returned NaN/inf on a valid slot; ``where`` is the message without its cause clause."""
+
+    def __init__(self, where: str, hint: str = NAN_HINT):
+        super().__init__(f"{where}; {hint}")
+        self.where = where
+
+
+def check_output(backend, out: Any, hidden_states: torch.Tensor, lengths: torch.Tensor, where: str,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Type, shape and dtype of one attend() result (a BackendOutputError: an *error*), then finiteness
+    on valid slots (an AssertionError: a *failure*, the output is wrong)."""
+    __tracebackhide__ = True
+    name = getattr(backend, "name", backend)
+    if not isinstance(out, torch.Tensor):
+        raise BackendOutputError(f"{name}: attend() returned {type(out).__name__}, not a Tensor ({where})")
+    if tuple(out.shape) != tuple(hidden_states.shape):
+        raise BackendOutputError(f"{name}: attend() returned shape {tuple(out.shape)}, expected "
+                                 f"{tuple(hidden_states.shape)} ({where})")
+    if out.dtype != hidden_states.dtype:
+        raise BackendOutputError(f"{name}: attend() returned {out.dtype}, expected hidden_states' "
+                                 f"{hidden_states.dtype} ({where})")
+    valid = torch.arange(out.shape[1], device=out.device)[None, :] < lengths.to(out.device)[:, None]
+    bad = ~torch.isfinite(out) & valid[..., None]
+    if bool(bad.any()):
+        b, s, h = (int(i) for i in bad.nonzero()[0])
+        kind = "NaN" if bool(torch.isnan(out[b, s, h])) else "inf"
+        pos = int(positions[b, s]) if positions is not None else s
+        raise NonFiniteOutput(f"{name}: attend() output has {int(bad.sum())} non-finite value(s): {kind} "
+                              f"at row {b}, position {pos}, channel {h} ({where})")
+    return out
+
+
+def call_backend(backend, method: str, *args, **kwargs):
+    """Call a backend method; any exception it raises (AssertionError included: it comes from the
+    backend's code, not from a check) becomes a BackendError naming the backend and the method."""
+    __tracebackhide__ = True
+    try:
+        return getattr(backend, method)(*args, **kwargs)
+    except Exception as exc:
+        raise BackendError(f"{getattr(backend, 'name', backend)}: {method}() raised "
+                           f"{type(exc).__name__}: {exc}") from exc
+
+
+def diagnosis(backend, weights) -> str:
+    """The backend's own explanation of a failure, when it offers one (optional ``diagnose(weights)``)."""
+    diagnose = getattr(backend, "diagnose", None)
+    if not callable(diagnose):
+        return ""
+    try:
+        hint = diagnose(weights)
+    except Exception:
+        return ""
+    return f" [{backend.name} diagnosis: {hint}]" if hint else ""
+
+
+def require_support(backend, config: MLAConfig, *, dtype, device, kv_codec="none") -> None:
+    """Skip with :func:`mla_conformance.contract.layer.support_reason`'s sentence: an optional part the config needs
+    that the backend does not declare, or the backend's own sentence for a combination it declines."""
+    reason = support_reason(backend, config, dtype=dtype, device=device, kv_codec=kv_codec)
+    if reason:
+        pytest.skip(reason)
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """Per-row prefill lengths, then ``decode_steps`` one-token steps for every row."""
+
+    name: str
+    prefill: tuple[int, ...]
+    decode_steps: int = 0
+    chunk: int | None = None  # prefill in chunks of this many tokens (None = one call)
+
+    @property
+    def batch(self) -> int:
+        return len(self.prefill)
+
+    def total(self, b: int) -> int:
+        return self.prefill[b] + self.decode_steps
+
+
+SCENARIOS = {
+    "prefill": Scenario("prefill", (24,)),
+    "prefill_decode": Scenario("prefill_decode", (20,), decode_steps=6),
+    "varlen_batch": Scenario("varlen_batch", (23, 16, 7), decode_steps=4),
+    # long enough that reading only part of the cache shows, and (tiny) crossing original_max_position
+    "long_context": Scenario("long_context", (290,), decode_steps=4, chunk=160),
+}
+
+
+@functools.lru_cache(maxsize=4)
+def master_weights(preset: str, seed: int) -> MLAWeights:
+    """The float64 random weights of a preset the oracles use (drawn once per session); never handed to a
+    backend (:func:`weights_for` casts a copy)."""
+    return MLAWeights.random(MLAConfig.preset(preset), seed=seed, dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_as(preset: str, seed: int, dtype: torch.dtype, device: str) -> MLAWeights:
+    return master_weights(preset, seed).to(dtype, device=device).clone()  # never the oracle's own tensors
+
+
+def weights_for(preset: str, dtype: torch.dtype, device="cpu", seed: int = 0) -> MLAWeights:
+    """Random weights of a preset (drawn once in float64, then cast), cached per dtype and device."""
+    return _weights_as(preset, seed, dtype, str(device))
+
+
+def inputs_for(config: MLAConfig, scenario: Scenario, seed: int = 1) -> torch.Tensor:
+    """Hidden states [B, T, hidden] in float64 (RMS ~1, like a normed layer input)."""
+    T = max(scenario.total(b) for b in range(scenario.batch))
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(scenario.batch, T, config.hidden_size, generator=gen, dtype=torch.float64)
+
+
+def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenario, *, device="cpu",
+                 capacity: int | None = None, kv_codec: str = "none", poison_sentinel: int = 0xFF,
+                 trace: dict | None = None, zero_fill: bool = False):
+    """Drive a backend through the scenario; return (outputs float64 [B, T, hidden], cache).
+
+    Outputs are placed at each token's position so they line up with the one-shot reference. What the
+    suite guarantees around the backend, each a failure naming its cause:
+
+    * the fresh cache's token-storage buffers are poisoned (NaN; ``poison_sentinel`` bytes in integer
+      storage) and the poison must land (``tensors()`` are the cache's own buffers): see
+      :mod:`mla_conformance.kv.caches.measure`;
+    * the backend gets its own copy of the weights; a backend that changes them, or the hidden_states it
+      is given, in place fails naming the tensor.
+
+    A non-finite output is a failure whose message says which of two causes it is: the scenario is run again
+    on a zero-filled cache (``zero_fill``, the control run), where a backend that reads unwritten slots gives
+    finite outputs and one whose own arithmetic makes the NaN does not.
+
+    ``trace`` (a dict), when given, receives ``calls`` (each attend call's (start [B], new tokens [B])),
+    ``poisoned`` (what was poisoned) and ``preallocated`` (storage existed right after new_cache).
+    """
+    __tracebackhide__ = True
+    config = weights.config
+    B = scenario.batch
+    T = x.shape[1]
+    capacity = capacity or T
+    mine = weights.clone()  # the backend's copy: the caller's weights (and the oracle's) stay untouched
+    cache = call_backend(backend, "new_cache", config, batch_size=B, capacity=capacity, dtype=weights.dtype,
+                         device=device, kv_codec=kv_codec)
+    where_cache = f"{backend.name} cache ({type(cache).__name__})"
+    try:
+        tensors = call_backend(cache, "tensors")
+    except BackendError as exc:
+        raise BackendError(f"{where_cache}: {exc}") from exc
+    poisoned = poison(cache, tensors_of_checked(tensors, where_cache), batch_size=B, capacity=capacity,
+                      sentinel=poison_sentinel, name=where_cache, zero=zero_fill)
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    out = torch.zeros(B, T, config.hidden_size, dtype=torch.float64)
+    xd = x.to(device=device, dtype=weights.dtype)
+    prefill = torch.tensor(scenario.prefill)
+    chunk = scenario.chunk or int(prefill.max())
+    done = torch.zeros(B, dtype=torch.int64)
+
+    def attend(h, positions, lengths, where):
+        __tracebackhide__ = True
+        kept = h.clone()
+        o = call_backend(backend, "attend", mine, h, positions, cache, lengths.to(device))
+        if not torch.equal(h, kept):
+            raise AssertionError(f"{backend.name}: attend() changed its hidden_states argument in place ({where}); "
+                                 "a backend must not write to its inputs")
+        calls.append((done.clone(), lengths.clone()))
+        try:
+            return check_output(backend, o, h, lengths, where, positions)
+        except NonFiniteOutput as exc:
+            if zero_fill:
+                raise
+            raise NonFiniteOutput(exc.where, _nan_cause(backend, weights, x, scenario, device=device, capacity=capacity,
+                                                        kv_codec=kv_codec)) from None
+
+    while bool((done < prefill).any()):
+        S = int(min(chunk, int((prefill - done).max())))
+        lengths = torch.clamp(prefill - done, 0, S)
+        idx = (done[:, None] + torch.arange(S)[None, :]).clamp(max=T - 1)
+        h = torch.gather(xd, 1, idx.to(device)[..., None].expand(-1, -1, xd.shape[-1]))
+        positions = (done[:, None] + torch.arange(S)[None, :]).to(device)
+        o = attend(h, positions, lengths, f"prefill tokens {done.tolist()}..+{lengths.tolist()}")
+        for b in range(B):
+            n = int(lengths[b])
+            out[b, int(done[b]):int(done[b]) + n] = o[b, :n].to("cpu", torch.float64)
+        done = done + lengths
+    for step in range(scenario.decode_steps):
+        pos = done.clone()
+        h = xd[torch.arange(B), pos.clamp(max=T - 1).to(device)][:, None]
+        lengths = torch.ones(B, dtype=torch.int64)
+        o = attend(h, pos[:, None].to(device), lengths, f"decode step {step}")
+        out[torch.arange(B), pos] = o[:, 0].to("cpu", torch.float64)
+        done = done + 1
+    changed = mine.changed_from(weights)
+    if changed:
+        raise AssertionError(f"{backend.name}: attend() changed the weights tensor(s) {changed} in place (its "
+                             "copy differs from the suite's after the run); a backend must not write to its weights")
+    if trace is not None:
+        trace.update(calls=calls, poisoned=poisoned, preallocated=bool(poisoned.storage))
+    return out, cache
+
+
+def _nan_cause(backend, weights, x, scenario, **kw) -> str:
+    """The control run on a zero-filled cache: NAN_FROM_POISON when its outputs are finite, NAN_OWN when they are
+    not, NAN_HINT (both causes) when it cannot tell (the control run failed otherwise)."""
+    try:
+        run_scenario(backend, weights, x, scenario, zero_fill=True, **kw)
+    except NonFiniteOutput:
+        return NAN_OWN
+    except Exception:
+        return NAN_HINT
+    return NAN_FROM_POISON
+
+
+def tensors_of_checked(tensors, where: str) -> dict[str, torch.Tensor]:
+    __tracebackhide__ = True
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise BackendOutputError(f"{where}: tensors() must return a dict of name -> Tensor, got "
+                                 f"{type(tensors).__name__}")
+    return tensors
+
+
+def scenario_lengths(scenario: Scenario) -> torch.Tensor:
+    return torch.tensor([scenario.total(b) for b in range(scenario.batch)])
+
+
