@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance import report as R
+from mla_conformance.report import run as report_run
+from mla_conformance.report.build import INDEPENDENT, build_report, formula_bytes, measured_bytes, round_floats
+from mla_conformance.report.markdown import render_markdown
+from mla_conformance.report.merge import MATRIX_SCHEMA_VERSION, merge_reports
+from mla_conformance.report.outdir import MARKER
+from mla_conformance.report.plots import write_plots
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_report")]  # module fixtures run once under -n
 
@@ -44,8 +49,10 @@ def _t(nodeid, outcome, backend=None, reason=None, figures=None, **params):
 
 
 def _numerics(backend, outcome, rel_fro, max_rel, **extra):
+    """A numerics row as checks.numerics records it: the metrics and the bounds it was held to."""
     fig = {"rel_fro": rel_fro, "max_rel": max_rel, "max_abs": 1e-3, "mean_abs": 1e-4, "p99_abs": 5e-4,
-           "exact_fraction": 0.0, "cosine_diff": 1.234567e-13, "ref_rms": 1.0, **extra}
+           "exact_fraction": 0.0, "cosine_diff": 1.234567e-13, "ref_rms": 1.0, "tolerance_rel_fro": 1e-5,
+           "tolerance_max_rel": 1e-4, **extra}
     return _t(f"suites/test_numerics.py::test_against_float64[{backend}-float32-prefill-tiny]", outcome, backend,
               reason="rel_fro 3e-4 > 1e-5" if outcome == "failed" else None, figures=fig,
               dtype="float32", preset="tiny", scenario="prefill")
@@ -74,7 +81,7 @@ def results():
 
 
 def test_verdicts_failed_error_and_not_tested():
-    rep = R.build_report(results(), name="h", env=ENV)
+    rep = build_report(results(), name="h", env=ENV)
     v = {b: x["verdict"] for b, x in rep["verdicts"].items()}
     assert v == {"good": "CONFORMS", "wrong": "DOES NOT CONFORM", "crashy": "DOES NOT CONFORM",
                  "decliner": "NOT TESTED"}
@@ -82,7 +89,7 @@ def test_verdicts_failed_error_and_not_tested():
     assert rep["summary"]["crashy"]["error"] == 1 and rep["summary"]["crashy"]["failed"] == 0
     assert rep["verdicts"]["decliner"]["skip_reasons"] == [
         {"reason": "decliner: no latent cache here", "count": 2}, {"reason": "decliner: no bf16", "count": 1}]
-    md = R.render_markdown(rep)
+    md = render_markdown(rep)
     assert "| decliner | **NOT TESTED** |" in md and "**decliner: NOT TESTED**" in md
     assert "- decliner: no latent cache here (2 tests)" in md
     assert "| crashy | **DOES NOT CONFORM** | 0 | 0 | 1 |" in md
@@ -91,14 +98,14 @@ def test_verdicts_failed_error_and_not_tested():
 def test_a_backend_or_op_with_no_test_selected_is_not_selected_not_not_tested():
     """Issue 18 item 6: deselected by the user's -k/-m is no NOT TESTED (which stays for all-skipped)."""
     res = {"backends": ["a", "b"], "ops": ["idle-op"], "tests": [_numerics("a", "passed", 1e-7, 1e-6)]}
-    rep = R.build_report(res, name="h", env=ENV)
+    rep = build_report(res, name="h", env=ENV)
     assert rep["verdicts"]["b"]["verdict"] == "NOT SELECTED" and rep["verdicts"]["a"]["verdict"] == "CONFORMS"
     assert rep["op_results"]["idle-op"]["verdict"] == "NOT SELECTED"
-    assert "| b | **NOT SELECTED** |" in R.render_markdown(rep)
+    assert "| b | **NOT SELECTED** |" in render_markdown(rep)
 
 
 def test_error_table_keeps_failing_rows_with_tolerance_and_margin():
-    md = R.render_markdown(R.build_report(results(), name="h", env=ENV))
+    md = render_markdown(build_report(results(), name="h", env=ENV))
     table = md[md.index("## Numerical error"):]
     rows = [line for line in table.splitlines() if line.startswith("| **FAIL** |") or line.startswith("| ok |")]
     assert rows[0].startswith("| **FAIL** | wrong |"), "failing rows first"
@@ -108,8 +115,17 @@ def test_error_table_keeps_failing_rows_with_tolerance_and_margin():
     assert "exact" not in table.split("\n\n", 2)[2].splitlines()[0], "the unexplained exact column is gone"
 
 
+def test_error_table_says_not_recorded_for_a_bound_the_row_did_not_record():
+    """The renderer never looks a tolerance up in checks.TOLERANCES: a row without one says so, no margin."""
+    row = _numerics("good", "passed", 5.0e-7, 2.0e-6)
+    del row["figures"]["tolerance_rel_fro"], row["figures"]["tolerance_max_rel"]
+    md = render_markdown(build_report({"backends": ["good"], "tests": [row]}, name="h", env=ENV))
+    line = next(x for x in md.splitlines() if x.startswith("| ok | good |"))
+    assert "| 5.000e-07 | not recorded | 2.000e-06 | not recorded |  |" in line
+
+
 def test_failures_come_first_and_skips_are_grouped_with_counts():
-    md = R.render_markdown(R.build_report(results(), name="h", env=ENV))
+    md = render_markdown(build_report(results(), name="h", env=ENV))
     assert md.index("## Failures") < md.index("## Cache bytes") < md.index("## Skipped")
     fails = md[md.index("## Failures"):md.index("## Cache bytes")]
     assert "| error | `suites/test_numerics.py::test_against_float64[crashy-" in fails
@@ -119,14 +135,14 @@ def test_failures_come_first_and_skips_are_grouped_with_counts():
 
 
 def test_slot_overhead_is_a_figure():
-    md = R.render_markdown(R.build_report(results(), name="h", env=ENV))
+    md = render_markdown(build_report(results(), name="h", env=ENV))
     assert "| ok | good | latent | 1,152 | 1,152 | 29,952 | 4,719,616 | 4,097 / 32 (128x) |" in md
     assert "### Slot overhead (a figure, not a failure)" in md and "| 32 | 4,097 | 128x |" in md
 
 
 def test_sections_render_only_what_was_measured():
-    rep = R.build_report(results(), name="h", env=ENV)
-    md = R.render_markdown(rep)
+    rep = build_report(results(), name="h", env=ENV)
+    md = render_markdown(rep)
     for absent in ("naive / absorbed", "reference-naive active bytes", "## KV codecs", "## Generation",
                    "on the given checkpoint", "## Plots"):
         assert absent not in md
@@ -136,8 +152,8 @@ def test_sections_render_only_what_was_measured():
                        probe="fixture", dtype="float32")
     res = results()
     res["tests"].append(fixture_probe)
-    assert "checkpoint" not in R.render_markdown(R.build_report(res, name="h", env=ENV)).split("## Kernel")[0].lower()
-    assert "[Attention" in R.render_markdown(rep, plots=["attention_error.png"])
+    assert "checkpoint" not in render_markdown(build_report(res, name="h", env=ENV)).split("## Kernel")[0].lower()
+    assert "[Attention" in render_markdown(rep, plots=["attention_error.png"])
 
 def _probe_row(backend, preset, dtype, **figures):
     return _t(f"suites/test_cache_bytes.py::test_seed_table[{backend}]", "passed", backend, figures={
@@ -153,13 +169,13 @@ def test_bytes_table_never_shows_the_formula_as_measured():
                    formula_bytes_per_token=1152),
         _probe_row("both", "deepseek-v2-lite", "bfloat16", cache_format="latent", formula_bytes_per_token=1152,
                    measured_bytes_per_token=1153)]}
-    md = R.render_markdown(R.build_report(res, name="h", env=ENV))
+    md = render_markdown(build_report(res, name="h", env=ENV))
     assert "| bytes/token/layer measured | bytes/token/layer formula |" in md
     assert "| ok | formula-only | latent | not measured | 1,152 |" in md
     assert "| ok | both | latent | 1,153 | 1,152 |" in md
-    assert R.measured_bytes({"formula_bytes_per_token": 1152, "format_bytes_per_token": 1152}) is None
-    assert R.measured_bytes({"bytes_per_token": 7, "formula_bytes_per_token": 9}) == 7
-    assert R.formula_bytes({"format_bytes_per_token": 9}) == 9
+    assert measured_bytes({"formula_bytes_per_token": 1152, "format_bytes_per_token": 1152}) is None
+    assert measured_bytes({"bytes_per_token": 7, "formula_bytes_per_token": 9}) == 7
+    assert formula_bytes({"format_bytes_per_token": 9}) == 9
 
 
 def test_bytes_plot_bars_only_measurements(tmp_path, monkeypatch):
@@ -178,28 +194,40 @@ def test_bytes_plot_bars_only_measurements(tmp_path, monkeypatch):
                    formula_bytes_per_token=1152),
         _probe_row("both", "deepseek-v2-lite", "bfloat16", cache_format="latent", format_bytes_per_token=1152,
                    bytes_per_token=1153)]}
-    assert R.write_plots(R.build_report(res, name="h", env=ENV), tmp_path) == ["bytes_per_token.png"]
+    assert write_plots(build_report(res, name="h", env=ENV), tmp_path) == ["bytes_per_token.png"]
     assert bars == [([0], [1153])], "only the measured row is a bar (rows sorted by backend: both, formula-only)"
 
 
 def test_probe_sentence_is_derived_from_the_run_not_typed():
-    """The probe's text states the formula computed from the config the rows recorded, labelled formula; no
-    typed 1,152 / 10,240 / 8.9x: at tiny dims in float32 the numbers are tiny's."""
+    """The probe's text states the formulas the rows recorded, labelled formula; no typed 1,152 / 10,240 /
+    8.9x: at tiny dims in float32 the numbers are tiny's. The renderer computes none of them."""
     from mla_conformance import MLAConfig
 
-    md = R.render_markdown(R.build_report({"backends": ["a"], "tests": [
-        _probe_row("a", "tiny", "float32", cache_format="latent", bytes_per_token=1)]}, name="h", env=ENV))
     tiny = MLAConfig.preset("tiny")
+    recorded = {"formula_latent_bytes_per_token": tiny.latent_dim * 4,
+                "formula_expanded_bytes_per_token": tiny.expanded_dim * 4,
+                "latent_dim": tiny.latent_dim, "expanded_dim": tiny.expanded_dim}
+    md = render_markdown(build_report({"backends": ["a"], "tests": [
+        _probe_row("a", "tiny", "float32", cache_format="latent", bytes_per_token=1, **recorded)]}, name="h", env=ENV))
     text = md[md.index("## Cache bytes"):]
-    assert f"{tiny.latent_dim * 4:,} B per token per layer latent" in text
-    assert f"{tiny.expanded_dim * 4:,} B expanded" in text and "*formula*" in text and "*measured*" in text
+    assert f"{tiny.latent_dim * 4:,} B per token per layer latent ({tiny.latent_dim:,} elements)" in text
+    assert f"{tiny.expanded_dim * 4:,} B expanded ({tiny.expanded_dim:,} elements)" in text
+    assert "*formula*" in text and "*measured*" in text
     assert "tiny dimensions in float32" in text and "26 stored tokens" in text
     for typed in ("1,152", "10,240", "8.9x", "8.888"):
         assert typed not in text, typed
-    v2 = R.render_markdown(R.build_report({"backends": ["a"], "tests": [
-        _probe_row("a", "deepseek-v2-lite", "bfloat16", cache_format="latent", bytes_per_token=1)]}, name="h", env=ENV))
+    # a run of the two reference backends: each row's own formula (latent, expanded) is the sentence's
+    v2 = render_markdown(build_report({"backends": ["naive", "absorbed"], "tests": [
+        _probe_row("absorbed", "deepseek-v2-lite", "bfloat16", cache_format="latent", bytes_per_token=1,
+                   formula_bytes_per_token=1152),
+        _probe_row("naive", "deepseek-v2-lite", "bfloat16", cache_format="expanded", bytes_per_token=1,
+                   formula_bytes_per_token=10240)]}, name="h", env=ENV))
     assert "1,152 B per token per layer latent" in v2 and "10,240 B expanded" in v2 and "8.889x" in v2
-    assert "0.0039" not in R.render_markdown(R.build_report(results(), name="h", env=ENV))
+    # nothing recorded: said so, not computed from the config
+    bare = render_markdown(build_report({"backends": ["a"], "tests": [
+        _probe_row("a", "deepseek-v2-lite", "bfloat16", cache_format="latent", bytes_per_token=1)]}, name="h", env=ENV))
+    assert "latent not recorded, expanded not recorded. A row" in bare and "1,152" not in bare
+    assert "0.0039" not in render_markdown(build_report(results(), name="h", env=ENV))
 
 
 def test_rope_convention_in_the_report_and_the_terminal_summary():
@@ -212,7 +240,7 @@ def test_rope_convention_in_the_report_and_the_terminal_summary():
         **kw}
     res = {"backends": ["v2", "v3", "off"], "tests": [conv("v2", "transformers"), conv("v3", "deepseek-v3"),
                                                       conv("off", None, "skipped", reason="off: no YaRN here")]}
-    md = R.render_markdown(R.build_report(res, name="h", env=ENV))
+    md = render_markdown(build_report(res, name="h", env=ENV))
     sec = md[md.index("## RoPE convention"):]
     assert "| ok | v2 | **transformers** (transformers / DeepSeek-V2" in sec
     assert "| ok | v3 | **deepseek-v3** (DeepSeek-V3 reference" in sec
@@ -229,16 +257,16 @@ def test_rope_convention_in_the_report_and_the_terminal_summary():
 
 
 def test_floats_rounded_and_report_deterministic():
-    a = R.build_report(results(), name="h", env=ENV)
+    a = build_report(results(), name="h", env=ENV)
     res = results()
     res["tests"].reverse()
     res["tests"][0]["figures"] = {**res["tests"][0].get("figures", {})}
-    b = R.build_report(res, name="h", env=ENV)
+    b = build_report(res, name="h", env=ENV)
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-    assert R.render_markdown(a) == R.render_markdown(b)
+    assert render_markdown(a) == render_markdown(b)
     fig = next(t for t in a["tests"] if "[good-float32" in t["nodeid"])["figures"]
-    assert fig["cosine_diff"] == 1.23e-13 and R.round_floats(1.2345678e-7) == 1.235e-7
-    assert R.round_floats({"cosine_diff": 2.540190280342358e-13}) == R.round_floats({"cosine_diff": 2.539080057317733e-13})
+    assert fig["cosine_diff"] == 1.23e-13 and round_floats(1.2345678e-7) == 1.235e-7
+    assert round_floats({"cosine_diff": 2.540190280342358e-13}) == round_floats({"cosine_diff": 2.539080057317733e-13})
 
 
 # --------------------------------------------------------------------------- ops (the op contract)
@@ -286,8 +314,8 @@ def op_results():
 
 
 def test_op_section_verdicts_declarations_and_cases():
-    rep = R.build_report(op_results(), name="h", env=ENV)
-    assert set(rep["summary"]) == {"good", R.INDEPENDENT} and rep["summary"][R.INDEPENDENT]["passed"] == 1
+    rep = build_report(op_results(), name="h", env=ENV)
+    assert set(rep["summary"]) == {"good", INDEPENDENT} and rep["summary"][INDEPENDENT]["passed"] == 1
     assert rep["summary"]["good"]["passed"] == 1, "op rows count under no backend and not as independent"
     assert rep["ops"] == ["good-op", "base2-op", "idle-op"]
     ops = rep["op_results"]
@@ -312,7 +340,7 @@ def test_op_section_verdicts_declarations_and_cases():
 
 
 def test_op_section_in_markdown():
-    md = R.render_markdown(R.build_report(op_results(), name="h", env=ENV))
+    md = render_markdown(build_report(op_results(), name="h", env=ENV))
     ops = md[md.index("## Ops (the op contract)"):md.index("## Failures")]
     assert "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed | LSE base | empty row lse | " \
            "page sizes | KV formats | FP8 scales | deterministic | batch invariant | head dims qk/v | max topk |" in ops
@@ -337,30 +365,30 @@ def test_op_section_in_markdown():
 
 
 def test_op_section_deterministic_and_absent_without_ops():
-    a = R.build_report(op_results(), name="h", env=ENV)
+    a = build_report(op_results(), name="h", env=ENV)
     res = op_results()
     res["tests"].reverse()
     res["ops"] = list(reversed(res["ops"]))
-    b = R.build_report(res, name="h", env=ENV)
+    b = build_report(res, name="h", env=ENV)
     assert json.dumps(a["op_results"], sort_keys=True) == json.dumps(b["op_results"], sort_keys=True)
-    assert R.render_markdown(a) == R.render_markdown(b)
-    plain = R.build_report(results(), name="h", env=ENV)
-    assert "ops" not in plain and "op_results" not in plain and "## Op" not in R.render_markdown(plain)
+    assert render_markdown(a) == render_markdown(b)
+    plain = build_report(results(), name="h", env=ENV)
+    assert "ops" not in plain and "op_results" not in plain and "## Op" not in render_markdown(plain)
     only_ops = op_results()
     only_ops["backends"], only_ops["tests"] = [], [t for t in only_ops["tests"] if "op" in t.get("params", {})]
-    md = R.render_markdown(R.build_report(only_ops, name="h", env=ENV))
+    md = render_markdown(build_report(only_ops, name="h", env=ENV))
     assert "No layer backend was under test in this run" in md and "| backend | verdict |" not in md
 
 
 def test_merge_keeps_op_results_in_their_own_grid(capsys):
-    a = R.build_report(op_results(), name="cpu-host", env=ENV)
+    a = build_report(op_results(), name="cpu-host", env=ENV)
     res = op_results()
     res["tests"][2]["outcome"] = "failed"  # good-op fails its numerics on the other host
     res["op_declarations"]["good-op"] = {**DECL, "lse_base": "2"}
-    b = R.build_report(res, name="gpu-host", env={**ENV, "device": "cuda"})
-    m1, md1 = R.merge_reports([("a.json", a), ("b.json", b)])
-    m2, md2 = R.merge_reports([("b.json", b), ("a.json", a)])
-    assert (m1, md1) == (m2, md2) and m1["schema_version"] == R.MATRIX_SCHEMA_VERSION
+    b = build_report(res, name="gpu-host", env={**ENV, "device": "cuda"})
+    m1, md1 = merge_reports([("a.json", a), ("b.json", b)])
+    m2, md2 = merge_reports([("b.json", b), ("a.json", a)])
+    assert (m1, md1) == (m2, md2) and m1["schema_version"] == MATRIX_SCHEMA_VERSION
     assert not [c for c in m1["columns"] if "op" in c.split(" / ")[1]], "op columns stay out of the layer grid"
     ops = m1["ops"]
     assert ops["columns"] == ["cpu-host / base2-op", "cpu-host / good-op", "cpu-host / idle-op",
@@ -372,21 +400,21 @@ def test_merge_keeps_op_results_in_their_own_grid(capsys):
     assert row["cpu-host / good-op"]["outcome"] == "passed" and row["gpu-host / good-op"]["outcome"] == "failed"
     grid = md1[md1.index("## Ops (the op contract)"):]
     assert "| **LSE base** | 2 | e | e | 2 | 2 | e |" in grid and "| **empty row lse** | -inf | +inf |" in grid
-    assert R.INDEPENDENT not in grid and R.INDEPENDENT in md1[:md1.index("## Ops")]
+    assert INDEPENDENT not in grid and INDEPENDENT in md1[:md1.index("## Ops")]
 
 
 # --------------------------------------------------------------------------- merge
 
 
 def test_merge_keeps_same_named_reports_apart_in_any_order(capsys):
-    a = R.build_report(results(), name="host", env=ENV)
+    a = build_report(results(), name="host", env=ENV)
     res = results()
     res["tests"][0]["outcome"] = "failed"  # a modified copy of the same host's report
-    b = R.build_report(res, name="host", env=ENV)
+    b = build_report(res, name="host", env=ENV)
     assert a["run_id"] != b["run_id"]
-    m1, md1 = R.merge_reports([("a.json", a), ("b.json", b)])
+    m1, md1 = merge_reports([("a.json", a), ("b.json", b)])
     err = capsys.readouterr().err
-    m2, md2 = R.merge_reports([("b.json", b), ("a.json", a)])
+    m2, md2 = merge_reports([("b.json", b), ("a.json", a)])
     assert (m1, md1) == (m2, md2)
     assert "2 different reports are named 'host'" in err and "a.json" in err and "b.json" in err
     cols = [c for c in m1["columns"] if c.endswith("/ good")]
@@ -397,8 +425,8 @@ def test_merge_keeps_same_named_reports_apart_in_any_order(capsys):
 
 
 def test_merge_counts_an_identical_report_once(capsys):
-    a = R.build_report(results(), name="host", env=ENV)
-    m, _ = R.merge_reports([("a.json", a), ("copy.json", json.loads(json.dumps(a)))])
+    a = build_report(results(), name="host", env=ENV)
+    m, _ = merge_reports([("a.json", a), ("copy.json", json.loads(json.dumps(a)))])
     assert "same report" in capsys.readouterr().err
     assert len(m["hosts"]) == 1 and "host / good" in m["columns"]
     assert m["verdicts"]["host / decliner"] == "NOT TESTED"
@@ -444,7 +472,7 @@ def two_runs(tmp_path_factory):
     ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
     outs, rcs = [], []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(R, "_run_pytest", pytest_here)
+        mp.setattr(report_run, "_run_pytest", pytest_here)
         for name, mode in (("a", ["-p", "no:xdist"]), ("b", ["-n", "2"])):
             outs.append(tmp / name)
             rcs.append(main(["run", "--out", str(tmp / name), "--name", "host", "--backend", "reference-naive",
@@ -467,7 +495,7 @@ def test_run_plain_and_xdist_are_byte_identical(two_runs):
     assert "29,952" in md and "266,240" in md and "8.888889" in md
     assert "(bytes_per_token.png)" in md and "(attention_error.png)" in md
     assert (outs[0] / "bytes_per_token.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (outs[0] / "timings.json").exists() and (outs[0] / R.MARKER).exists()
+    assert (outs[0] / "timings.json").exists() and (outs[0] / MARKER).exists()
     assert not [p for p in tmp.iterdir() if p.name.startswith(".")], "temporary directories left behind"
 
 
@@ -519,8 +547,8 @@ def test_sections_come_from_records_not_test_names():
     for t in renamed["tests"]:
         t["nodeid"] = t["nodeid"].replace("test_against_float64", "test_output_vs_oracle").replace(
             "test_seed_table", "test_probe_bytes")
-    md_a = R.render_markdown(R.build_report(results(), name="h", env=ENV))
-    md_b = R.render_markdown(R.build_report(renamed, name="h", env=ENV))
+    md_a = render_markdown(build_report(results(), name="h", env=ENV))
+    md_b = render_markdown(build_report(renamed, name="h", env=ENV))
     strip = lambda md: md.replace("test_output_vs_oracle", "test_against_float64").replace("test_probe_bytes",
                                                                                            "test_seed_table")
     assert strip(md_b) == md_a
