@@ -12,7 +12,8 @@ from typing import Any
 
 from mla_conformance.contract.layer import BUILTINS, REQUIRED_METHODS
 from mla_conformance.contract.op import BUILTIN_OPS, DECLARATIONS as OP_DECLARATIONS
-from mla_conformance.contract.op import REQUIRED_METHODS as OP_REQUIRED, declared as op_declared
+from mla_conformance.contract.op import METHODS as OP_METHODS, REQUIRED_METHODS as OP_REQUIRED
+from mla_conformance.contract.op import declared as op_declared, methods_of
 from mla_conformance.errors import BackendSpecError
 from mla_conformance.impl.ops.layer import OpBackend
 
@@ -28,9 +29,9 @@ def _op_backend(spec: str):
                                f"({', '.join(BUILTIN_OPS)}), package.module:attr or path/to/file.py:attr")
     try:
         op = get_op(op_spec)
-    except BackendSpecError as exc:
+        return OpBackend(op)
+    except (BackendSpecError, TypeError) as exc:  # TypeError: an op without decode cannot be a layer backend
         raise BackendSpecError(f"backend spec {spec!r}: {exc}") from None
-    return OpBackend(op)
 
 
 def _import_attr(spec: str, target: str, attr: str, kind: str = "backend") -> Any:
@@ -128,6 +129,10 @@ def get_backend(spec: str):
 def get_op(spec: str):
     """Resolve an op spec to an op instance, or raise BackendSpecError naming the spec."""
     obj = resolve_spec(spec, kind="op", builtins=BUILTIN_OPS, required=OP_REQUIRED)
+    if not methods_of(obj):  # every method is optional, but an op has at least one
+        raise BackendSpecError(f"op spec {spec.strip()!r}: {type(obj).__name__} is not an op: it has none of the "
+                               f"methods {', '.join(OP_METHODS)} (the op contract needs name, "
+                               f"{', '.join(OP_REQUIRED)} and at least one of them)")
     for key in OP_DECLARATIONS:
         op_declared(obj, key)  # a bad declaration is a bad spec, said now
     return obj

@@ -1,13 +1,23 @@
-"""The op contract: one decode step of absorbed MLA over a paged latent cache, at kernel level.
+"""The op contract: the kernels of MLA attention at kernel level -- one decode step of absorbed MLA over a
+paged latent cache, and the optional prefill, sparse-prefill, merge-states and cache-write kernels.
 
 The layer contract (:mod:`mla_conformance.contract.layer`) fits whole attention implementations. This one fits
-the kernel under them -- FlashMLA's ``flash_mla_with_kvcache``, FlashInfer's MLA paged wrapper, the MLA
-backends of vLLM and SGLang. An *op* is any object with::
+the kernels under them -- FlashMLA's ``flash_mla_with_kvcache`` and ``flash_mla_sparse_fwd``, FlashInfer's MLA
+paged wrapper, ragged prefill and ``merge_state``, the MLA backends of vLLM and SGLang. An *op* is any object
+with a ``name`` string, ``unsupported_reason(case) -> str | None`` and at least one of the methods of
+:data:`METHODS`::
 
-    name: str
-    unsupported_reason(case: OpCase) -> str | None
     decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal,
            indices=None, topk_length=None, attn_sink=None) -> (out, lse)
+    prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> (out, lse)
+    sparse_prefill(q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn_sink=None)
+        -> (out, max_logits, lse)
+    merge(out_a, lse_a, out_b, lse_b) -> (out, lse)
+    write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format) -> None
+
+Each method is detected on the op and optional: its tests run once per op that has it, and skip, naming the
+method, for an op that has not (an op with only ``merge`` is an op). ``decode`` is described first; the
+other methods follow it (*Optional methods*).
 
 Inputs (the op must not write them):
 
@@ -87,6 +97,74 @@ every index is invalid: vLLM's and SGLang's Triton kernels compute ``acc / e_sum
 ``attn_sink``, ``topk`` (sparse), ``causal``, the dtype, page size and KV format.
 An op is named on the command line by a spec (``--mla-op``): a built-in name (:data:`BUILTIN_OPS`),
 ``package.module:attr`` or ``path/to/file.py:attr``, as backends are.
+
+Optional methods
+----------------
+The cases of the other methods are :class:`MethodCase` (``case.method`` names the method); an op asks
+``getattr(case, "method", "decode")`` to tell them from decode's :class:`OpCase`. Every method's
+declarations are its own (prefixed by the method's name; defaults in :data:`DECLARATIONS`, listed per method
+in :data:`METHOD_DECLARATIONS`), opt-in as decode's are.
+
+``prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> (out, lse)`` -- varlen attention
+in "MHA mode" (the latent up-projected to per-head K / V), as FlashAttention's ``flash_attn_varlen_func``:
+
+* ``q`` [total_q, h_q, d_qk], ``k`` [total_k, h_k, d_qk], ``v`` [total_k, h_k, d_v], any of them a strided view
+  (v may be a slice of a buffer padded to d_qk); h_q % h_k == 0 and query head h reads kv head
+  h // (h_q / h_k); (d_qk, d_v) among ``prefill_head_dims`` (default ((192, 128),): DeepSeek-V3's 128 nope +
+  64 rope, value 128); ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 [B + 1]: row b's queries are
+  q[cu_q[b]:cu_q[b + 1]], its keys k[cu_k[b]:cu_k[b + 1]] (0 keys allowed);
+* ``causal`` aligns bottom-right: query i of a row of m queries and n keys sees keys j <= n - m + i (so a row
+  with q_len > kv_len has first queries with no key);
+* ``out`` [total_q, h_q, d_v] in q's dtype; ``lse`` float32 [total_q, h_q] in ``prefill_lse_base``; a query
+  with no keys: out 0 and lse ``prefill_empty_row`` (default "+inf").
+
+``sparse_prefill(q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn_sink=None)
+-> (out, max_logits, lse)`` -- FlashMLA's ``flash_mla_sparse_fwd`` as its tests/ref.py defines it:
+
+* ``q`` [s_q, h_q, d_qk], ``kv`` [s_kv, h_kv, d_qk] (the value is kv[..., :d_v]), (d_qk, d_v) among
+  ``sparse_prefill_head_dims`` (default ((576, 512),); MODEL1's (512, 512) where declared); ``indices`` int32
+  [s_q, h_kv, topk]: an entry < 0 or >= s_kv is invalid and ignored; ``topk_length`` int32 [s_q] (where the op
+  declares ``sparse_prefill_topk_length = True``): only the first topk_length[s] entries count; ``attn_sink``
+  float32 [h_q] (where it declares ``sparse_prefill_attn_sink = True``): out scaled by
+  exp(lse) / (exp(lse) + exp(sink)), lse unchanged;
+* ``out`` [s_q, h_q, d_v] in q's dtype, ``max_logits`` and ``lse`` float32 [s_q, h_q] (lse in
+  ``sparse_prefill_lse_base``, max_logits the largest scaled logit, natural units); a row with no valid index:
+  out 0, max_logits -inf, lse +inf.
+
+``merge(out_a, lse_a, out_b, lse_b) -> (out, lse)`` -- two partial attentions over disjoint key sets of the
+same queries merged by their log-sum-exp (vLLM's ``merge_attn_states``, FlashInfer's ``merge_state``):
+
+* ``out_*`` [T, h, d] (any floating dtype, possibly strided), ``lse_*`` float32 [T, h] in ``merge_lse_base``
+  (possibly strided: vLLM keeps lse as [h, T]); an lse of +inf or of -inf marks an empty side (FA2 returns
+  +inf, FA3 -inf: a merge treats them alike; the empty side's out is 0);
+* ``out`` = (w_a out_a + w_b out_b) / (w_a + w_b) with w = exp(lse - max), in out_a's dtype; ``lse`` float32
+  [T, h] the log of the summed weights in ``merge_lse_base``; both sides empty: out 0, lse ``merge_empty_row``.
+
+``write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format) -> None`` -- the cache writer (vLLM's
+``concat_and_cache_mla``, FlashInfer's ``append_paged_mla_kv_cache``):
+
+* ``kv_c`` [T, 512] and ``k_pe`` [T, 64] in the model dtype (possibly views of one projection output);
+  ``kv_cache`` as ``decode`` reads it for ``kv_format`` (one of ``write_kv_formats``); ``slot_mapping`` int64
+  [T]: token t goes to slot block * page_block_size + offset; a negative slot writes nothing (a slot twice in
+  one call is the caller's error); nothing else of the cache changes;
+* ``"latent"``: the row [kv_c | k_pe] as is (bit for bit); ``"fp8-e4m3-flashmla"``: the 656-byte row exactly
+  as FlashMLA's tests/quant.py encodes it (tile scale max(amax / 448, 1e-4), rounded up to a power of two
+  under ``write_fp8_scale_format = "pow2"``, kept as float32 under ``"fp32"``; e4m3 of value / scale; k_pe as
+  bfloat16, never scaled); ``"fp8-e4m3-model1"``: FlashMLA's MODEL1 layout (:mod:`mla_conformance.kv.model1`;
+  kv_c [T, 448], UE8M0 scales only).
+
+The methods' declarations (an op without the method never has them read; none is assumed):
+
+* ``prefill_head_dims``: (d_qk, d_v) pairs, ``((192, 128),)`` by default, or ``"any"``; ``prefill_lse_base``:
+  ``"e"`` (default) or ``"2"``; ``prefill_empty_row``: ``"+inf"`` (default, FA2) or ``"-inf"`` (FA3);
+* ``sparse_prefill_head_dims``: ``((576, 512),)`` by default (add ``(512, 512)`` for MODEL1);
+  ``sparse_prefill_lse_base``; ``sparse_prefill_topk_length`` and ``sparse_prefill_attn_sink``: ``False``
+  (default) or ``True``;
+* ``merge_lse_base``: the base of the lse merge takes and returns (``"e"`` default, ``"2"``: FlashInfer's
+  ``merge_state``); ``merge_empty_row``: the lse of two empty sides, ``"+inf"`` (default) or ``"-inf"``;
+* ``write_kv_formats``: ``("latent",)`` by default, any of :data:`WRITE_KV_FORMATS`;
+  ``write_fp8_scale_format``: ``"pow2"`` (default) or ``"fp32"``, as decode's ``fp8_scale_format``;
+  ``write_page_block_sizes``: ``(64,)`` by default.
 """
 
 from __future__ import annotations
@@ -108,7 +186,20 @@ BUILTIN_OPS: dict[str, str] = {
 #: Ops a default run checks.
 DEFAULT_OPS = ("reference-op",)
 
-REQUIRED_METHODS = ("unsupported_reason", "decode")
+#: What every op has besides its ``name``; then at least one of :data:`METHODS`.
+REQUIRED_METHODS = ("unsupported_reason",)
+#: The kernels an op may implement, each optional (its tests skip, naming it, on an op without it).
+METHODS = ("decode", "prefill", "sparse_prefill", "merge", "write")
+#: Each method's signature, as the skip of an op without it and the usage errors quote it.
+SIGNATURES: dict[str, str] = {
+    "decode": "decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None, "
+              "topk_length=None, attn_sink=None) -> (out, lse)",
+    "prefill": "prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> (out, lse)",
+    "sparse_prefill": "sparse_prefill(q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn_sink=None) "
+                      "-> (out, max_logits, lse)",
+    "merge": "merge(out_a, lse_a, out_b, lse_b) -> (out, lse)",
+    "write": "write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format) -> None",
+}
 
 #: The head dims of the op contract: q and the latent key are 576 = 512 (kv_lora, also the value) + 64 (rope).
 D_QK = 576
@@ -117,6 +208,11 @@ D_ROPE = 64
 FP8_ROW_BYTES = 656
 
 KV_FORMATS = ("latent", "fp8-e4m3-flashmla")
+#: What ``write`` may write: decode's formats and FlashMLA's MODEL1 layout (584 B/token, mla_conformance.kv.model1).
+WRITE_KV_FORMATS = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
+#: DeepSeek-V3's prefill head dims in "MHA mode": q / k 128 nope + 64 rope, v 128.
+PREFILL_D_QK = 192
+PREFILL_D_V = 128
 
 #: Optional declarations and their defaults.
 DECLARATIONS: dict[str, Any] = {
@@ -132,6 +228,35 @@ DECLARATIONS: dict[str, Any] = {
     "deterministic": False,
     "batch_invariant": False,
     "head_dims": ((D_QK, D_V),),
+    # prefill: the (d_qk, d_v) pairs it takes; the base of its lse; the lse of a query with no keys
+    "prefill_head_dims": ((PREFILL_D_QK, PREFILL_D_V),),
+    "prefill_lse_base": "e",
+    "prefill_empty_row": "+inf",
+    # sparse_prefill: (d_qk, d_v) pairs (576 / 512 V3.2, 512 / 512 MODEL1), lse base, topk_length, attn_sink
+    "sparse_prefill_head_dims": ((D_QK, D_V),),
+    "sparse_prefill_lse_base": "e",
+    "sparse_prefill_topk_length": False,
+    "sparse_prefill_attn_sink": False,
+    # merge: the base of the lse it takes and returns; the lse it returns when both sides are empty
+    "merge_lse_base": "e",
+    "merge_empty_row": "+inf",
+    # write: the formats it writes, the FP8 tile-scale convention it writes, the page sizes it writes into
+    "write_kv_formats": ("latent",),
+    "write_fp8_scale_format": "pow2",
+    "write_page_block_sizes": (64,),
+}
+
+#: Which method each declaration belongs to (what the report prints for an op: the declarations of the
+#: methods it has, so an op written before a method existed reports what it reported then).
+METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
+    "decode": ("lse_base", "returns_lse", "empty_row", "sparse_decode", "invalid_index", "attn_sink",
+               "page_block_sizes", "kv_formats", "fp8_scale_format", "deterministic", "batch_invariant",
+               "head_dims"),
+    "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row"),
+    "sparse_prefill": ("sparse_prefill_head_dims", "sparse_prefill_lse_base", "sparse_prefill_topk_length",
+                       "sparse_prefill_attn_sink"),
+    "merge": ("merge_lse_base", "merge_empty_row"),
+    "write": ("write_kv_formats", "write_fp8_scale_format", "write_page_block_sizes"),
 }
 
 _ALLOWED = {
@@ -142,7 +267,17 @@ _ALLOWED = {
     "returns_lse": (True, False),
     "sparse_decode": (True, False),
     "attn_sink": (True, False),
+    "prefill_lse_base": ("e", "2"),
+    "prefill_empty_row": ("+inf", "-inf"),
+    "sparse_prefill_lse_base": ("e", "2"),
+    "sparse_prefill_topk_length": (True, False),
+    "sparse_prefill_attn_sink": (True, False),
+    "merge_lse_base": ("e", "2"),
+    "merge_empty_row": ("+inf", "-inf"),
+    "write_fp8_scale_format": ("pow2", "fp32"),
 }
+_HEAD_DIMS = ("head_dims", "prefill_head_dims", "sparse_prefill_head_dims")
+_FORMATS = {"kv_formats": KV_FORMATS, "write_kv_formats": WRITE_KV_FORMATS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +320,61 @@ class OpCase:
         return ", ".join(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class MethodCase:
+    """What one test of an optional method (prefill, sparse_prefill, merge, write) asks of an op, for
+    ``unsupported_reason``; ``method`` says which (decode's cases are :class:`OpCase`).
+
+    ``dtype``: q's dtype (prefill, sparse_prefill), out_a's (merge), kv_c's (write); ``h_q`` / ``h_k``: query and
+    kv heads (merge: the heads of out); ``d_qk`` / ``d_v``: head dims (merge: out's d; write: kv_c's width as d_v
+    and kv_c + k_pe as d_qk); ``tokens``: total_q (prefill), s_q (sparse_prefill), T (merge, write);
+    ``batch``: varlen rows (prefill); ``rows_without_keys``: a query with no key (prefill: a row with no keys or
+    a causal query before its row's first key; sparse_prefill: a row with no valid index; merge: an empty side);
+    ``topk``, ``topk_length``, ``attn_sink``: sparse_prefill's; ``kv_format``, ``page_block_size``: write's;
+    ``lse_base``: the base of the lse merge is handed; ``strided``: some input is a non-contiguous view.
+    """
+
+    method: str
+    dtype: Any
+    h_q: int = 0
+    h_k: int = 0
+    d_qk: int = 0
+    d_v: int = 0
+    tokens: int = 0
+    batch: int = 1
+    causal: bool = False
+    rows_without_keys: bool = False
+    topk: int | None = None
+    topk_length: bool = False
+    attn_sink: bool = False
+    kv_format: str = "latent"
+    page_block_size: int = 0
+    lse_base: str = "e"
+    strided: bool = False
+    device: str = "cpu"
+
+    def describe(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        parts = [self.method]
+        if self.method == "prefill":
+            parts += [f"B={self.batch}", f"total_q={self.tokens}", f"h_q={self.h_q}", f"h_k={self.h_k}",
+                      f"d={self.d_qk}/{self.d_v}", dt, "causal" if self.causal else "non-causal"]
+        elif self.method == "sparse_prefill":
+            parts += [f"s_q={self.tokens}", f"h_q={self.h_q}", f"h_kv={self.h_k}", f"d={self.d_qk}/{self.d_v}",
+                      f"top-{self.topk}", dt]
+            parts += [p for p, on in (("topk_length", self.topk_length), ("attn_sink", self.attn_sink)) if on]
+        elif self.method == "merge":
+            parts += [f"T={self.tokens}", f"h={self.h_q}", f"d={self.d_v}", f"out {dt}", f"lse base {self.lse_base}"]
+        else:
+            parts += [f"T={self.tokens}", self.kv_format, f"page={self.page_block_size}", dt]
+        if self.rows_without_keys:
+            parts.append("empty sides" if self.method == "merge" else "rows without keys")
+        if self.strided:
+            parts.append("strided")
+        parts.append(self.device)
+        return ", ".join(parts)
+
+
 def declared(op, key: str):
     """The op's declaration ``key`` (its attribute), else the default of :data:`DECLARATIONS`; a value
     outside the allowed ones raises BackendSpecError naming the op and the attribute."""
@@ -196,7 +386,7 @@ def declared(op, key: str):
     if key in _ALLOWED and value not in _ALLOWED[key]:
         raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} = {value!r} is not one of "
                                f"{', '.join(map(repr, _ALLOWED[key]))}")
-    if key == "head_dims":
+    if key in _HEAD_DIMS:
         if value == "any":
             return value
         try:
@@ -204,15 +394,25 @@ def declared(op, key: str):
         except (TypeError, ValueError):
             pairs = ()
         if not pairs or any(not 0 < v <= qk for qk, v in pairs):
-            raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: head_dims {value!r} must be 'any' or (d_qk, d_v) "
-                                   "pairs with 0 < d_v <= d_qk, e.g. ((576, 512),)")
+            raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} {value!r} must be 'any' or (d_qk, d_v) "
+                                   f"pairs with 0 < d_v <= d_qk, e.g. ({DECLARATIONS[key][0]!r},)")
         return pairs
-    if key in ("page_block_sizes", "kv_formats"):
+    if key in ("page_block_sizes", "write_page_block_sizes", *_FORMATS):
         value = tuple(value)
-        if key == "kv_formats" and any(f not in KV_FORMATS for f in value):
-            raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: kv_formats {value!r} must be among "
-                                   f"{', '.join(map(repr, KV_FORMATS))}")
+        if key in _FORMATS and any(f not in _FORMATS[key] for f in value):
+            raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} {value!r} must be among "
+                                   f"{', '.join(map(repr, _FORMATS[key]))}")
     return value
+
+
+def has_method(op, method: str) -> bool:
+    """Whether the op implements ``method`` (one of :data:`METHODS`): a callable attribute of that name."""
+    return callable(getattr(op, method, None))
+
+
+def methods_of(op) -> tuple[str, ...]:
+    """The methods of :data:`METHODS` the op implements, in that order."""
+    return tuple(m for m in METHODS if has_method(op, m))
 
 
 def takes_head_dims(op, d_qk: int, d_v: int) -> bool:
@@ -222,10 +422,10 @@ def takes_head_dims(op, d_qk: int, d_v: int) -> bool:
 
 
 def declarations(op) -> dict[str, Any]:
-    """Every declaration of the op, defaults filled in (what the report prints)."""
-    return {key: declared(op, key) for key in DECLARATIONS}
+    """Every declaration of the methods the op has, defaults filled in (what the report prints)."""
+    return {key: declared(op, key) for m in methods_of(op) for key in METHOD_DECLARATIONS[m]}
 
 
-__all__ = ["OpCase", "BUILTIN_OPS", "DEFAULT_OPS", "DECLARATIONS", "KV_FORMATS", "declared", "declarations",
-           "takes_head_dims",
-           "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES"]
+__all__ = ["OpCase", "MethodCase", "BUILTIN_OPS", "DEFAULT_OPS", "DECLARATIONS", "METHOD_DECLARATIONS", "METHODS",
+           "SIGNATURES", "KV_FORMATS", "WRITE_KV_FORMATS", "declared", "declarations", "has_method", "methods_of",
+           "takes_head_dims", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES", "PREFILL_D_QK", "PREFILL_D_V"]

@@ -1,5 +1,7 @@
-"""``reference-op`` (the built-in op, torch, any device), the float64 op oracle, and the FP8 656-byte
-page codec the op tests write caches with.
+"""``reference-op`` (the built-in op, torch, any device: decode, prefill, sparse_prefill, merge and write), the
+float64 decode oracle, and the FP8 656-byte page codec the op tests write caches with. The other methods'
+float64 oracles are mla_conformance.model.attention_oracles; the bytes a write must leave,
+mla_conformance.kv.cache_write.
 
 The two computations are written apart on purpose:
 
@@ -16,6 +18,7 @@ import math
 
 import torch
 
+from mla_conformance.kv import model1
 from mla_conformance.kv.codecs import decode_flashmla_fp8, encode_flashmla_fp8, flashmla_fp8_scales
 from mla_conformance.contract.op import D_QK, D_V, FP8_ROW_BYTES, declared
 
@@ -182,12 +185,26 @@ class ReferenceOp:
     deterministic = True
     batch_invariant = True
     head_dims = "any"
+    prefill_head_dims = "any"
+    prefill_lse_base = "e"
+    prefill_empty_row = "+inf"
+    sparse_prefill_head_dims = ((576, 512), (512, 512))
+    sparse_prefill_topk_length = True
+    sparse_prefill_attn_sink = True
+    merge_lse_base = "e"
+    merge_empty_row = "+inf"
+    write_kv_formats = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
+    write_fp8_scale_format = "pow2"
+    write_page_block_sizes = (1, 16, 64)
 
     def unsupported_reason(self, case):
-        if case.page_block_size not in declared(self, "page_block_sizes"):
-            return f"{self.name} reads pages of {', '.join(map(str, self.page_block_sizes))} tokens, not {case.page_block_size}"
+        method = getattr(case, "method", "decode")
+        pages = {"decode": "page_block_sizes", "write": "write_page_block_sizes"}.get(method)
+        if pages and case.page_block_size not in declared(self, pages):
+            return (f"{self.name} {'reads' if method == 'decode' else 'writes'} pages of "
+                    f"{', '.join(map(str, declared(self, pages)))} tokens, not {case.page_block_size}")
         if not torch.empty(0, dtype=case.dtype).is_floating_point():
-            return f"{self.name} needs a floating-point q, got {case.dtype}"
+            return f"{self.name} needs a floating-point {'q' if method != 'write' else 'kv_c'}, got {case.dtype}"
         return None
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
@@ -251,3 +268,97 @@ class ReferenceOp:
             out = out * torch.where(empty, torch.zeros_like(factor), factor)[..., None]
         lse = torch.where(empty, torch.full_like(lse, math.inf), lse)
         return out.to(q.dtype), lse.transpose(1, 2).to(torch.float32).contiguous()
+
+    # ----------------------------------------------------------------------- the optional methods
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
+        """Varlen attention row by row, heads batched; float32 (float64 for a float64 q); bottom-right causal."""
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        total_q, h_q, _ = q.shape
+        group = h_q // k.shape[1]
+        dev = q.device
+        out = torch.zeros(total_q, h_q, v.shape[-1], dtype=acc, device=dev)
+        lse = torch.full((total_q, h_q), math.inf, dtype=torch.float32, device=dev)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(cq) - 1):
+            m, n = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+            if m == 0 or n == 0:
+                continue
+            keys = k[ck[b]:ck[b + 1]].to(acc).repeat_interleave(group, dim=1)      # [n, h_q, d_qk]
+            values = v[ck[b]:ck[b + 1]].to(acc).repeat_interleave(group, dim=1)
+            logits = torch.einsum("mhd,nhd->hmn", q[cq[b]:cq[b + 1]].to(acc), keys) * softmax_scale
+            if causal:  # query i sees keys j <= n - m + i
+                seen = torch.arange(n, device=dev)[None, :] <= (n - m + torch.arange(m, device=dev))[:, None]
+                logits = torch.where(seen, logits, torch.tensor(-math.inf, dtype=acc, device=dev))
+            l = torch.logsumexp(logits, dim=-1)                                    # [h, m]
+            empty = torch.isneginf(l)
+            p = torch.exp(logits - torch.where(empty, torch.zeros_like(l), l)[..., None])
+            out[cq[b]:cq[b + 1]] = torch.einsum("hmn,nhd->mhd", p, values)
+            lse[cq[b]:cq[b + 1]] = torch.where(empty, torch.full_like(l, math.inf), l).T.to(torch.float32)
+        return out.to(q.dtype), lse
+
+    def sparse_prefill(self, q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn_sink=None):
+        """FlashMLA's flash_mla_sparse_fwd: gather the valid indexed keys (torch.where zeros for the rest)."""
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        s_q, h_q, d_qk = q.shape
+        s_kv, h_kv = kv.shape[:2]
+        dev = q.device
+        idx = indices.long()                                                       # [s_q, h_kv, topk]
+        valid = (idx >= 0) & (idx < s_kv)
+        if topk_length is not None:
+            valid &= torch.arange(idx.shape[-1], device=dev) < topk_length.long()[:, None, None]
+        keys = kv.to(acc)[torch.where(valid, idx, 0), torch.arange(h_kv, device=dev)[None, :, None]]
+        keys = torch.where(valid[..., None], keys, torch.zeros((), dtype=acc, device=dev))  # [s_q, h_kv, k, d]
+        qg = q.to(acc).reshape(s_q, h_kv, h_q // h_kv, d_qk)
+        logits = torch.einsum("sgjd,sgkd->sgjk", qg, keys) * softmax_scale
+        logits = torch.where(valid[:, :, None, :], logits, torch.tensor(-math.inf, dtype=acc, device=dev))
+        lse = torch.logsumexp(logits, dim=-1)                                      # [s_q, h_kv, group]
+        empty = torch.isneginf(lse)
+        max_logits = logits.amax(-1) if logits.shape[-1] else torch.full_like(lse, -math.inf)
+        p = torch.exp(logits - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
+        out = torch.einsum("sgjk,sgkd->sgjd", p, keys[..., :d_v])
+        if attn_sink is not None:
+            factor = torch.sigmoid(lse - attn_sink.to(acc).reshape(1, h_kv, -1))
+            out = out * torch.where(empty, torch.zeros_like(factor), factor)[..., None]
+        lse = torch.where(empty, torch.full_like(lse, math.inf), lse)
+        return (out.reshape(s_q, h_q, d_v).to(q.dtype), max_logits.reshape(s_q, h_q).to(torch.float32),
+                lse.reshape(s_q, h_q).to(torch.float32))
+
+    def merge(self, out_a, lse_a, out_b, lse_b):
+        """By lse (natural log); +inf and -inf both mark an empty side, whose out is not read."""
+        acc = torch.float64 if out_a.dtype == torch.float64 else torch.float32
+        la, lb = lse_a.to(acc), lse_b.to(acc)
+        ea, eb = torch.isinf(la), torch.isinf(lb)
+        both = ea & eb
+        m = torch.maximum(torch.where(ea, -math.inf, la), torch.where(eb, -math.inf, lb))
+        m = torch.where(both, torch.zeros_like(m), m)
+        wa = torch.where(ea, torch.zeros_like(la), torch.exp(la - m))
+        wb = torch.where(eb, torch.zeros_like(lb), torch.exp(lb - m))
+        total = torch.where(both, torch.ones_like(wa), wa + wb)
+        zero = torch.zeros((), dtype=acc, device=out_a.device)
+        out = ((wa / total)[..., None] * torch.where(ea[..., None], zero, out_a.to(acc)) +
+               (wb / total)[..., None] * torch.where(eb[..., None], zero, out_b.to(acc)))
+        lse = torch.where(both, torch.full_like(m, math.inf), m + torch.log(total))
+        return out.to(out_a.dtype), lse.to(torch.float32)
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        """The tokens of non-negative slots, encoded as the format stores them, into their slots only."""
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        c, r = kv_c[keep], k_pe[keep]
+        page = kv_cache.shape[1]
+        block, offset = slots // page, slots % page
+        if kv_format == "latent":
+            kv_cache[block, offset, 0] = torch.cat([c, r], dim=-1).to(kv_cache.dtype)
+        elif kv_format == "fp8-e4m3-flashmla":
+            kv_cache[block, offset, 0] = encode_flashmla_fp8(c, r, declared(self, "write_fp8_scale_format"))
+        elif kv_format == model1.NAME:
+            mem = model1.block_memory(kv_cache)                                    # [num_blocks, page * 584]
+            payload, scales = model1.encode(c, r)
+            ar = lambda n: torch.arange(n, device=kv_cache.device)  # noqa: E731
+            mem[block[:, None], offset[:, None] * model1.PART_BYTES + ar(model1.PART_BYTES)] = payload
+            mem[block[:, None], page * model1.PART_BYTES + offset[:, None] * model1.SCALE_BYTES + ar(model1.TILES)] = \
+                scales
+        else:
+            raise ValueError(f"{self.name}: write() got kv_format {kv_format!r}, not one of "
+                             f"{', '.join(declared(self, 'write_kv_formats'))}")
