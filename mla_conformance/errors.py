@@ -5,6 +5,10 @@ class MLAInputError(Exception):
     """Bad input from the user: reported as one clear line, never as a raw traceback."""
 
 
+class UserError(MLAInputError):
+    """A command-line option or argument that is wrong: ``mla-conformance`` prints it as one line and exits 2."""
+
+
 class BackendSpecError(MLAInputError):
     """A ``--mla-backend`` spec that cannot be resolved to a backend."""
 

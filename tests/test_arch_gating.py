@@ -2,7 +2,7 @@
 
 Every verdict below is written out by hand from the upstream sources (FlashMLA README table,
 setup.py gencode targets, csrc/api/*.h arch checks; FlashInfer mla.py / jit), not derived from
-``mla_conformance.arch.MATRIX``, so a wrong row in the matrix fails here.  No GPU is needed:
+``mla_conformance.arch.matrix.MATRIX``, so a wrong row in the matrix fails here.  No GPU is needed:
 devices are stated as data.
 """
 
@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance import arch
-from mla_conformance.arch import DeviceInfo, PackageInfo
+from mla_conformance.arch import gating
+from mla_conformance.arch.capability import parse_capability
+from mla_conformance.arch.device import DESCRIPTION_KEYS, DeviceInfo, PackageInfo, detect, device_description, device_line
+from mla_conformance.arch.matrix import get_kernel, kernel_ids
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,15 +93,15 @@ def _device(dev: str) -> DeviceInfo:
 
 
 def test_table_covers_every_kernel_and_device():
-    assert set(arch.kernel_ids()) == set(_KERNEL_OF_COLUMN.values()), "a matrix row without a decision-table column"
+    assert set(kernel_ids()) == set(_KERNEL_OF_COLUMN.values()), "a matrix row without a decision-table column"
     assert {d for d, _ in EXPECTED} == set(DEVICES)
     for kid in FLASHMLA_KERNELS:
-        assert kid in arch.kernel_ids()
+        assert kid in kernel_ids()
 
 
 @pytest.mark.parametrize(("dev", "kernel_id"), sorted(EXPECTED), ids=lambda v: str(v))
 def test_decision_table(dev, kernel_id):
-    reason = arch.why_not(kernel_id, _device(dev), check_package=False)
+    reason = gating.why_not(kernel_id, _device(dev), check_package=False)
     if EXPECTED[(dev, kernel_id)]:
         assert reason is None, f"{kernel_id} on {dev}: expected supported, got: {reason}"
     else:
@@ -111,7 +113,7 @@ def test_decision_table_with_default_package_check_and_unknown_packages(dev):
     # A device stated as data knows nothing about packages: the package check cannot fire.
     for kid in FLASHMLA_KERNELS:
         expected = EXPECTED[(dev, kid)]
-        assert (arch.why_not(kid, _device(dev)) is None) == expected
+        assert (gating.why_not(kid, _device(dev)) is None) == expected
 
 
 # --- the sentence ---------------------------------------------------------------------
@@ -127,9 +129,9 @@ def _one_sentence(reason: str) -> None:
 @pytest.mark.parametrize("dev", ["8.9", "12.0", "12.1"])
 def test_sentence_names_kernel_needed_arch_and_device(kernel_id, dev):
     info = _device(dev)
-    reason = arch.why_not(kernel_id, info, check_package=False)
+    reason = gating.why_not(kernel_id, info, check_package=False)
     _one_sentence(reason)
-    row = arch.get_kernel(kernel_id)
+    row = get_kernel(kernel_id)
     assert reason.startswith(row.name + " needs "), reason
     assert row.name.startswith("FlashMLA ")
     assert info.sm in reason  # e.g. SM120
@@ -139,7 +141,7 @@ def test_sentence_names_kernel_needed_arch_and_device(kernel_id, dev):
 
 def test_sentence_dense_decode_on_rtx_5090_reads_well():
     info = DeviceInfo.from_capability((12, 0), "NVIDIA GeForce RTX 5090")
-    reason = arch.why_not("flashmla/dense_decode", info, check_package=False)
+    reason = gating.why_not("flashmla/dense_decode", info, check_package=False)
     assert reason == (
         "FlashMLA dense decode needs SM90 (Hopper, compute capability 9.0); "
         "this device is SM120 (NVIDIA GeForce RTX 5090, compute capability 12.0)"
@@ -147,36 +149,36 @@ def test_sentence_dense_decode_on_rtx_5090_reads_well():
 
 
 def test_sentence_lists_both_architectures_for_sparse_kernels():
-    reason = arch.why_not("flashmla/sparse_decode", _device("8.6"), check_package=False)
+    reason = gating.why_not("flashmla/sparse_decode", _device("8.6"), check_package=False)
     assert "SM90" in reason and "SM100" in reason
     assert "9.0" in reason and "10.0" in reason and "10.3" in reason
     assert "SM86" in reason and "NVIDIA GeForce RTX 3090" in reason
 
 
 def test_dense_prefill_on_hopper_names_sm100():
-    reason = arch.why_not("flashmla/dense_prefill", _device("9.0"), check_package=False)
+    reason = gating.why_not("flashmla/dense_prefill", _device("9.0"), check_package=False)
     assert reason.startswith("FlashMLA dense prefill needs SM100")
     assert "SM90 (NVIDIA H100 80GB HBM3" in reason
 
 
 @pytest.mark.parametrize("kernel_id", FLASHMLA_KERNELS)
 def test_sentence_on_cpu_host(kernel_id):
-    reason = arch.why_not(kernel_id, DeviceInfo.cpu())
+    reason = gating.why_not(kernel_id, DeviceInfo.cpu())
     _one_sentence(reason)
-    assert reason.startswith(arch.get_kernel(kernel_id).name + " needs SM")
+    assert reason.startswith(get_kernel(kernel_id).name + " needs SM")
     assert reason.endswith("this host has no CUDA device (cpu)")
 
 
 def test_sentence_when_tests_run_on_cpu_of_a_cuda_host():
     info = DeviceInfo(device_type="cpu", cuda_available=True)
-    reason = arch.why_not("flashmla/dense_decode", info)
+    reason = gating.why_not("flashmla/dense_decode", info)
     assert "cpu" in reason and "not a CUDA device" in reason
 
 
 def test_rocm_gpu_is_never_taken_for_sm90():
     # torch on ROCm reports an MI250 as a "cuda" device with capability 9.0; detect() marks it rocm.
     info = DeviceInfo(device_type="rocm", name="AMD Instinct MI250X", cuda_available=True)
-    reason = arch.why_not("flashmla/dense_decode", info)
+    reason = gating.why_not("flashmla/dense_decode", info)
     assert "AMD Instinct MI250X" in reason and "not an NVIDIA CUDA device" in reason
 
 
@@ -194,12 +196,12 @@ def test_rocm_gpu_is_never_taken_for_sm90():
 )
 def test_cuda_too_old(cap, cuda, kernel_id, needed):
     info = DeviceInfo.from_capability(cap, DEVICES[cap], cuda_version=cuda)
-    reason = arch.why_not(kernel_id, info, check_package=False)
+    reason = gating.why_not(kernel_id, info, check_package=False)
     _one_sentence(reason)
     assert f"needs CUDA >= {needed}" in reason
     assert f"this torch was built with CUDA {cuda} and this device is SM" in reason
     assert DEVICES[cap] in reason
-    assert reason.startswith(arch.get_kernel(kernel_id).name)
+    assert reason.startswith(get_kernel(kernel_id).name)
 
 
 @pytest.mark.parametrize(
@@ -213,12 +215,12 @@ def test_cuda_too_old(cap, cuda, kernel_id, needed):
 )
 def test_cuda_new_enough(cap, cuda, kernel_id):
     info = DeviceInfo.from_capability(cap, cuda_version=cuda)
-    assert arch.why_not(kernel_id, info, check_package=False) is None
+    assert gating.why_not(kernel_id, info, check_package=False) is None
 
 
 def test_architecture_is_judged_before_cuda():
     info = DeviceInfo.from_capability("12.0", "NVIDIA GeForce RTX 5090", cuda_version="12.8")
-    reason = arch.why_not("flashmla/sparse_decode", info, check_package=False)
+    reason = gating.why_not("flashmla/sparse_decode", info, check_package=False)
     assert "SM120" in reason and "CUDA >=" not in reason
 
 
@@ -226,26 +228,26 @@ def test_package_not_installed():
     info = DeviceInfo.from_capability(
         (9, 0), "NVIDIA H100 80GB HBM3", cuda_version="12.8", packages=[PackageInfo("flash_mla", False)]
     )
-    reason = arch.why_not("flashmla/dense_decode", info)
+    reason = gating.why_not("flashmla/dense_decode", info)
     _one_sentence(reason)
     assert reason == (
         "FlashMLA dense decode runs on this device, SM90 (NVIDIA H100 80GB HBM3, compute capability 9.0), "
         "but the flash_mla package is not installed"
     )
-    assert arch.why_not("flashmla/dense_decode", info, check_package=False) is None
+    assert gating.why_not("flashmla/dense_decode", info, check_package=False) is None
     installed = DeviceInfo.from_capability((9, 0), packages=[PackageInfo("flash_mla", True, "1.0.0")])
-    assert arch.why_not("flashmla/dense_decode", installed) is None
+    assert gating.why_not("flashmla/dense_decode", installed) is None
 
 
 def test_unknown_kernel_id():
     with pytest.raises(ValueError) as excinfo:
-        arch.why_not("flashmla/dense_decoding", DeviceInfo.cpu())
+        gating.why_not("flashmla/dense_decoding", DeviceInfo.cpu())
     msg = str(excinfo.value)
     assert "'flashmla/dense_decoding'" in msg
     for kid in FLASHMLA_KERNELS:
         assert kid in msg
     with pytest.raises(ValueError):
-        arch.kernel_skip_reason("nope", "cpu")
+        gating.kernel_skip_reason("nope", "cpu")
 
 
 # --- capabilities as data -------------------------------------------------------------
@@ -259,14 +261,14 @@ def test_unknown_kernel_id():
     ],
 )
 def test_parse_capability(text, cap):
-    assert arch.parse_capability(text) == cap
+    assert parse_capability(text) == cap
     assert DeviceInfo.from_capability(text).capability == cap
 
 
 @pytest.mark.parametrize("bad", ["nine", "", "9", "9.", "9.0.1", "sm_", "12.10", (9,), (9, "0"), None, 9.0, (True, 0)])
 def test_parse_capability_rejects(bad):
     with pytest.raises(ValueError, match="compute capability"):
-        arch.parse_capability(bad)
+        parse_capability(bad)
 
 
 def test_device_info_from_capability_is_data():
@@ -275,7 +277,7 @@ def test_device_info_from_capability_is_data():
     assert info.sm == "SM103"
     assert info.describe() == "SM103 (NVIDIA B300, compute capability 10.3)"
     assert DeviceInfo.from_capability("12.0").describe() == "SM120 (compute capability 12.0)"
-    assert info.flash_mla_installed is None
+    assert info.package("flash_mla") is None  # stated as data: no package known
     json.dumps(info.to_dict())
 
 
@@ -285,11 +287,11 @@ def test_device_info_from_capability_is_data():
 def test_detect_this_host():
     import torch
 
-    info = arch.detect()
+    info = detect()
     assert info.detected
     assert info.torch_version == str(torch.__version__)
     assert info.cuda_version == torch.version.cuda
-    assert isinstance(info.flash_mla_installed, bool)
+    assert isinstance(info.package("flash_mla").installed, bool)
     assert info.package("flashinfer") is not None
     if not torch.cuda.is_available():
         assert info.device_type == "cpu" and info.capability is None
@@ -303,37 +305,37 @@ def test_kernel_skip_reason_on_cpu(device):
     if device == "CPU_TORCH_DEVICE":
         device = torch.device("cpu")
     for kid in FLASHMLA_KERNELS:
-        reason = arch.kernel_skip_reason(kid, device)
+        reason = gating.kernel_skip_reason(kid, device)
         assert reason is not None and "cpu" in reason
-        assert reason.startswith(arch.get_kernel(kid).name)
+        assert reason.startswith(get_kernel(kid).name)
 
 
 def test_detect_finds_packages_without_importing_them():
-    arch.detect.cache_clear()
+    detect.cache_clear()
     try:
-        info = arch.detect("cpu")
+        info = detect("cpu")
         for module in ("flash_mla", "flashinfer"):
             pkg = info.package(module)
             assert pkg is not None
             if not pkg.installed:
                 assert module not in sys.modules
     finally:
-        arch.detect.cache_clear()
+        detect.cache_clear()
 
 
 # --- the matrix as data ---------------------------------------------------------------
 
 
 def test_flashmla_rows_facts():
-    dd = arch.get_kernel("flashmla/dense_decode")
+    dd = get_kernel("flashmla/dense_decode")
     assert (dd.kv_dtype, dd.mode, dd.head_dim_k, dd.head_dim_v, dd.page_block_size) == (
         "BF16", "MQA", (576,), (512,), (64,))
-    sd = arch.get_kernel("flashmla/sparse_decode")
+    sd = get_kernel("flashmla/sparse_decode")
     assert sd.kv_dtype.startswith("FP8") and "656" in sd.kv_dtype and sd.mode == "MQA"
-    dp = arch.get_kernel("flashmla/dense_prefill")
+    dp = get_kernel("flashmla/dense_prefill")
     assert dp.mode == "MHA" and dp.head_dim_v == (128,)
     for kid in FLASHMLA_KERNELS:
-        row = arch.get_kernel(kid)
+        row = get_kernel(kid)
         assert row.library == "FlashMLA" and row.package == "flash_mla"
         for t in row.targets:
             assert (t.name, t.build_target, t.min_cuda) in {("SM90", "sm_90a", (12, 8)), ("SM100", "sm_100f", (12, 9))}
@@ -361,11 +363,11 @@ def test_cli_matrix_json_for_capability_12_0(capsys):
     assert rc == 0
     report = json.loads(out)
     assert set(report) == {"device", "matrix", "verdicts", "adapters"}
-    assert set(report["adapters"]) <= set(arch.kernel_ids())
+    assert set(report["adapters"]) <= set(kernel_ids())
     assert report["device"]["capability"] == "12.0" and report["device"]["sm"] == "SM120"
     assert report["device"]["judged_on"] == "architecture"
-    assert [r["kernel_id"] for r in report["matrix"]] == arch.kernel_ids()
-    assert set(report["verdicts"]) == set(arch.kernel_ids())
+    assert [r["kernel_id"] for r in report["matrix"]] == kernel_ids()
+    assert set(report["verdicts"]) == set(kernel_ids())
     for kid, verdict in report["verdicts"].items():
         assert set(verdict) == {"supported", "reason"}
         assert verdict["supported"] is EXPECTED[("12.0", kid)]
@@ -402,7 +404,7 @@ def test_cli_matrix_output_is_deterministic(capsys):
 def test_cli_matrix_text_this_host(capsys):
     rc, out, _ = _cli_main(["matrix"], capsys)
     assert rc == 0
-    for kid in arch.kernel_ids():
+    for kid in kernel_ids():
         assert kid in out
     assert "detected on this host" in out
 
@@ -429,3 +431,92 @@ def test_cli_matrix_malformed_capability_subprocess():
     assert "mla-conformance matrix: error: argument --capability" in proc.stderr
     assert "'nine'" in proc.stderr
     assert proc.stdout == ""
+
+
+# --- the text fits the terminal; the full table is in --format md -----------------------
+
+
+def _lines_fit(text: str, columns: int) -> None:
+    long = [line for line in text.splitlines() if len(line) > columns]
+    assert not long, f"{len(long)} line(s) wider than {columns} columns, e.g. {long[0]!r} ({len(long[0])})"
+
+
+@pytest.mark.parametrize("columns", [60, 80, 100, 132])
+@pytest.mark.parametrize("argv", [["--capability", "12.0", "--name", "NVIDIA GeForce RTX 5090"], []],
+                         ids=["sm120", "this-host"])
+def test_cli_matrix_text_fits_the_terminal(columns, argv, capsys, monkeypatch):
+    """Every line within the terminal's width (COLUMNS, as shutil.get_terminal_size reads it), nothing lost:
+    every kernel id, and every verdict's sentence once the wrapping is undone."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    rc, out, _ = _cli_main(["matrix", *argv], capsys)
+    assert rc == 0
+    _lines_fit(out, columns)
+    flat = " ".join(out.split())
+    report = gating.matrix_report(*(["12.0"] if argv else []), name=argv[3] if argv else None)
+    for kid, verdict in report["verdicts"].items():
+        assert kid in out.splitlines()
+        assert (verdict["reason"] if verdict["reason"] else "supported") in flat, kid
+
+
+def test_cli_matrix_text_without_a_terminal_is_100_columns(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    from mla_conformance.cli import matrix as cli_matrix
+
+    assert cli_matrix.FALLBACK_COLUMNS == 100
+    rc, out, _ = _cli_main(["matrix", "--capability", "9.0"], capsys)  # captured: not a terminal
+    assert rc == 0
+    _lines_fit(out, cli_matrix.terminal_columns())
+
+
+def test_cli_matrix_markdown_is_the_full_table(capsys):
+    from mla_conformance.report.docs import support_matrix_table
+
+    rc, out, _ = _cli_main(["matrix", "--capability", "12.0", "--format", "md"], capsys)
+    assert rc == 0
+    assert support_matrix_table().strip() in out  # the table markers.md carries, unwrapped
+    assert get_kernel("flashmla/sparse_decode").kv_dtype in out
+    for kid, verdict in gating.matrix_report("12.0")["verdicts"].items():
+        assert f"| `{kid}` | {'supported' if verdict['supported'] else 'no: ' + verdict['reason']} |" in out
+
+
+def test_cli_matrix_json_flag_is_format_json(capsys):
+    assert _cli_main(["matrix", "--capability", "9.0", "--json"], capsys) == \
+        _cli_main(["matrix", "--capability", "9.0", "--format", "json"], capsys)
+
+
+def test_cli_matrix_malformed_cuda_version(capsys):
+    from mla_conformance import cli
+
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["matrix", "--capability", "9.0", "--cuda", "twelve"])
+    assert excinfo.value.code == 2
+    assert "expected a CUDA version such as 12.8, got 'twelve'" in capsys.readouterr().err
+
+
+# --- the one device description ---------------------------------------------------------
+
+
+def test_device_description_of_the_cpu():
+    import torch
+
+    d = device_description("cpu")
+    assert tuple(d) == DESCRIPTION_KEYS
+    assert d["device"] == "cpu" and d["device_name"] and d["torch"] == str(torch.__version__)
+    assert d["sm"] is None and d["capability"] is None and d["cuda"] is None
+    assert d["cores"] == os.cpu_count() and d["threads"] == torch.get_num_threads()
+    assert device_line(d) == f"cpu: {d['device_name']}, {d['cores']} cores, {d['threads']} thread" + \
+        ("s" if d["threads"] != 1 else "")
+    json.dumps(d)
+
+
+def test_device_description_of_a_cuda_device(monkeypatch):
+    """A GPU stated as data (what detect() would find on an H100 with a CUDA 12.8 torch): the same keys."""
+    from mla_conformance.arch import device
+
+    monkeypatch.setattr(device, "detect", lambda dev=None: DeviceInfo.from_capability(
+        (9, 0), "NVIDIA H100 80GB HBM3", cuda_version="12.8"))
+    d = device_description("cuda:0")
+    assert tuple(d) == DESCRIPTION_KEYS
+    assert (d["device"], d["device_name"], d["sm"], d["capability"], d["cuda"]) == (
+        "cuda:0", "NVIDIA H100 80GB HBM3", "SM90", "9.0", "12.8")
+    assert device_line(d) == "cuda:0: NVIDIA H100 80GB HBM3, SM90 (capability 9.0), CUDA 12.8"

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, checks
-from mla_conformance.arch import DeviceInfo, PackageInfo, detect, why_not
+from mla_conformance.arch.device import DeviceInfo, PackageInfo, detect
+from mla_conformance.arch.gating import why_not
 from mla_conformance.specs import get_backend
 from mla_conformance.impl.backends.flashmla import KERNEL_ID, FlashMLA, mla_metadata
 from mla_conformance.kv.caches import PagedLatentCache
@@ -61,7 +62,7 @@ def _hopper(installed: bool) -> DeviceInfo:
 
 
 def test_reasons_on_a_hopper_without_the_package(monkeypatch):
-    import mla_conformance.arch as arch
+    import mla_conformance.arch as arch  # the op asks arch.detect (mla_conformance.impl.ops.flashmla)
 
     monkeypatch.setattr(arch, "detect", lambda device=None: _hopper(False))
     reason = FlashMLA().unsupported_reason(LITE, dtype=BF16, device="cuda", kv_codec="none")
@@ -80,7 +81,7 @@ def test_reasons_on_a_hopper_without_the_package(monkeypatch):
 
 
 def test_an_sm120_is_told_it_needs_sm90(monkeypatch):
-    import mla_conformance.arch as arch
+    import mla_conformance.arch as arch  # the op asks arch.detect (mla_conformance.impl.ops.flashmla)
 
     monkeypatch.setattr(arch, "detect", lambda device=None: DeviceInfo.from_capability((12, 0), "RTX 5090"))
     reason = FlashMLA().unsupported_reason(LITE, dtype=BF16, device="cuda", kv_codec="none")

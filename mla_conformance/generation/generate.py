@@ -237,76 +237,6 @@ def numerics_class(device: str, dtype: torch.dtype) -> str:
     return f"{device.split(':')[0]}-{name}"
 
 
-# --------------------------------------------------------------------------- CLI
-
-
-def _generate_cli(args) -> int:
-    from mla_conformance.specs import get_backend
-    from mla_conformance.checks import DTYPES
-
-    from mla_conformance.cli import check_device
-
-    if args.dtype not in DTYPES:
-        raise MLAInputError(f"--dtype {args.dtype!r}: choose one of {sorted(DTYPES)}")
-    args.device = check_device(args.device)
-    if not Path(args.model).is_dir():
-        raise MLAInputError(f"--model {args.model}: no such model directory")
-    if args.kv_codec != "none":
-        try:
-            from mla_conformance.kv.codecs import get_codec
-
-            get_codec(args.kv_codec)
-        except ValueError as exc:
-            raise MLAInputError(f"--kv-codec: {exc}") from None
-    backend = get_backend(args.backend)
-    result = run_generation(args.model, backend, kv_codec=args.kv_codec, prompt_sets=args.prompts,
-                            max_new_tokens=args.max_new_tokens, dtype=DTYPES[args.dtype], device=args.device,
-                            prompts_file=args.prompts_file)
-    if args.json:
-        print(json.dumps(result, indent=1, sort_keys=True, ensure_ascii=False))
-    else:
-        for o in result["outputs"]:
-            print(f"{o['id']:>24}  {o['correct']}/{len(o['expected'])}  {o.get('text', o['tokens'])}")
-        print(f"accuracy {result['accuracy']:.4f} ({result['backend']}, kv_codec {result['kv_codec']}, "
-              f"{result['dtype']}, {result['device']})")
-    return 0
-
-
-def add_cli(sub) -> None:
-    from mla_conformance.cli import positive_int
-
-    p = sub.add_parser("generate", help="greedy generation with attention running through a backend")
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: the embedded tiny model)")
-    p.add_argument("--backend", default="reference-absorbed", metavar="SPEC")
-    p.add_argument("--kv-codec", default="none", metavar="NAME")
-    p.add_argument("--prompts", action="append", metavar="SET", help="prompt set name in the prompts file (repeatable)")
-    p.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS), metavar="FILE")
-    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
-                   help="tokens to generate per prompt, >= 1 (default: each prompt's expected answer length)")
-    p.add_argument("--dtype", default="float32", help="float32, float64, bfloat16 or float16 (default: float32)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_generate_cli)
-
-    v = sub.add_parser("dsa-variant", help="write a DeepSeek Sparse Attention variant of a dense model (indexer added)",
-                       description="Copy a dense MLA model directory and add a lightning indexer per layer plus the DSA "
-                                   "fields to its config.json, so `generate --model OUT --backend reference-dsa` runs it. "
-                                   "With --warmup-steps the indexer is trained as DeepSeek-V3.2's dense warm-up stage "
-                                   "trains it (everything else frozen; KL to the dense model's head-averaged attention) "
-                                   "on token-id sequences: --train-sequences FILE (a JSON list of lists), or in a "
-                                   "checkout held-out episodes of fixtures/train_tiny.py's tasks (seed 11, none of them a "
-                                   "pinned prompt).")
-    v.add_argument("out", help="directory to write")
-    v.add_argument("--model", default=str(DEFAULT_MODEL), help="dense model directory (default: the embedded tiny model)")
-    v.add_argument("--index-n-heads", type=positive_int, default=4)
-    v.add_argument("--index-head-dim", type=positive_int, default=32)
-    v.add_argument("--index-topk", type=positive_int, default=16)
-    v.add_argument("--warmup-steps", type=int, default=0, help="indexer training steps (default 0: the seeded draw)")
-    v.add_argument("--train-sequences", default=None, metavar="FILE", help="JSON list of token-id lists to train on")
-    v.add_argument("--seed", type=int, default=0)
-    v.set_defaults(func=_dsa_variant_cli)
-
-
 def tiny_training_sequences(prompts_path: str | Path = DEFAULT_PROMPTS, seed: int = 11) -> list[list[int]]:
     """Held-out episodes (prompt + answer ids) of the tiny model's tasks, from fixtures/train_tiny.py (a checkout
     only): 32 long copies, 16 recalls, 16 copies, none of them a pinned prompt of ``prompts_path``."""
@@ -344,28 +274,6 @@ def _source_label(src: Path) -> str:
         return "fixtures/" + src.resolve().relative_to(fixtures_dir().resolve()).as_posix()
     except ValueError:
         return str(src)
-
-
-def _dsa_variant_cli(args) -> int:
-    if args.warmup_steps < 0:
-        raise MLAInputError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    if not Path(args.model).is_dir():
-        raise MLAInputError(f"--model {args.model}: no such model directory")
-    sequences = None
-    if args.warmup_steps:
-        if args.train_sequences:
-            try:
-                sequences = json.loads(Path(args.train_sequences).read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as exc:
-                raise MLAInputError(f"--train-sequences {args.train_sequences}: {exc}") from None
-        else:
-            sequences = tiny_training_sequences()
-    figures = make_dsa_variant(args.model, args.out, index_n_heads=args.index_n_heads,
-                               index_head_dim=args.index_head_dim, index_topk=args.index_topk, sequences=sequences,
-                               steps=args.warmup_steps, seed=args.seed,
-                               progress=lambda m: print(f"[dsa-variant] {m}", file=sys.stderr, flush=True))
-    print(json.dumps({"out": str(args.out), **figures}, indent=1))
-    return 0
 
 
 # --------------------------------------------------------------------------- a DSA variant of a dense model

@@ -1,4 +1,4 @@
-"""``mla-conformance codecs``: bytes per token of every latent codec, measured from real caches.
+"""Bytes per token of every latent codec, measured from real caches (``mla-conformance codecs`` prints them).
 
 For each layout of :mod:`mla_conformance.kv.codecs`: payload and metadata bytes per token per layer, measured
 by writing tokens into reference-absorbed caches (:class:`mla_conformance.kv.caches.QuantizedLatentCache`)
@@ -9,7 +9,6 @@ honest ones.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from mla_conformance.kv.codecs import (CODECS, QUANT_STUDY_EXPANDED_BYTES, QUANT
                                     get_codec)
 from mla_conformance.model.config import MLAConfig
 
-# --------------------------------------------------------------------------- measured bytes and the CLI
+# --------------------------------------------------------------------------- measured bytes
 
 
 def measure_bytes(codec_name: str, config: MLAConfig, dtype: torch.dtype, *, batch: int = 2, tokens: int = 5,
@@ -101,54 +100,3 @@ def codec_table(preset: str, dtype: torch.dtype, device="cpu") -> dict[str, Any]
         out["quant_study"] = {"applies": False, "reason": "seed 001 measured DeepSeek-V2-Lite; run with "
                                                        "--preset deepseek-v2-lite for its figures"}
     return out
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "codecs", help="bytes per token of every KV codec (measured from real caches), ratios, seed 001",
-        description="For each quantized latent-cache layout: payload and metadata bytes per token per layer, "
-                    "measured by writing tokens into reference-absorbed caches and checked against the layout "
-                    "formula; whole-model bytes; ratios against the plain latent and expanded caches; and seed "
-                    "001's metadata-free sizes next to the honest ones.")
-    p.add_argument("--preset", default="deepseek-v2-lite", help="MLAConfig preset (default: deepseek-v2-lite)")
-    p.add_argument("--dtype", default="bfloat16", help="cache dtype (default: bfloat16)")
-    p.add_argument("--json", action="store_true", help="print deterministic JSON")
-    p.set_defaults(func=run_cli)
-
-
-def run_cli(args) -> int:
-    from mla_conformance.checks import DTYPES
-    from mla_conformance.errors import MLAInputError
-
-    MLAConfig.preset(args.preset)  # unknown preset -> MLAInputError naming it -> exit 2
-    if args.dtype not in DTYPES:
-        raise MLAInputError(f"unknown --dtype {args.dtype!r}; known: {', '.join(DTYPES)}")
-    table = codec_table(args.preset, DTYPES[args.dtype])
-    if args.json:
-        print(json.dumps(table, indent=1, sort_keys=True))
-        return 0
-    print(f"KV codecs at {args.preset} ({table['layers']} layers), cache dtype {table['dtype']}: bytes per token "
-          f"per layer (measured == formula); plain latent {table['latent_bytes_per_token_layer']:,} B, "
-          f"expanded {table['expanded_bytes_per_token_layer']:,} B")
-    print(f"{'codec':24} {'payload':>8} {'meta':>6} {'total':>6} {'model B/tok':>12} {'x latent':>9} "
-          f"{'x expanded':>10}  k_pe")
-    for r in table["codecs"]:
-        if "unsupported" in r:
-            print(f"{r['name']:24} unsupported: {r['unsupported']}")
-            continue
-        print(f"{r['name']:24} {r['payload']:>8,} {r['metadata']:>6,} {r['total']:>6,} "
-              f"{r['model_bytes_per_token']:>12,} {r['ratio_vs_latent']:>9.2f} {r['ratio_vs_expanded']:>10.2f}  "
-              f"{r['kpe']}")
-    seed = table["quant_study"]
-    if seed.get("schemes"):
-        print(f"\nseed 001 (no scale/zero-point bytes counted; base {seed['expanded_bytes_per_token']:,} B/token):")
-        for s in seed["schemes"]:
-            print(f"  {s['scheme']}: {s['seed_bytes_per_token_layer']} B x {seed['layers']} = "
-                  f"{s['seed_model_bytes_per_token']:,} B = {s['seed_model_kib']:.1f} KiB, "
-                  f"{s['seed_ratio_vs_expanded']:.1f}x (reported {s['reported']})")
-            for h in s["honest"]:
-                print(f"    with scales, {h['codec']}: {h['payload']} + {h['metadata']} = {h['total']} B x "
-                      f"{seed['layers']} = {h['model_bytes_per_token']:,} B = {h['model_kib']:.1f} KiB, "
-                      f"{h['ratio_vs_expanded']:.1f}x ({h['difference_bytes']:+,} B, {h['difference_pct']:+.1f}%)")
-    return 0
-

@@ -4,14 +4,20 @@ Everything runs in-process through ``mla_conformance.cli.main`` (pytest itself r
 writes a results file where ``run`` would have started pytest), so these tests take milliseconds.
 """
 
+import argparse
+import importlib
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from mla_conformance import report as R
+from mla_conformance.report import plots
+from mla_conformance.report import run as report_run
+from mla_conformance.report.build import build_report
+from mla_conformance.report.outdir import MARKER
 from mla_conformance.perf import bench
 from mla_conformance.cli import main
 
@@ -53,7 +59,7 @@ def fake_pytest(monkeypatch):
         path.write_text(json.dumps(state["results"]))
         return 0, None
 
-    monkeypatch.setattr(R, "_run_pytest", fake_run)
+    monkeypatch.setattr(report_run, "_run_pytest", fake_run)
     state["calls"] = calls
     return state
 
@@ -113,7 +119,7 @@ def test_run_writes_its_report_and_replaces_only_its_own(tmp_path, capsys, fake_
         rc, stdout, _ = _main(["run", "--out", str(out), "--name", "host"], capsys)
     finally:
         os.umask(old)
-    assert rc == 0 and (out / "conformance.json").exists() and (out / R.MARKER).exists()
+    assert rc == 0 and (out / "conformance.json").exists() and (out / MARKER).exists()
     assert (out.stat().st_mode & 0o777) == 0o775 and ((out / "conformance.md").stat().st_mode & 0o777) == 0o664
     cmd = fake_pytest["calls"][0]
     assert "-ra" in cmd and "-rs" not in cmd
@@ -140,7 +146,7 @@ def test_interrupted_run_leaves_the_previous_report(tmp_path, capsys, fake_pytes
     def ctrl_c_while_writing(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(R, "write_plots", ctrl_c_while_writing)
+    monkeypatch.setattr(plots, "write_plots", ctrl_c_while_writing)
     rc, _, _ = _main(["run", "--out", str(out)], capsys)
     assert rc == 130 and _tree(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"], "temporary directories left behind"
@@ -199,7 +205,7 @@ def test_run_bad_op_is_one_line_naming_the_option_writing_nothing(tmp_path, caps
 
 
 def test_merge_writes_owned_matrix_and_refuses_foreign(tmp_path, capsys):
-    rep = R.build_report(_results(), name="h", env={"suite_version": "0", "python": "3", "torch": "2",
+    rep = build_report(_results(), name="h", env={"suite_version": "0", "python": "3", "torch": "2",
                                                     "device": "cpu"})
     src = tmp_path / "a.json"
     src.write_text(json.dumps(rep))
@@ -332,7 +338,8 @@ def test_cuda_device_on_a_cpu_build(capsys):
 
 
 def test_presets_and_one_default_in_help(capsys):
-    from mla_conformance.cli import DEFAULT_PRESET, build_parser
+    from mla_conformance.cli import build_parser
+    from mla_conformance.cli.common import DEFAULT_PRESET
     from mla_conformance.model.config import PRESETS
 
     sub = build_parser()._subparsers._group_actions[0].choices
@@ -355,6 +362,135 @@ def test_budget_gives_a_fit_verdict(capsys):
 
 def test_matrix_names_what_runs(capsys):
     rc, out, _ = _main(["matrix", "--capability", "8.0"], capsys)
+    out = " ".join(out.split())  # the text is wrapped at the terminal's width
     assert rc == 0 and "On SM80 (8.0): none of FlashMLA's; FlashInfer's flashinfer/fa2_mla" in out
     rc, out, _ = _main(["matrix", "--capability", "9.0"], capsys)
-    assert "FlashMLA's flashmla/dense_decode" in out
+    assert "FlashMLA's flashmla/dense_decode" in " ".join(out.split())
+
+
+# --------------------------------------------------------------------------- the commands: one module each
+
+
+def _registered(module: str) -> set[str]:
+    sub = argparse.ArgumentParser().add_subparsers()
+    importlib.import_module(module).add_cli(sub)
+    return set(sub.choices)
+
+
+def test_commands_map_every_command_to_its_module():
+    """COMMANDS names every command the parser has, each module registers exactly the commands mapped to it, and
+    every command module under mla_conformance/cli/ is mapped (cli/run.py, cli/bench.py included once they exist)."""
+    from mla_conformance import cli
+
+    assert set(cli.build_parser()._subparsers._group_actions[0].choices) == set(cli.COMMANDS)
+    for module in dict.fromkeys(cli.COMMANDS.values()):
+        assert _registered(module) == {c for c, m in cli.COMMANDS.items() if m == module}, module
+    here = Path(cli.__file__).parent
+    command_modules = {f"mla_conformance.cli.{p.stem}" for p in here.glob("*.py")} - {
+        "mla_conformance.cli.__init__", "mla_conformance.cli.__main__", "mla_conformance.cli.common"}
+    assert command_modules <= set(cli.COMMANDS.values()), "a command module under cli/ that COMMANDS does not map"
+
+
+def test_a_missing_command_module_is_an_import_error(monkeypatch):
+    from mla_conformance import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "nope", "mla_conformance.cli.nope")
+    with pytest.raises(ImportError, match="mla_conformance.cli.nope"):
+        cli.build_parser("nope")
+    with pytest.raises(ImportError, match="mla_conformance.cli.nope"):
+        cli.build_parser()
+
+
+def test_every_command_has_help(capsys):
+    from mla_conformance import cli
+
+    for command in cli.COMMANDS:
+        rc, out, err = _main([command, "--help"], capsys)
+        assert rc == 0 and out.startswith(f"usage: mla-conformance {command}"), (command, err)
+
+
+def test_domain_modules_import_nothing_from_cli():
+    """The command modules call into the domain modules, never the other way (imports at module level or in a
+    function, read from the source with tests/test_layout.py's graph; argparse: tests/test_layout.py)."""
+    from tests.test_layout import import_graph
+
+    def is_cli(m):
+        return m == "mla_conformance.cli" or m.startswith("mla_conformance.cli.")
+
+    back = {m: sorted(filter(is_cli, targets)) for m, targets in import_graph().items()
+            if not is_cli(m) and m not in STILL_IMPORTING_CLI}
+    assert not {m: t for m, t in back.items() if t}, "domain modules importing from mla_conformance.cli"
+
+
+#: Domain modules whose command parts another helper is moving into cli/ (perf.bench: cli/bench.py); drop an
+#: entry when its move lands.
+STILL_IMPORTING_CLI = {"mla_conformance.perf.bench"}
+
+
+# --------------------------------------------------------------------------- test: the checkout's ids
+
+
+NODEID = "suites/test_cache_bytes.py::test_bytes_formula[reference-absorbed-1-0-1-float32-tiny]"
+
+
+def test_test_command_takes_and_prints_checkout_ids(tmp_path, capsys, monkeypatch):
+    """From another directory, `mla-conformance test -- suites/...::test[...]` runs that test (not the whole
+    suite) and pytest prints it as `suites/...`, not as a path relative to the caller's directory. pytest runs in
+    this process, in the directory and with the arguments the command would give its subprocess."""
+    from mla_conformance.cli import test as cli_test
+    from mla_conformance.resources import suites_dir
+
+    seen = {}
+
+    real_run = subprocess.run
+
+    def in_process(cmd, *args, cwd=None, env=None, **kw):
+        if cmd[1:3] != ["-m", "pytest"]:  # another subprocess (pytest-benchmark asks git)
+            return real_run(cmd, *args, cwd=cwd, env=env, **kw)
+        seen.update(cmd=cmd, cwd=cwd, env=env)
+        monkeypatch.chdir(cwd)
+        return subprocess.CompletedProcess(cmd, pytest.main([*cmd[3:], "-p", "no:xdist"]))
+
+    monkeypatch.setattr(cli_test.subprocess, "run", in_process)
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _main(["test", "--backend", "reference-absorbed", "--", NODEID, "-v"], capsys)
+    assert rc == 0, out[-2000:] + err[-2000:]
+    assert seen["cwd"] == suites_dir().parent and seen["cmd"][3] == NODEID and "suites" not in seen["cmd"][4:]
+    assert f"{NODEID} PASSED" in out and "1 passed" in out
+    assert "../" not in out and str(tmp_path) not in out
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)  # module:attr specs resolve from here
+
+
+def test_test_command_arguments_keep_their_meaning(tmp_path):
+    """Ids in the checkout's form (also bare `test_x.py`, or a path into the installed suites) select tests; the
+    caller's paths, file specs and checkpoint become absolute; option values stay as typed."""
+    from types import SimpleNamespace
+
+    from mla_conformance.cli.test import pytest_command
+    from mla_conformance.resources import suites_dir
+
+    suites = suites_dir()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "test_extra.py").write_text("")
+    (tmp_path / "expect.txt").write_text("")
+    (tmp_path / "numerics").mkdir()  # a directory named like the -k expression: still the expression
+    args = SimpleNamespace(backend=["my_backend.py:MyMLA", "mypkg.mla:MyBackend", "reference-absorbed"],
+                           checkpoint="ckpt", device="cpu", pytest_args=[
+                               "suites/test_numerics.py::test_a[x-y]", "test_dsa.py", str(suites / "test_op_fp8.py"),
+                               "-k", "numerics", "--mla-expect", "expect.txt", "--junitxml=out/j.xml",
+                               "--mla-op=op_file.py:Op", "--deselect", "test_numerics.py::test_b", "mine/test_extra.py",
+                               "-x"])
+    cmd, cwd, env = pytest_command(args, suites, tmp_path, tmp_path)
+    assert cwd == suites.parent
+    assert cmd[3:6] == ["suites/test_numerics.py::test_a[x-y]", "suites/test_dsa.py", "suites/test_op_fp8.py"]
+    rest = cmd[6:]
+    t = str(tmp_path)
+    for pair in (["--mla-backend", f"{t}/my_backend.py:MyMLA"], ["--mla-backend", "mypkg.mla:MyBackend"],
+                 ["--mla-backend", "reference-absorbed"], ["--mla-checkpoint", f"{t}/ckpt"], ["-k", "numerics"],
+                 ["--mla-expect", f"{t}/expect.txt"], ["--deselect", "suites/test_numerics.py::test_b"]):
+        i = rest.index(pair[0], *([rest.index(pair[0]) + 2] if pair[1] == "mypkg.mla:MyBackend" else []))
+        assert rest[i:i + 2] == pair or pair[1] in rest, (pair, rest)
+    assert f"--junitxml={t}/out/j.xml" in rest and f"--mla-op={t}/op_file.py:Op" in rest
+    assert f"{t}/mine/test_extra.py" in rest and rest[-1] == "-x"
+    no_ids = SimpleNamespace(backend=None, checkpoint=None, device=None, pytest_args=["-k", "seed_table"])
+    assert pytest_command(no_ids, suites, tmp_path, tmp_path)[0][3] == "suites"  # no id given: every suite
