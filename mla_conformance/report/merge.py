@@ -169,6 +169,10 @@ class _Grid:
         return lines
 
 
+#: The skip reasons ``merge`` prints per grid (the most frequent); all of them are in matrix.md.
+SKIP_REASONS_SHOWN = 10
+
+
 def terminal_lines(matrix: dict, width: int) -> list[str]:
     """What ``merge`` prints: each column's verdict and the skip reasons with their counts, wrapped at
     ``width`` between words (a word longer than the line stays whole); the tables are in matrix.md."""
@@ -187,8 +191,11 @@ def terminal_lines(matrix: dict, width: int) -> list[str]:
                     reasons[c.get("reason", "")] = reasons.get(c.get("reason", ""), 0) + 1
         if reasons:
             out.append(f"{title}, skipped cells by reason:")
-            for reason, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+            ranked = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+            for reason, n in ranked[:SKIP_REASONS_SHOWN]:
                 out += _wrap(f"{n} x {reason}", width, "  ", "      ")
+            if len(ranked) > SKIP_REASONS_SHOWN:
+                out.append(f"  and {len(ranked) - SKIP_REASONS_SHOWN} more reasons (matrix.md)")
     return out
 
 

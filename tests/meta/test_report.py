@@ -553,3 +553,128 @@ def test_sections_come_from_records_not_test_names():
                                                                                            "test_seed_table")
     assert strip(md_b) == md_a
     assert "Cache bytes: the V2-Lite cache probe" in md_b
+
+
+# --------------------------------------------------------------------------- issue 20: schema, grouping, no stray output
+
+
+def test_identical_failures_are_one_row_with_a_count():
+    """One exception raised by 62 tests is one row: the count and the first few test ids."""
+    res = {"backends": ["crashy"], "tests": [
+        _t(f"suites/test_numerics.py::test_against_float64[crashy-float32-case{i:02d}]", "error", "crashy",
+           reason="BackendError: crashy.attend raised RuntimeError: boom", dtype="float32", preset="tiny",
+           scenario=f"case{i:02d}") for i in range(62)]}
+    res["tests"].append(_t("suites/test_numerics.py::test_against_float64[crashy-bfloat16-x]", "error", "crashy",
+                           reason="BackendError: crashy.attend raised ValueError: other", dtype="bfloat16"))
+    md = render_markdown(build_report(res, name="h", env=ENV))
+    fails = md[md.index("## Failures"):].split("\n\n")[1].splitlines()[2:]
+    assert len(fails) == 2, fails
+    boom = next(line for line in fails if "boom" in line)
+    assert boom.startswith("| error | 62 tests: `suites/test_numerics.py::test_against_float64[crashy-float32-case00]`, ")
+    assert "case02]` and 59 more | BackendError: crashy.attend raised RuntimeError: boom |" in boom
+    assert "case03" not in boom
+    assert "| error | `suites/test_numerics.py::test_against_float64[crashy-bfloat16-x]` | " in md
+
+
+def test_figures_refuse_an_undeclared_key():
+    from mla_conformance.report.schema import FIGURES, Figures, is_declared
+
+    f = Figures(rel_fro=1e-7)
+    f.update({"max_abs": 1.0}, case="x")
+    f["row3_vs_float64"] = 0.5
+    f.setdefault("check", "c")
+    assert dict(f) == {"rel_fro": 1e-7, "max_abs": 1.0, "case": "x", "row3_vs_float64": 0.5, "check": "c"}
+    for write in (lambda: f.__setitem__("rel_frob", 1), lambda: f.update(rel_frob=1), lambda: f.update({"x y": 1}),
+                  lambda: f.setdefault("nope"), lambda: Figures(nope=1)):
+        with pytest.raises(KeyError) as exc:
+            write()
+        assert "is not declared" in str(exc.value) and "mla_conformance/report/schema.py" in str(exc.value)
+        assert "\n" not in str(exc.value)
+    assert not is_declared("rowx_vs_float64") and list(FIGURES) == sorted(FIGURES), "FIGURES is kept sorted"
+
+
+def test_renderers_read_only_declared_figures_and_sections():
+    """Every figure key and section the report's renderers read by string is declared in report/schema.py,
+    and no renderer imports checks or the config."""
+    import re
+
+    from mla_conformance.report.schema import FIGURES, SECTIONS, is_declared
+
+    src = "\n".join((ROOT / "mla_conformance" / "report" / f).read_text()
+                    for f in ("build.py", "markdown.py", "sections.py", "plots.py", "merge.py"))
+    figure_reads = set(re.findall(r'\bf(?:igures"\])?(?:\.get\(|\[)"([a-z0-9_]+)"', src))
+    for args in re.findall(r'number\([^,()]*(?:\([^)]*\))?[^,()]*, ([^)]*)\)', src):  # number(f, "key", ...)
+        figure_reads |= set(re.findall(r'"([a-z0-9_]+)"', args))
+    assert len(figure_reads) > 25, figure_reads
+    undeclared = sorted(k for k in figure_reads if not is_declared(k) and not k.startswith("formula_{"))
+    assert not undeclared, f"read but not declared in FIGURES: {undeclared}"
+    sections = set(re.findall(r'in_section\(report, "([a-z0-9_-]+)"\)', src))
+    sections |= set(re.findall(r'"section"\) == "([a-z0-9_-]+)"', src))
+    assert sections and not sections - set(SECTIONS), sections - set(SECTIONS)
+    for forbidden in (r"mla_conformance\.checks", r"MLAConfig", r"(?<!OP_)TOLERANCES", r"format_bytes_per_token\(",
+                      r"import torch", r"mla_conformance\.model\.config"):
+        assert not re.search(forbidden, src), forbidden
+    assert FIGURES and "except ImportError" not in src
+
+
+def test_generic_sections_get_a_table_of_their_own():
+    from mla_conformance.report.schema import GENERIC_SECTIONS
+
+    assert {"op_prefill", "op_sparse_prefill", "op_merge", "op_write", "op_composition", "op_generated",
+            "layer_generated"} == set(GENERIC_SECTIONS)
+    res = op_results()
+    res["tests"] += [
+        _op("test_op_prefill.py::test_prefill_vs_oracle[good-op-float32]", "failed", "good-op", "op_prefill",
+            reason="good-op: out differs", figures=_op_fig("prefill B=2", 0.3, out_error_over_bound=4.5)),
+        _t("suites/test_layer_generated.py::test_generated[good-case0]", "passed", "good", section="x",
+           figures={"case": "generated case 0", "rel_fro": 1e-7, "tolerance_rel_fro": 1e-5})]
+    res["tests"][-1]["section"] = "layer_generated"
+    md = render_markdown(build_report(res, name="h", env=ENV))
+    prefill = md[md.index("## op_prefill:"):]
+    assert "| **FAIL** | good-op | test_prefill_vs_oracle | prefill B=2 | 4.500e+00 x the bound; good-op: out differs |" \
+        in prefill
+    layer = md[md.index("## layer_generated:"):]
+    assert "| ok | good | test_generated | generated case 0 | rel_fro 1.000e-07 (tolerance 1.000e-05) |" in layer
+    assert "### op_prefill" not in md[md.index("## Op cases"):], "not twice"
+
+
+@pytest.mark.parametrize("argv", [["--device", "cuda:7"], ["--backend", "nope"], ["--op", "nope"],
+                                  ["--name", "a/b"]])
+def test_a_run_that_fails_on_its_inputs_writes_nothing(tmp_path, monkeypatch, capsys, argv):
+    """Not even an empty reports/ (the default --out's parent) or the --out given."""
+    import torch
+
+    from mla_conformance.cli import main
+
+    if argv[0] == "--device" and torch.cuda.device_count() > 7:
+        pytest.skip("this host has a cuda:7")
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    monkeypatch.setattr(report_run, "_run_pytest", lambda cmd: ran.append(cmd) or (0, None))
+    assert main(["run", *argv]) == 2 and main(["run", "--out", str(tmp_path / "x" / "y"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("mla-conformance run: error: ") for line in err), err
+    assert not ran and not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_merge_prints_whole_words_at_the_terminal_width_and_keeps_the_full_text_in_the_file(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from mla_conformance.cli import main
+
+    reason = ("decliner: this backend declares no latent cache here, so the numerics of the latent path "
+              "(prefill, decode, varlen batches) are not checked on it")
+    res = results()
+    for t in res["tests"]:
+        if t["outcome"] == "skipped":
+            t["reason"] = reason
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps(build_report(res, name="host", env=ENV)))
+    monkeypatch.setenv("COLUMNS", "50")
+    assert main(["merge", str(src), "--out", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert all(len(line) <= 50 or len(line.split()) == 1 for line in lines), [x for x in lines if len(x) > 50]
+    assert "host / decliner: NOT TESTED" in out and "3 x decliner: this backend" in out
+    assert " ".join(out.split()).count(reason) == 1, "every word whole, none cut"
+    md = (tmp_path / "m" / "matrix.md").read_text()
+    assert f"skip: {reason} |" in md
