@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, checks
+from mla_conformance.checks import paged
 from mla_conformance.arch.device import DeviceInfo, PackageInfo, detect
 from mla_conformance.arch.gating import why_not
 from mla_conformance.specs import get_backend
@@ -224,27 +225,18 @@ def test_glue_against_float64_at_v2_lite_dims(interface, mla_figures):
     valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
     m = checks.error_metrics(out[valid], ref[valid])
     tol = checks.TOLERANCES["bfloat16"]
-    mla_figures.update(interface=interface, **m)
+    mla_figures.update(m)  # the interface is in the test id
     assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, checks.format_metrics(m)
     assert cache.seq_lens.tolist() == lengths.tolist()
 
 
-def _paged_suite():
-    """suites/test_paged_cache.py's helpers (its driver, call schedule and 576-wide config)."""
-    import types
-
-    from tests._suite_modules import suite_namespace
-
-    return types.SimpleNamespace(**suite_namespace("test_paged_cache"))
-
-
 def test_glue_groups_rows_by_new_tokens_and_matches_reference_absorbed(mla_figures):
-    """Padded calls become one kernel call per distinct token count; empty rows make none."""
-    ps = _paged_suite()
-    CALLS, TOTALS, drive = ps.CALLS, ps.TOTALS, ps.drive
+    """Padded calls become one kernel call per distinct token count; empty rows make none (the paged checks'
+    driver, call schedule and 576-wide config: mla_conformance.checks.paged)."""
+    CALLS, TOTALS, drive = paged.CALLS, paged.TOTALS, paged.drive
     calls = []
     backend = FlashMLA(flash_mla_module=fake_flash_mla("new", calls))
-    w = ps._weights("dims-576", BF16)
+    w = paged.paged_weights("dims-576", BF16)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(len(TOTALS), max(TOTALS), w.config.hidden_size, generator=gen, dtype=torch.float64)
     out, cache = drive(backend, w, x, CALLS)

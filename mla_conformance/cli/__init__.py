@@ -1,7 +1,7 @@
 """The ``mla-conformance`` command: one module per command under ``mla_conformance/cli/``, each registering its
-command(s) with ``add_cli(subparsers)`` and calling into the domain module that does the work. argparse is
-used here and nowhere else in the package; a command's module is imported only to run that command
-(``run`` imports no torch), ``--help`` imports them all, and a missing module is an ImportError.
+command(s) with ``add_cli(subparsers)`` and calling into the domain module that does the work (argparse lives
+in cli/ and nowhere else in the package; the domain modules import nothing from it). Running a command imports
+its module only, ``--help`` imports them all, and a missing module is an ImportError.
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ import os
 import sys
 
 from mla_conformance.errors import MLAInputError
-# Re-exported for the modules that still import them from here (cli/bench.py); cli.common owns them.
-from mla_conformance.cli.common import DEFAULT_PRESET, UserError, check_device, positive_int, preset_help
 
-__all__ = ["COMMANDS", "DEFAULT_PRESET", "UserError", "build_parser", "check_device", "main", "positive_int",
-           "preset_help"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 #: command -> the module whose ``add_cli(sub)`` defines it, in the order of --help.
 COMMANDS = {

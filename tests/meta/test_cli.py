@@ -417,14 +417,8 @@ def test_domain_modules_import_nothing_from_cli():
     def is_cli(m):
         return m == "mla_conformance.cli" or m.startswith("mla_conformance.cli.")
 
-    back = {m: sorted(filter(is_cli, targets)) for m, targets in import_graph().items()
-            if not is_cli(m) and m not in STILL_IMPORTING_CLI}
+    back = {m: sorted(filter(is_cli, targets)) for m, targets in import_graph().items() if not is_cli(m)}
     assert not {m: t for m, t in back.items() if t}, "domain modules importing from mla_conformance.cli"
-
-
-#: Domain modules whose command parts another helper is moving into cli/ (perf.bench: cli/bench.py); drop an
-#: entry when its move lands.
-STILL_IMPORTING_CLI = {"mla_conformance.perf.bench"}
 
 
 # --------------------------------------------------------------------------- test: the checkout's ids
