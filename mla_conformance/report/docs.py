@@ -1,34 +1,44 @@
-"""``mla-conformance docs``: the tables of markers.md, generated from the code that owns them.
+"""``mla-conformance docs``: the generated tables of markers.md and docs/*.md, written from the code that owns them.
 
-markers.md keeps its prose by hand; its tables are written between marker comments::
+Each file keeps its prose by hand; its tables are written between marker comments::
 
     <!-- generated: tolerances (mla-conformance docs) -->
     | ... |
     <!-- end generated -->
 
-and rewritten in place by ``mla-conformance docs`` from the pytest options the plugin registers
+and rewritten in place by ``mla-conformance docs`` (:func:`update`) from the pytest options the plugin registers
 (:func:`mla_conformance.pytest_plugin.pytest_addoption`), :data:`mla_conformance.checks.TOLERANCES` and
 ``OP_TOLERANCES``, :data:`mla_conformance.kv.codecs.CODECS` (bytes per token at DeepSeek-V2-Lite dims in BF16)
 with :data:`mla_conformance.kv.codecs.ERROR_BOUNDS`, :data:`mla_conformance.arch.MATRIX`, and the op suite's
-sections (the ``mla_section("op-...")`` markers of ``suites/test_op_*.py``, read from the source).
-``mla-conformance docs --check`` changes nothing and exits 1 naming the sections that differ.
+sections (the ``mla_section("op-...")`` markers of ``suites/test_op_*.py``, read from the source). :data:`FILES`
+says which file holds which section. ``mla-conformance docs --check`` changes nothing and exits 1 naming the
+files and sections that differ.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import math
 import re
-import sys
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable
 
 from mla_conformance.resources import source_checkout
 
-#: markers.md of the source checkout; None for an installed wheel (markers.md is not shipped: pass --path)
-DEFAULT_PATH = _checkout / "markers.md" if (_checkout := source_checkout()) else None
+#: The source checkout; None for an installed wheel (markers.md and docs/ are not shipped: pass a path)
+CHECKOUT = source_checkout()
+#: markers.md of the source checkout (None for an installed wheel)
+DEFAULT_PATH = CHECKOUT / "markers.md" if CHECKOUT else None
+
+#: The files with generated sections, relative to the checkout, and the sections each holds (one owner each).
+FILES: dict[str, tuple[str, ...]] = {
+    "markers.md": ("options", "op_sections"),
+    "docs/support-matrix.md": ("support_matrix",),
+    "docs/tolerances.md": ("tolerances", "op_tolerances"),
+    "docs/codecs.md": ("kv_codecs",),
+    "docs/cli.md": ("presets",),
+}
 
 REGENERATE = "mla-conformance docs"
 BEGIN = "<!-- generated: {name} (" + REGENERATE + ") -->"
@@ -202,7 +212,25 @@ def support_matrix_table() -> str:
                    "mode, head dims K/V", "confidence"), ("l",) * 7, rows)
 
 
-#: Section name -> the function writing its body, in markers.md order.
+def presets_table() -> str:
+    """Every MLAConfig preset's dimensions, read from the configs."""
+    from mla_conformance.model.config import PRESETS, MLAConfig
+
+    rows = []
+    for name in PRESETS:
+        c = MLAConfig.preset(name)
+        rs = c.rope_scaling
+        yarn = f"x{rs['factor']:g} past {rs['original_max_position_embeddings']:,}" if rs else "-"
+        indexer = (f"{c.index_n_heads} x {c.index_head_dim}, top-{c.index_topk}"
+                   + (", interleaved RoPE" if c.indexer_rope_interleave else "")) if c.index_topk else "-"
+        rows.append((f"`{name}`", c.num_attention_heads, c.hidden_size, c.q_lora_rank or "-",
+                     f"{c.kv_lora_rank} + {c.qk_rope_head_dim}", f"{c.qk_nope_head_dim} / {c.v_head_dim}", yarn,
+                     c.num_hidden_layers, indexer))
+    return _table(("preset", "heads", "hidden", "q_lora", "kv_lora + rope", "qk_nope / v", "YaRN", "layers",
+                   "indexer (heads x dim, top-k)"), ("l", "r", "r", "r", "r", "r", "l", "r", "l"), rows)
+
+
+#: Section name -> the function writing its body.
 SECTIONS: dict[str, Callable[[], str]] = {
     "options": options_table,
     "support_matrix": support_matrix_table,
@@ -210,22 +238,30 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "op_sections": op_sections_table,
     "op_tolerances": op_tolerances_table,
     "kv_codecs": codecs_table,
+    "presets": presets_table,
 }
 
 
-# --------------------------------------------------------------------------- rewriting markers.md
+# --------------------------------------------------------------------------- rewriting the files
 
 
-def render(text: str) -> tuple[str, list[str]]:
+def render(text: str, sections: tuple[str, ...] | None = None) -> tuple[str, list[str]]:
     """``text`` with every generated section rewritten, and the names of the sections that changed.
 
-    A ValueError when a section of :data:`SECTIONS` has no markers, or a marker names an unknown one.
+    ``sections``: the sections the text must hold (a file's entry in :data:`FILES`); None: the ones its markers
+    name (at least one). A ValueError when one of ``sections`` has no markers, or a marker names a section that is
+    unknown or not among ``sections``.
     """
     found = [m.group("name") for m in _BLOCK_RE.finditer(text)]
+    expected = tuple(sections) if sections is not None else tuple(n for n in found if n in SECTIONS)
     unknown = [n for n in found if n not in SECTIONS]
-    missing = [n for n in SECTIONS if n not in found]
-    if unknown or missing:
-        parts = ([f"unknown section(s) {', '.join(unknown)}"] if unknown else []) + (
+    elsewhere = [n for n in found if n in SECTIONS and n not in expected]
+    missing = [n for n in expected if n not in found] if sections is not None else ([] if found else ["NAME"])
+    if unknown or elsewhere or missing:
+        owner = {n: f for f, names in FILES.items() for n in names}
+        parts = ([f"unknown section(s) {', '.join(unknown)} (known: {', '.join(SECTIONS)})"] if unknown else []) + (
+            [f"section(s) {', '.join(elsewhere)} belong to " + ", ".join(sorted({owner[n] for n in elsewhere}))]
+            if elsewhere else []) + (
             [f"no markers for section(s) {', '.join(missing)} "
              f"(add {BEGIN.format(name=missing[0])} ... {END})"] if missing else [])
         raise ValueError("; ".join(parts))
@@ -241,48 +277,47 @@ def render(text: str) -> tuple[str, list[str]]:
     return _BLOCK_RE.sub(sub, text), stale
 
 
-def _cmd_docs(args: argparse.Namespace) -> int:
-    from mla_conformance.cli import UserError
-
-    if args.path is None:
-        raise UserError("--path FILE: markers.md belongs to a source checkout of mla-conformance, and this is an "
-                        "installed one")
-    path = Path(args.path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    try:
-        new, stale = render(text)
-    except ValueError as exc:
-        raise UserError(f"{path}: {exc}") from None
-    if args.check:
-        if stale or new != text:
-            print(f"{path}: stale generated section(s): {', '.join(stale) or 'marker lines'}; "
-                  f"regenerate with `{REGENERATE}`", file=sys.stderr)
-            return 1
-        print(f"{path}: generated sections up to date ({', '.join(SECTIONS)})")
-        return 0
-    if new != text:
-        path.write_text(new, encoding="utf-8")
-        print(f"{path}: rewrote {', '.join(stale) or 'marker lines'}")
-    else:
-        print(f"{path}: generated sections up to date ({', '.join(SECTIONS)})")
-    return 0
+def sections_for(path: Path) -> tuple[str, ...] | None:
+    """The sections :data:`FILES` assigns to a file at ``path`` (matched on its last path parts: a copy of
+    docs/tolerances.md anywhere holds the tolerances), or None for a file FILES does not name."""
+    parts = Path(path).parts
+    for rel, names in FILES.items():
+        rel_parts = Path(rel).parts
+        if parts[-len(rel_parts):] == rel_parts:
+            return names
+    return None
 
 
-def add_cli(subparsers: Any) -> None:
-    """Register ``mla-conformance docs``."""
-    p = subparsers.add_parser(
-        "docs",
-        help="rewrite markers.md's generated tables (options, tolerances, op sections, codecs, support matrix) "
-             "from the code",
-        description="Rewrite the tables of markers.md between '<!-- generated: NAME (...) -->' and "
-                    "'<!-- end generated -->' from the plugin's options, TOLERANCES and OP_TOLERANCES, the op "
-                    "suite's sections, CODECS + ERROR_BOUNDS and the kernel support matrix; with --check, change "
-                    "nothing and exit 1 naming the stale sections.",
-    )
-    p.add_argument("--check", action="store_true", help="exit 1 when a generated section differs from the code")
-    p.add_argument("--path", default=str(DEFAULT_PATH) if DEFAULT_PATH else None, metavar="FILE",
-                   help="the markdown file to rewrite (default: markers.md of this checkout)")
-    p.set_defaults(func=_cmd_docs)
+def update(paths: list[Path] | None = None, *, check: bool) -> tuple[int, list[str], list[str]]:
+    """Rewrite the generated sections of ``paths`` (None: every file of :data:`FILES` in the source checkout), or
+    with ``check`` only compare them. Returns (exit status, lines for stdout, lines for stderr): 1 when a checked
+    section differs from the code. A ValueError naming the file for a file that cannot be read or whose markers
+    are wrong (and for paths=None in an installed wheel, which ships none of these files)."""
+    if paths is None:
+        if CHECKOUT is None:
+            raise ValueError("markers.md and docs/ belong to a source checkout of mla-conformance, and this is an "
+                             "installed one: pass --path FILE")
+        paths = [CHECKOUT / rel for rel in FILES]
+    out: list[str] = []
+    err: list[str] = []
+    rc = 0
+    for path in map(Path, paths):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        try:
+            new, stale = render(text, sections_for(path))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        names = ", ".join(m.group("name") for m in _BLOCK_RE.finditer(text))
+        if new == text:
+            out.append(f"{path}: generated sections up to date ({names})")
+        elif check:
+            err.append(f"{path}: stale generated section(s): {', '.join(stale) or 'marker lines'}; "
+                       f"regenerate with `{REGENERATE}`")
+            rc = 1
+        else:
+            path.write_text(new, encoding="utf-8")
+            out.append(f"{path}: rewrote {', '.join(stale) or 'marker lines'}")
+    return rc, out, err
