@@ -150,16 +150,18 @@ def buffers(device, **tensors) -> dict[str, Buffer]:
 # --------------------------------------------------------------------------- calling
 
 
-def call(op, method: str, case, check: str, bufs: dict[str, Buffer], args: tuple[str, ...], **kwargs):
-    """``op.<method>(*[bufs[a].view for a in args], **kwargs)`` (a Buffer among kwargs is passed as its view);
-    an exception is a BackendError; then no input and no canary may have changed (the ``mutable`` buffers --
-    write's cache -- are not checked here)."""
+def call(op, method: str, case, check: str, bufs: dict[str, Buffer], args: tuple[str, ...], *, views=None,
+         mutable: tuple[str, ...] = (), **kwargs):
+    """``op.<method>(*[bufs[a].view for a in args], **kwargs)`` (a Buffer among kwargs is passed as its view;
+    ``views`` maps an argument name to the tensor passed in its place: a view into some buffer); an exception is
+    a BackendError; then no input and no canary may have changed (the ``mutable`` buffers -- write's cache --
+    are the caller's to check)."""
     __tracebackhide__ = True
     require(op, case)
-    mutable = kwargs.pop("mutable", ())
+    views = views or {}
     kw = {k: (v.view if isinstance(v, oc.Buffer) else v) for k, v in kwargs.items()}
     try:
-        result = getattr(op, method)(*(bufs[a].view for a in args), **kw)
+        result = getattr(op, method)(*(views[a] if a in views else bufs[a].view for a in args), **kw)
     except Exception as exc:
         for name, buf in bufs.items():
             if name not in mutable:

@@ -1,0 +1,401 @@
+"""Checks of the op contract's ``write`` (the cache writer: vLLM's ``concat_and_cache_mla``, FlashInfer's
+``append_paged_mla_kv_cache``) for suites/test_op_write.py and the composition.
+
+Inputs (:func:`build`, cached per :class:`WriteSpec`): kv_c and k_pe as views of one projection output
+[T, kv_lora + rope + 32] (NaN in the last 32 columns), a slot_mapping that writes part of a page, a whole page
+and the first slots of another page in shuffled token order, with -1 entries (padding) among them -- slot 0 and
+the last block are never written, so a -1 taken as 0 or as the last slot shows; the cache's block memory filled
+with seeded random bytes (every byte a canary) and a canary after it.
+
+After the call (:func:`check_write`): every byte outside the written tokens' spans is unchanged
+(mla_conformance.kv.cache_write), and each written token holds exactly what the oracle encodes -- bit for bit for
+the latent format; for the FP8 layouts e4m3 payload, tile scales and the bfloat16 rope as FlashMLA's
+tests/quant.py writes them under the declared ``write_fp8_scale_format``. Under ``"fp32"`` (amax / 448 kept as a
+float32) a scale may differ from the oracle's division by one ulp (amax x (1/448) rounds differently), and a
+payload byte may take either e4m3 neighbour where x / scale is within 2^-22 of their midpoint; nothing else
+is allowed. Failures name the token, slot, field and both values, and the likely cause where one fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from mla_conformance.checks import op_methods as om
+from mla_conformance.contract.op import MethodCase, declared
+from mla_conformance.errors import BackendOutputError
+from mla_conformance.kv import cache_write, model1
+from mla_conformance.kv.codecs import flashmla_fp8_scales
+
+METHOD = "write"
+FP8_656 = "fp8-e4m3-flashmla"
+#: (kv_lora, rope) of each format's rows
+WIDTHS = {"latent": (512, 64), FP8_656: (512, 64), model1.NAME: (model1.D_NOPE, model1.D_ROPE)}
+#: the fields of each format's spans: (name, span, start, end, kind)
+FIELDS = {
+    "latent": (("row", 0, 0, None, "raw"),),
+    FP8_656: (("e4m3 payload", 0, 0, 512, "e4m3"), ("tile scales", 0, 512, 528, "f32"), ("k_pe", 0, 528, 656, "bf16")),
+    model1.NAME: (("e4m3 payload", 0, 0, 448, "e4m3"), ("k_pe", 0, 448, 576, "bf16"), ("tile scales", 1, 0, 7, "e8m0")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteSpec:
+    """``layout``: "runs" (part of a page, a whole page, a page's first slots) or "rows" (decode rows of
+    ``rows`` tokens, each from offset 0 of its first page: for the round trip through decode); ``content``:
+    "random" (per-token magnitudes 2^-4..2^4, one all-zero tile), "probe-336" (every tile's amax exactly 336:
+    scale 1.0 under pow2, 0.75 under fp32), "kpe-large" (a small latent, hence tiny scales, and k_pe of
+    +-100..400)."""
+
+    kv_format: str = "latent"
+    dtype: str = "bfloat16"
+    page: int = 16
+    layout: str = "runs"
+    rows: tuple[int, ...] = (37, 20)
+    content: str = "random"
+    padding_slots: int = 4
+    scale_format: str = "pow2"
+    seed: int = 0
+    device: str = "cpu"
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        return WIDTHS[self.kv_format]
+
+    def case(self, tokens: int) -> MethodCase:
+        kvl, rope = self.widths
+        return MethodCase(METHOD, getattr(torch, self.dtype), d_qk=kvl + rope, d_v=kvl, tokens=tokens,
+                          kv_format=self.kv_format, page_block_size=self.page, strided=True, device=self.device)
+
+
+@dataclasses.dataclass
+class WriteInputs:
+    spec: WriteSpec
+    bufs: dict
+    blocks: torch.Tensor          # the cache's block memory (a view of the cache buffer), [num_blocks, block_bytes]
+    cache_view: torch.Tensor      # what the op is handed as kv_cache
+    slots: torch.Tensor           # slot_mapping (cpu)
+    block_table: torch.Tensor     # layout "rows": int32 [B, pages]
+    kv_c: torch.Tensor            # views of the projection buffer
+    k_pe: torch.Tensor
+
+    @property
+    def case(self) -> MethodCase:
+        return self.spec.case(int(self.slots.numel()))
+
+
+def _content(spec: WriteSpec, g, T: int) -> torch.Tensor:
+    kvl, rope = spec.widths
+    tile = model1.TILE if spec.kv_format == model1.NAME else 128
+    x = torch.randn(T, kvl, generator=g, dtype=torch.float64)
+    r = torch.randn(T, rope, generator=g, dtype=torch.float64) * 4
+    if spec.content == "probe-336":
+        tiles = x.unflatten(-1, (-1, tile))
+        tiles = tiles / tiles.abs().amax(-1, keepdim=True) * 300
+        tiles[..., 0] = torch.where(tiles[..., 0] < 0, -336.0, 336.0)   # amax exactly 336 (exact in bf16)
+        x, r = tiles.flatten(-2), r * 25
+    elif spec.content == "kpe-large":
+        x = x / 64
+        r = torch.sign(r) * (100 + 300 * torch.rand(T, rope, generator=g, dtype=torch.float64))
+    else:
+        x = x * torch.pow(2.0, torch.randint(-4, 5, (T, 1), generator=g)).to(torch.float64)
+        x[T // 3, :tile] = 0.0                                            # an all-zero tile: the 1e-4 floor
+    return torch.cat([x, r], dim=-1)
+
+
+def _slots(spec: WriteSpec, g) -> tuple[list[int], torch.Tensor, int]:
+    page = spec.page
+    if spec.layout == "runs":
+        num_blocks = 6
+        u = (torch.randperm(4, generator=g)[:3] + 1).tolist()            # blocks 1..4: never 0, never the last
+        runs = [(u[0], range(page // 3, page)), (u[1], range(page)), (u[2], range(max(1, page // 4)))]
+        slots = [b * page + o for b, offs in runs for o in offs]
+        return slots, torch.zeros(0, 0, dtype=torch.int32), num_blocks
+    pages = [-(-L // page) for L in spec.rows]
+    num_blocks = sum(pages) + 2
+    ids = (torch.randperm(num_blocks - 2, generator=g) + 1).tolist()
+    table = torch.full((len(spec.rows), max(pages) + 1), 2 ** 30, dtype=torch.int32)
+    slots, used = [], 0
+    for b, L in enumerate(spec.rows):
+        mine = ids[used:used + pages[b]]
+        used += pages[b]
+        table[b, :pages[b]] = torch.tensor(mine, dtype=torch.int32)
+        slots += [mine[p // page] * page + p % page for p in range(L)]
+    return slots, table, num_blocks
+
+
+@functools.lru_cache(maxsize=32)
+def build(spec: WriteSpec) -> WriteInputs:
+    g = torch.Generator().manual_seed(6000 + spec.seed)
+    dt = getattr(torch, spec.dtype)
+    valid, table, num_blocks = _slots(spec, g)
+    order = torch.randperm(len(valid), generator=g).tolist()
+    slots = [valid[i] for i in order]
+    for k in range(spec.padding_slots):                                    # -1 first, in the middle, last
+        slots.insert([0, len(slots) // 2, len(slots)][k % 3] if k < 3 else (7 * k) % len(slots), -1)
+    T = len(slots)
+    content = torch.zeros(T, sum(spec.widths), dtype=torch.float64)
+    keep = torch.tensor([s >= 0 for s in slots])
+    content[keep] = _content(spec, g, int(keep.sum()))
+    content[~keep] = torch.randn(int((~keep).sum()), content.shape[1], generator=g, dtype=torch.float64)
+    elem = torch.empty(0, dtype=dt).element_size()
+    nbytes = cache_write.block_bytes(spec.kv_format, spec.page, elem)
+    memory = torch.randint(0, 256, (num_blocks, nbytes), generator=g, dtype=torch.uint8)
+    bufs = om.buffers(spec.device, proj=(content.to(dt), {"pad_last": 32}), cache=memory,
+                      slot_mapping=torch.tensor(slots, dtype=torch.int64))
+    blocks = bufs["cache"].view
+    kvl, rope = spec.widths
+    if spec.kv_format == "latent":
+        view = blocks.view(dt).view(num_blocks, spec.page, 1, kvl + rope)
+    elif spec.kv_format == FP8_656:
+        view = blocks.view(num_blocks, spec.page, 1, cache_write.row_bytes(FP8_656, 1, 0))
+    else:
+        view = model1.cache_view(blocks, spec.page)
+    proj = bufs["proj"].view
+    return WriteInputs(spec, bufs, blocks, view, torch.tensor(slots, dtype=torch.int64), table,
+                       proj[:, :kvl], proj[:, kvl:kvl + rope])
+
+
+def scale_format(op) -> str:
+    return declared(op, "write_fp8_scale_format")
+
+
+def run(op, inp: WriteInputs, check: str) -> None:
+    """op.write on the inputs (the cache buffer restored to its random bytes first)."""
+    __tracebackhide__ = True
+    cache = inp.bufs["cache"]
+    cache.base.copy_(cache.snapshot)
+    result = om.call(op, METHOD, inp.case, check, inp.bufs, ("kv_c", "k_pe", "kv_cache", "slot_mapping"),
+                     views={"kv_c": inp.kv_c, "k_pe": inp.k_pe, "kv_cache": inp.cache_view}, mutable=("cache",),
+                     kv_format=inp.spec.kv_format)
+    if result is not None:
+        raise BackendOutputError(f"{om.where(op, inp.case, check)}: write() returned {type(result).__name__}, not "
+                                 "None (it writes into kv_cache)")
+
+
+@functools.lru_cache(maxsize=32)
+def expected_of(spec: WriteSpec, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block memory after a correct write in scale format ``fmt``, mask of the bytes it sets)."""
+    inp = build(spec)
+    before = inp.bufs["cache"].snapshot[:inp.blocks.numel()].view(inp.blocks.shape)
+    return cache_write.expected(spec.kv_format, before, inp.kv_c, inp.k_pe, inp.slots, page=spec.page,
+                                cache_dtype=getattr(torch, spec.dtype), scale_format=fmt, width=sum(spec.widths))
+
+
+def check_write(op, spec: WriteSpec, *, check: str, figures: dict) -> WriteInputs:
+    """Run the write and check every byte of the cache (module docstring)."""
+    __tracebackhide__ = True
+    om.require_method(op, METHOD)
+    inp = build(spec)
+    case = om.require(op, inp.case)
+    fmt = scale_format(op)
+    figures.update(case=case.describe(), check=check, op=op.name)
+    if spec.kv_format != "latent":
+        figures["scale_format"] = fmt if spec.kv_format == FP8_656 else "ue8m0"
+    run(op, inp, check)
+    w = om.where(op, case, check)
+    cache = inp.bufs["cache"]
+    n = inp.blocks.numel()
+    got = cache.base[:n].view(inp.blocks.shape).cpu()
+    want, mask = expected_of(spec, fmt if spec.kv_format == FP8_656 else "pow2")
+    before = cache.snapshot[:n].view(inp.blocks.shape).cpu()
+    tail = cache.base[n:].cpu()
+    figures.update(tokens=int((inp.slots >= 0).sum()), written_nbytes=int(mask.sum()))
+    if not torch.equal(tail, cache.snapshot[n:].cpu()):
+        first = int((tail != cache.snapshot[n:].cpu()).nonzero()[0])
+        raise AssertionError(f"{w}: the op wrote past the end of kv_cache ({first} byte(s) after its last block "
+                             "changed): a writer writes only the slots slot_mapping names")
+    stray = (got != before) & ~mask
+    figures["stray_bytes"] = int(stray.sum())
+    if bool(stray.any()):
+        raise AssertionError(f"{w}: {_stray_message(inp, stray, mask)}")
+    _check_fields(op, case, w, inp, got, want, mask, fmt, figures)
+    return inp
+
+
+def _slot_of(inp: WriteInputs, block: int, byte: int) -> tuple[int, int]:
+    """(offset of the token whose spans hold byte ``byte`` of a block, or -1 for block padding; span index)."""
+    spec = inp.spec
+    elem = torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size()
+    for o in range(spec.page):
+        for i, (start, length) in enumerate(cache_write.spans(spec.kv_format, spec.page, o, elem, sum(spec.widths))):
+            if start <= byte < start + length:
+                return o, i
+    return -1, -1
+
+
+def _stray_message(inp: WriteInputs, stray, mask) -> str:
+    spec = inp.spec
+    block, byte = (int(i) for i in stray.nonzero()[0])
+    offset, _ = _slot_of(inp, block, byte)
+    slot = block * spec.page + offset
+    n_pad = int((inp.slots < 0).sum())
+    where_ = (f"slot {slot} (block {block}, offset {offset})" if offset >= 0 else f"block {block}'s padding")
+    blocks_changed = sorted({int(b) for b in stray.nonzero()[:, 0]})
+    written_blocks = sorted({int(s) // spec.page for s in inp.slots.tolist() if s >= 0})
+    n_slots = inp.blocks.shape[0] * spec.page
+    if offset >= 0 and slot in (0, n_slots - 1) and n_pad:
+        cause = (f"likely cause: slot_mapping -1 (padding, {n_pad} entries) written to slot {slot} "
+                 f"({'the first' if slot == 0 else 'the last, Python-style -1'}); a negative slot writes nothing")
+    elif set(blocks_changed) <= set(written_blocks):
+        cause = ("likely cause: the writer rewrites whole pages (every slot of a page it writes into): the other "
+                 "slots of a page belong to other tokens")
+    else:
+        cause = "a writer sets only the spans of the slots slot_mapping names"
+    return (f"{int(stray.sum())} byte(s) of the cache that no written token owns changed, first at byte {byte} of "
+            f"block {block}: {where_}, which no entry of slot_mapping names; {cause}")
+
+
+def _values(kind: str, b: torch.Tensor) -> torch.Tensor:
+    b = b.contiguous()
+    if kind == "f32":
+        return b.view(torch.float32).to(torch.float64)
+    if kind == "bf16":
+        return b.view(torch.bfloat16).to(torch.float64)
+    if kind == "e8m0":
+        return b.view(torch.float8_e8m0fnu).to(torch.float64)
+    if kind == "e4m3":
+        return b.view(torch.float8_e4m3fn).to(torch.float64)
+    return b.to(torch.float64)
+
+
+def _check_fields(op, case, w, inp: WriteInputs, got, want, mask, fmt, figures) -> None:
+    __tracebackhide__ = True
+    spec = inp.spec
+    elem = torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size()
+    width = sum(spec.widths)
+    tokens = [(t, int(s)) for t, s in enumerate(inp.slots.tolist()) if s >= 0]
+    mismatched = 0
+    for name, span, a, b, kind in FIELDS[spec.kv_format]:
+        for t, slot in tokens:
+            block, offset = divmod(slot, spec.page)
+            start, length = cache_write.spans(spec.kv_format, spec.page, offset, elem, width)[span]
+            hi = start + (length if b is None else b)
+            g_bytes, w_bytes = got[block, start + a:hi], want[block, start + a:hi]
+            if torch.equal(g_bytes, w_bytes):
+                continue
+            if fmt == "fp32" and spec.kv_format == FP8_656 and _fp32_allowed(inp, t, name, got, block, start):
+                continue
+            mismatched += 1
+            figures["mismatched_fields"] = mismatched
+            raise AssertionError(f"{w}: {_field_message(op, inp, t, slot, name, kind, g_bytes, w_bytes, fmt)}")
+    figures["mismatched_fields"] = mismatched
+
+
+def _fp32_allowed(inp: WriteInputs, t: int, name: str, got, block: int, start: int) -> bool:
+    """Under fp32 scales: a scale within one float32 ulp of amax / 448, and payload bytes that are e4m3 of
+    x / (the stored scale) up to the tie window (module docstring)."""
+    row = got[block, start:start + 656]
+    stored = row[512:528].contiguous().view(torch.float32)
+    c = inp.kv_c[t].detach().cpu().to(torch.float32)
+    exact = flashmla_fp8_scales(c, "fp32")
+    ulp = torch.abs(torch.nextafter(exact, torch.full_like(exact, float("inf"))) - exact)
+    if not bool(((stored - exact).abs() <= ulp).all()):
+        return False
+    if name == "tile scales":
+        return True
+    if name != "e4m3 payload":
+        return False
+    x = (c.to(torch.float64).unflatten(-1, (4, 128)) / stored.to(torch.float64)[:, None]).flatten()
+    lo = (x * (1 - 2 ** -22)).to(torch.float8_e4m3fn).view(torch.uint8)
+    hi = (x * (1 + 2 ** -22)).to(torch.float8_e4m3fn).view(torch.uint8)
+    payload = row[:512]
+    return bool(((payload == lo) | (payload == hi)).all())
+
+
+def _field_message(op, inp: WriteInputs, t: int, slot: int, name: str, kind: str, g_bytes, w_bytes, fmt) -> str:
+    spec = inp.spec
+    gv, wv = _values(kind, g_bytes), _values(kind, w_bytes)
+    diff = (g_bytes != w_bytes).nonzero().flatten() if kind == "raw" else (gv != wv).nonzero().flatten()
+    i = int(diff[0]) if diff.numel() else 0
+    n = int(diff.numel())
+    head = (f"token {t} (slot {slot} = block {slot // spec.page}, offset {slot % spec.page}): its {name} differ from "
+            f"the oracle's encoding ({n} value(s))")
+    if kind == "raw":
+        dt = getattr(torch, spec.dtype)
+        kvl = spec.widths[0]
+        j = i // torch.empty(0, dtype=dt).element_size()
+        got_v, want_v = g_bytes.contiguous().view(dt)[j], w_bytes.contiguous().view(dt)[j]
+        part = f"kv_c[{j}]" if j < kvl else f"k_pe[{j - kvl}]"
+        return (f"{head}: value {j} ({part}) is {float(got_v)!r}, written {float(want_v)!r}; the latent format "
+                "stores [kv_c | k_pe] bit for bit in the cache dtype")
+    msg = f"{head}: value {i} is {float(gv[i])!r}, expected {float(wv[i])!r}"
+    if name == "k_pe":
+        scales = _values("f32" if spec.kv_format == FP8_656 else "e8m0",
+                         _scale_bytes(inp, slot)).tolist()
+        k = inp.k_pe[t].detach().cpu().to(torch.float64)
+        for s in scales:
+            for op_name, v in (("divided by", k / s), ("multiplied by", k * s)):
+                if torch.equal(v.to(torch.bfloat16).to(torch.float64), gv):
+                    return (f"{msg}; likely cause: k_pe {op_name} the latent's FP8 tile scale {s:g} (k_scale applied "
+                            "to k_pe, vLLM PR #42956); k_pe is stored as bfloat16, never scaled")
+        return f"{msg}; k_pe is stored as bfloat16, unscaled"
+    if name == "tile scales":
+        said = "declared" if getattr(op, "write_fp8_scale_format", None) is not None else "the default: not declared"
+        c = inp.kv_c[t].detach().cpu()
+        other = {"pow2": "fp32", "fp32": "pow2"}[fmt]
+        hint = ""
+        if spec.kv_format == FP8_656 and torch.allclose(gv, flashmla_fp8_scales(c, other).to(torch.float64), rtol=2 ** -22,
+                                                        atol=0):
+            hint = (f"; the stored scales follow the {other!r} convention (amax / 448"
+                    f"{' as is' if other == 'fp32' else ' rounded up to a power of two'}): declare "
+                    f"write_fp8_scale_format = {other!r}, or write {fmt!r} scales")
+        conv = "UE8M0 (power-of-two) scales only" if spec.kv_format == model1.NAME else \
+            f"write_fp8_scale_format = {fmt!r} ({said})"
+        rounded = " rounded up to a power of two" if fmt == "pow2" or spec.kv_format == model1.NAME else ""
+        return f"{msg} (scale = max(amax / 448, 1e-4){rounded}; {conv}){hint}"
+    return (f"{msg}: e4m3 of kv_c / its tile's scale, round to nearest even, as FlashMLA's tests/quant.py "
+            f"quantize_k_cache")
+
+
+def _scale_bytes(inp: WriteInputs, slot: int) -> torch.Tensor:
+    spec = inp.spec
+    block, offset = divmod(slot, spec.page)
+    mem = inp.bufs["cache"].base[:inp.blocks.numel()].view(inp.blocks.shape).cpu()
+    if spec.kv_format == FP8_656:
+        return mem[block, offset * 656 + 512:offset * 656 + 528]
+    start, length = model1.spans(spec.page, offset)[1]
+    return mem[block, start:start + length]
+
+
+__all__ = ["WriteSpec", "WriteInputs", "build", "run", "check_write", "expected_of", "scale_format", "FP8_656"]
+
+
+# --------------------------------------------------------------------------- the round trip through decode
+
+
+def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict):
+    """Write rows (layout "rows"), check the bytes, then ``decode`` over what the op wrote against the float64
+    decode oracle over what the oracle encodes (mla_conformance.impl.ops.reference.oracle; the decode bounds)."""
+    __tracebackhide__ = True
+    from mla_conformance.checks import op as oc  # noqa: PLC0415 (checks.op imports the decode machinery; only here)
+    from mla_conformance.contract.op import OpCase  # noqa: PLC0415
+    from mla_conformance.impl.ops.reference import oracle  # noqa: PLC0415
+
+    om.require_method(op, METHOD, "decode")
+    assert spec.layout == "rows", spec
+    dt = getattr(torch, spec.dtype)
+    dcase = OpCase(batch=len(spec.rows), s_q=1, h_q=h_q, page_block_size=spec.page, dtype=dt,
+                   kv_format=spec.kv_format, device=spec.device)
+    oc.require(op, dcase)
+    inp = check_write(op, spec, check=check + " (the write)", figures=figures)
+    g = torch.Generator().manual_seed(6500 + spec.seed)
+    q = torch.randn(len(spec.rows), 1, h_q, sum(spec.widths), generator=g, dtype=torch.float64).to(dt)
+    lens = torch.tensor(spec.rows, dtype=torch.int32)
+    written = inp.cache_view.detach().clone()
+    bufs = {n: oc.Buffer(n, t, device=spec.device) for n, t in
+            (("q", q), ("kv_cache", written), ("block_table", inp.block_table), ("cache_seqlens", lens))}
+    dinp = oc.OpInputs(oc.Spec(dcase, spec.rows), bufs, oc.SOFTMAX_SCALE, [], [], written.shape[0])
+    out, lse = oc.run_op(op, dinp, check + " (decode over the written cache)")
+    want, _ = expected_of(spec, scale_format(op) if spec.kv_format == FP8_656 else "pow2")
+    kvl, rope = spec.widths
+    if spec.kv_format == "latent":
+        encoded = want.view(dt).view(written.shape)
+    else:
+        encoded = want.view(written.shape)
+    ref = oracle(q, encoded, inp.block_table, lens, softmax_scale=oc.SOFTMAX_SCALE, causal=False, magnitudes=True)
+    oc.compare(op, dcase, out, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref,
+               against="the float64 oracle over the encoded cache")
+    return out, lse

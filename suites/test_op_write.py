@@ -1,0 +1,81 @@
+"""Op contract, optional ``write`` (the cache writer): every byte of a canary-filled cache checked after the call
+-- each written token holds exactly what the oracle encodes (bit for bit for the latent format; FP8 payload,
+tile scales and bfloat16 k_pe as FlashMLA's tests/quant.py writes them under the declared
+write_fp8_scale_format), every other byte is untouched, -1 slots write nothing, k_pe is never scaled -- and the
+round trip: decode over what write wrote equals the oracle over the encoded values. Every test runs once per op
+(--mla-op) that has ``write``; see mla_conformance.checks.write."""
+
+import pytest
+
+from mla_conformance.checks import write as wc
+from mla_conformance.checks.op_methods import first_supported
+
+FP8 = wc.FP8_656
+MODEL1 = "fp8-e4m3-model1"
+PAGES = (16, 64, 1)
+
+
+def spec_for(op, device, **kw):
+    """The first page size (16, 64, 1) the op accepts for this spec."""
+    specs = [wc.WriteSpec(page=p, scale_format=wc.scale_format(op), device=device, **kw) for p in PAGES]
+    case = first_supported(op, [wc.build(s).case for s in specs])
+    return specs[[wc.build(s).case for s in specs].index(case)]
+
+
+@pytest.mark.mla_section("op_write")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_write_latent(mla_op, dtype, mla_device, mla_figures):
+    """The latent format: [kv_c | k_pe] bit for bit into part of a page, a whole page and a page's first slots;
+    nothing else of the cache changes."""
+    spec = spec_for(mla_op, mla_device, dtype=dtype, seed=1)
+    wc.check_write(mla_op, spec, check=f"write of {dtype} latent rows", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op_write")
+def test_write_padding_slots(mla_op, mla_device, mla_figures):
+    """Eight slot_mapping entries of -1 (padding tokens, first, middle, last and between) write nothing: not slot
+    0, not the last slot."""
+    spec = spec_for(mla_op, mla_device, padding_slots=8, seed=2)
+    wc.check_write(mla_op, spec, check="write with -1 (padding) slots", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op_write")
+def test_write_fp8_flashmla(mla_op, mla_device, mla_figures):
+    """FlashMLA's 656-byte layout: e4m3 payload, float32 tile scales (the declared convention, the 1e-4 floor on an
+    all-zero tile), bfloat16 k_pe; per-token magnitudes 2^-4..2^4."""
+    spec = spec_for(mla_op, mla_device, kv_format=FP8, seed=3)
+    wc.check_write(mla_op, spec, check="write of FP8 656-byte rows", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op_write")
+def test_write_fp8_scale_probe(mla_op, mla_device, mla_figures):
+    """Every tile's amax is 336: its scale is 1.0 under pow2 and 0.75 under fp32, so a writer of the other
+    convention than it declares stores other bytes."""
+    spec = spec_for(mla_op, mla_device, kv_format=FP8, content="probe-336", seed=4)
+    wc.check_write(mla_op, spec, check="write of FP8 rows, scale probe (amax 336)", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op_write")
+def test_write_kpe_unscaled(mla_op, mla_device, mla_figures):
+    """A small latent (tile scales near 2^-10) and k_pe of +-100..400: k_pe is stored as bfloat16, never
+    multiplied or divided by the latent's scale (vLLM PR #42956)."""
+    spec = spec_for(mla_op, mla_device, kv_format=FP8, content="kpe-large", seed=5)
+    wc.check_write(mla_op, spec, check="write of FP8 rows, k_pe unscaled", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op_write")
+def test_write_model1(mla_op, mla_device, mla_figures):
+    """FlashMLA's MODEL1 layout (584 B/token: 448 e4m3 in 7 tiles of 64 with UE8M0 scales, 64 bf16 rope; per
+    block the 576-byte parts, then the 8-byte scale groups, padded to 576): kv_c [T, 448], k_pe [T, 64]."""
+    spec = spec_for(mla_op, mla_device, kv_format=MODEL1, seed=6)
+    wc.check_write(mla_op, spec, check="write of MODEL1 584-byte tokens", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op_write")
+@pytest.mark.parametrize("kv_format", ["latent", FP8])
+def test_write_then_decode(mla_op, kv_format, mla_device, mla_figures):
+    """Rows of 37 and 20 tokens written, then decoded (where the op has decode and reads the format): out and lse
+    equal the float64 oracle over the encoded cache, within the decode bounds."""
+    spec = spec_for(mla_op, mla_device, kv_format=kv_format, layout="rows", seed=7)
+    wc.check_round_trip(mla_op, spec, h_q=8, check=f"decode over a {kv_format} cache the op wrote",
+                        figures=mla_figures)
