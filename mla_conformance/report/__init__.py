@@ -19,15 +19,8 @@ from __future__ import annotations
 import importlib
 
 
-def add_cli(sub) -> None:
-    """Transitional: ``run`` and ``merge`` while ``cli.COMMANDS`` still maps them to this package (they belong
-    to ``mla_conformance.cli.run`` and ``mla_conformance.cli.merge``)."""
-    for name in ("mla_conformance.cli.run", "mla_conformance.cli.merge"):
-        importlib.import_module(name).add_cli(sub)
-
-
 #: Transitional: the names callers imported from the one-file report, and the module that owns each now.
-#: Goes when they import from the owners (perf/bench, cli/test and three test files; see the lead's list).
+#: Goes when tests/meta/test_isolation.py and tests/test_readme_figures.py import from the owners.
 _MOVED = {
     "MARKER": "outdir", "check_out_dir": "outdir", "check_out_file": "outdir", "write_file_atomically": "outdir",
     "build_report": "build", "render_markdown": "markdown", "find_suites": "suites",
