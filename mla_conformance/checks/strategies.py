@@ -363,15 +363,24 @@ def _long_rows(s: OpSupport) -> list[Stratum]:
                     _dense(s, "long_rows", heads=st.integers(1, 2), lens=lens), share=0.5)]
 
 
+@st.composite
+def _many_rows(draw, s: OpSupport, n: int):
+    """n row lengths from a few draws (a shortest length, a stride and a span, then up to 3 rows set apart, 0 where
+    the op takes rows without keys): ragged batches of any size that a failure shrinks in a few steps."""
+    low, step, span = draw(st.integers(1, 24)), draw(st.integers(0, 23)), draw(st.integers(1, 24))
+    lens = [low + (i * step) % span for i in range(n)]
+    for b, length in draw(st.lists(st.tuples(st.integers(0, n - 1), _row(s, 24)), max_size=3)):
+        lens[b] = length
+    return lens
+
+
 def _batch(s: OpSupport) -> list[Stratum]:
     large = 1024 if s.thorough else 128
 
-    def rows_of(n):
-        return lambda n_q, causal, _page: st.lists(_row(s, 24), min_size=n, max_size=n)
-
     def mk(batch, share=1.0, name=""):
         return Stratum(name, st.integers(*batch).flatmap(lambda n: _dense(
-            s, "batch", heads=st.integers(1, 2), s_q=st.just(1), causal=st.just(False), lens=rows_of(n))), share)
+            s, "batch", heads=st.integers(1, 2), s_q=st.just(1), causal=st.just(False),
+            lens=lambda n_q, causal, page: _many_rows(s, n))), share)
     return [mk((2, 32), name="2..32 rows"), mk((33, 64), name="33..64 rows (past a grid of 32)"),
             mk((large, large), share=0.25, name=f"{large} rows (FlashInfer tests up to 1,024)")]
 

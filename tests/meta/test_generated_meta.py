@@ -1,0 +1,158 @@
+"""The generated-case suites find the geometry classes the hand-written ones miss: each broken op of
+tests/meta/geometry_ops.py (wide support declared, wrong on one class only) and the broken backend of
+tests/meta/geometry_backends.py must be *failed* by the default run (default profile, derandomized) of its
+generated test, with a shrunk case that shows the class, and the command the failure prints must replay exactly
+that case; the correct wide-declaring op and the independent backend pass every generated test. One in-process
+pytest session through the plugin (--mla-op, --mla-backend, --mla-results), then one per printed command."""
+
+import contextlib
+import io
+import json
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_conformance.checks.strategies import parse_case
+
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_generated_meta")]  # module fixtures run once under -n
+ROOT = Path(__file__).resolve().parent.parent.parent
+SUITES = [ROOT / "suites" / "test_op_generated.py", ROOT / "suites" / "test_layer_generated.py"]
+OPS = ROOT / "tests" / "meta" / "geometry_ops.py"
+
+
+def _pow2(n: int) -> bool:
+    return n & (n - 1) == 0
+
+
+#: broken implementation -> (option, spec, the name it reports, the generated test that must fail it, what the shrunk
+#: case must show: a predicate on the parsed case and the class in words)
+BROKEN = {
+    "page-bitmask": ("--mla-op", f"{OPS}:BrokenPageBitmask", "broken-page-bitmask", "test_op_generated.py::test_generated_pages",
+                     lambda c: not _pow2(c.page) and max(c.lens) > 2 ** int(math.log2(c.page)),
+                     "a page size not a power of two, a row past its first 2^floor(log2 P) keys"),
+    "tail-head-tile": ("--mla-op", f"{OPS}:BrokenTailHeadTile", "broken-tail-head-tile", "test_op_generated.py::test_generated_heads",
+                       lambda c: c.h_q == 126, "126 heads (a tail tile of 62 after one of 64)"),
+    "odd-heads": ("--mla-op", f"{OPS}:BrokenOddHeads", "broken-odd-heads", "test_op_generated.py::test_generated_heads",
+                  lambda c: c.h_q > 8 and c.h_q % 2 == 1 and c.h_q < 64, "an odd head count above 8"),
+    "causal-non-pow2": ("--mla-op", f"{OPS}:BrokenCausalNonPow2", "broken-causal-non-pow2", "test_op_generated.py::test_generated_mtp",
+                        lambda c: c.causal and c.s_q == 3, "causal s_q = 3"),
+    "rows-capped": ("--mla-op", f"{OPS}:BrokenRowsCapped", "broken-rows-capped-2048", "test_op_generated.py::test_generated_long_rows",
+                    lambda c: max(c.lens) > 2048, "a row past 2048 keys"),
+    "batch-capped": ("--mla-op", f"{OPS}:BrokenBatchCapped", "broken-batch-capped-32", "test_op_generated.py::test_generated_batch",
+                     lambda c: c.batch == 33, "33 rows"),
+    "topk-tail": ("--mla-op", f"{OPS}:BrokenTopkTail", "broken-topk-tail-dropped", "test_op_generated.py::test_generated_sparse",
+                  lambda c: c.topk is not None and c.topk > 64 and c.topk % 64, "top-k above 64, not a multiple of 64"),
+    "zero-new-token-rows": ("--mla-backend", "tests/meta/geometry_backends.py:BrokenZeroNewTokenRows",
+                            "broken-zero-new-token-rows", "test_layer_generated.py::test_generated_layer",
+                            lambda c: c.batch >= 2 and c.chunk is not None and c.chunk < max(c.prefill) and c.decode >= 1,
+                            "ragged rows prefilled in chunks (a row with no new tokens in a call), then decode"),
+}
+#: correct implementations: every generated test of theirs must pass
+CORRECT = {"wide-geometry-op": ("--mla-op", f"{OPS}:WideOp"),
+           "independent-absorbed": ("--mla-backend", "tests/meta/independent_backend.py:IndependentMLA")}
+
+
+def _node(test: str, name: str) -> str:
+    return f"suites/{test}[{name}]"
+
+
+CELLS = {key: _node(test, name) for key, (_, _, name, test, _, _) in BROKEN.items()}
+
+
+class _Select:
+    """Keeps each broken implementation's cell and every generated test of the correct ones."""
+
+    def __init__(self, wanted: set[str], correct: set[str]):
+        self.wanted, self.correct = wanted, correct
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        def keep(item):
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            obj = params.get("mla_op", params.get("mla_backend"))
+            return item.nodeid in self.wanted or getattr(obj, "name", None) in self.correct
+        config.hook.pytest_deselected(items=[item for item in items if not keep(item)])
+        items[:] = [item for item in items if keep(item)]
+
+
+def _pytest(args: list[str], results: Path, plugins=()) -> tuple[int, dict, str]:
+    """pytest in this process (one intra-op thread), its exit code, --mla-results payload and output."""
+    log = io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: one intra-op thread, not spinning threads fighting a busy host
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            code = pytest.main(["-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:unraisableexception", "-q",
+                                "-o", "addopts=", "--rootdir", str(ROOT), "--mla-results", str(results), *args],
+                               plugins=list(plugins))
+    finally:
+        torch.set_num_threads(threads)
+    payload = json.loads(results.read_text()) if results.is_file() else {}
+    payload["by_id"] = {t["nodeid"]: t for t in payload.get("tests", [])}
+    return int(code), payload, log.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """One default-profile session over both generated suites with every implementation of the tables."""
+    args = ["--mla-device", "cpu", *map(str, SUITES)]
+    for option, spec, *_ in [*BROKEN.values(), *CORRECT.values()]:
+        args += [option, str(ROOT / spec) if not Path(spec).is_absolute() else spec]
+    results = tmp_path_factory.mktemp("generated-meta") / "results.json"
+    code, payload, log = _pytest(args, results, [_Select(set(CELLS.values()), set(CORRECT))])
+    assert payload.get("tests"), f"the generated meta run wrote no results (exit {code}):\n{log[-4000:]}"
+    assert code == 1, f"expected exit 1 (test failures), got {code}:\n{log[-4000:]}"
+    return payload
+
+
+@pytest.mark.parametrize("key", list(BROKEN))
+def test_broken_geometry_is_failed_with_a_shrunk_case_showing_it(run, key):
+    _, _, name, _, shows, words = BROKEN[key]
+    got = run["by_id"].get(CELLS[key])
+    assert got is not None, f"{CELLS[key]} did not run"
+    assert got["outcome"] == "failed", f"{CELLS[key]}: expected a failure of {name}, got {got['outcome']}: " \
+                                       f"{got.get('reason', '')}"
+    assert got.get("reason", "").startswith(f"{name} ["), f"the failure does not name the implementation: {got}"
+    figures = got.get("figures", {})
+    case = parse_case(figures.get("generated_case", ""))
+    assert shows(case), f"{name}: the shrunk case {figures['generated_case']!r} does not show {words}"
+    assert figures.get("reproducer", "").startswith("pytest ") and "--mla-case" in figures["reproducer"], figures
+
+
+@pytest.mark.parametrize("name", list(CORRECT))
+def test_correct_implementation_passes_every_generated_test(run, name):
+    rows = [t for t in run["tests"] if name in (t.get("params", {}).get("op"), t.get("params", {}).get("backend"))]
+    expected = 7 if CORRECT[name][0] == "--mla-op" else 1
+    assert len(rows) == expected, f"{name}: {len(rows)} generated tests ran, expected {expected}"
+    bad = [f"{t['nodeid']}: {t['outcome']} {t.get('reason', '')}" for t in rows if t["outcome"] != "passed"]
+    assert not bad, f"{name} does not pass:\n" + "\n".join(bad)
+    empty = [t["nodeid"] for t in rows if not all(t["figures"]["generated_examples_per_stratum"].values())]
+    assert not empty, f"{name}: a stratum ran no case in {empty}"
+
+
+@pytest.fixture(scope="module")
+def replays(run, tmp_path_factory) -> dict:
+    """Each broken implementation's printed command, run as printed (one session each)."""
+    out = {}
+    for key, nodeid in CELLS.items():
+        command = run["by_id"][nodeid]["figures"]["reproducer"]
+        words = shlex.split(command)
+        assert words[0] == "pytest", command
+        results = tmp_path_factory.mktemp(f"replay-{key}") / "results.json"
+        out[key] = (command,) + _pytest(words[1:], results)
+    return out
+
+
+@pytest.mark.parametrize("key", list(BROKEN))
+def test_printed_command_replays_exactly_the_case(run, replays, key):
+    command, code, payload, log = replays[key]
+    tests = payload.get("tests", [])
+    assert code == 1 and len(tests) == 1, f"{command}: exit {code}, {len(tests)} test(s) ran:\n{log[-3000:]}"
+    got, failed = tests[0], run["by_id"][CELLS[key]]
+    assert got["outcome"] == "failed" and got["nodeid"] == CELLS[key], (command, got)
+    assert got["figures"]["generated_examples"] == 1, f"{command}: ran {got['figures']['generated_examples']} cases"
+    assert got["figures"]["generated_case"] == failed["figures"]["generated_case"], (command, got["figures"])
+    assert got["reason"] == failed["reason"].split("\n")[0], (command, got["reason"], failed["reason"])
