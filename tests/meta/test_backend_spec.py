@@ -40,10 +40,10 @@ def test_bad_specs_name_the_spec(spec, message):
 
 
 @pytest.mark.parametrize("spec", ["no_such_module:X", "tests/meta/missing_file.py:X", "reference-absorbd"])
-def test_pytest_reports_bad_spec_without_traceback(spec, capsys, monkeypatch):
+def test_pytest_reports_bad_spec_without_traceback(spec, pytester):
     from .test_inputs import pytest_inprocess
 
-    code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_cache_bytes.py", "--mla-backend", spec)
+    code, out, err = pytest_inprocess(pytester, "suites/test_cache_bytes.py", "--mla-backend", spec)
     assert code == 4, out + err
     assert spec in err and "Traceback" not in err + out
 

@@ -410,15 +410,23 @@ def test_every_command_has_help(capsys):
 
 
 def test_domain_modules_import_nothing_from_cli():
-    """The command modules call into the domain modules, never the other way (imports at module level or in a
-    function, read from the source with tests/test_layout.py's graph; argparse: tests/test_layout.py)."""
-    from tests.test_layout import import_graph
+    """The command modules call into the domain modules, never the other way: no module outside cli/ imports
+    from it, at module level or in a function (argparse only in cli/: tests/test_layout.py)."""
+    import ast
 
-    def is_cli(m):
-        return m == "mla_conformance.cli" or m.startswith("mla_conformance.cli.")
-
-    back = {m: sorted(filter(is_cli, targets)) for m, targets in import_graph().items() if not is_cli(m)}
-    assert not {m: t for m, t in back.items() if t}, "domain modules importing from mla_conformance.cli"
+    pkg = ROOT / "mla_conformance"
+    back = {}
+    for path in pkg.rglob("*.py"):
+        text = path.read_text()
+        if path.relative_to(pkg).parts[0] == "cli" or "cli" not in text:
+            continue
+        for node in ast.walk(ast.parse(text, str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "mla_conformance.cli" or n.startswith("mla_conformance.cli.") for n in names):
+                back.setdefault(str(path.relative_to(ROOT)), []).append(node.lineno)
+    assert not back, f"domain modules importing from mla_conformance.cli (file: lines): {back}"
 
 
 # --------------------------------------------------------------------------- test: the checkout's ids
@@ -427,15 +435,17 @@ def test_domain_modules_import_nothing_from_cli():
 NODEID = "suites/test_cache_bytes.py::test_bytes_formula[reference-absorbed-1-0-1-float32-tiny]"
 
 
-def test_test_command_takes_and_prints_checkout_ids(tmp_path, capsys, monkeypatch):
+def test_test_command_takes_and_prints_checkout_ids(tmp_path, capsys, monkeypatch, pytester):
     """From another directory, `mla-conformance test -- suites/...::test[...]` runs that test (not the whole
     suite) and pytest prints it as `suites/...`, not as a path relative to the caller's directory. pytest runs in
-    this process, in the directory and with the arguments the command would give its subprocess."""
+    this process (tests/meta/harness.py), in the directory and with the arguments the command gives its
+    subprocess."""
     from mla_conformance.cli import test as cli_test
     from mla_conformance.resources import suites_dir
 
-    seen = {}
+    from .harness import pytest_inprocess
 
+    seen = {}
     real_run = subprocess.run
 
     def in_process(cmd, *args, cwd=None, env=None, **kw):
@@ -443,15 +453,17 @@ def test_test_command_takes_and_prints_checkout_ids(tmp_path, capsys, monkeypatc
             return real_run(cmd, *args, cwd=cwd, env=env, **kw)
         seen.update(cmd=cmd, cwd=cwd, env=env)
         monkeypatch.chdir(cwd)
-        return subprocess.CompletedProcess(cmd, pytest.main([*cmd[3:], "-p", "no:xdist"]))
+        seen["result"] = pytest_inprocess(pytester, *cmd[3:], "-p", "no:xdist")
+        return subprocess.CompletedProcess(cmd, int(seen["result"].ret))
 
     monkeypatch.setattr(cli_test.subprocess, "run", in_process)
     monkeypatch.chdir(tmp_path)
     rc, out, err = _main(["test", "--backend", "reference-absorbed", "--", NODEID, "-v"], capsys)
-    assert rc == 0, out[-2000:] + err[-2000:]
+    inner = "\n".join(seen["result"].outlines + seen["result"].errlines)
+    assert rc == 0, inner[-3000:] + err[-2000:]
     assert seen["cwd"] == suites_dir().parent and seen["cmd"][3] == NODEID and "suites" not in seen["cmd"][4:]
-    assert f"{NODEID} PASSED" in out and "1 passed" in out
-    assert "../" not in out and str(tmp_path) not in out
+    assert f"{NODEID} PASSED" in inner and "1 passed" in inner
+    assert "../" not in inner and str(tmp_path) not in inner
     assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)  # module:attr specs resolve from here
 
 
