@@ -112,11 +112,15 @@ def bound_for(dtype: torch.dtype, kv_codec: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the oracle
 
 _KEYS: dict[tuple, tuple] = {}
+#: Bytes of float64 keys kept across prepared steps (every backend of a benchmark session at the same context and
+#: batch shares them; V2-Lite's 32k keys of one row take 151 MB).
+KEYS_CACHE_BYTES = 1 << 30
 
 
 def _keys_f64(w64, p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """c [B, context, kv_lora], k_pe [B, context, rope] (and the indexer keys of a DSA config) in float64 of the
-    hidden states the cache was filled from; cached (two entries) per preset/seed/dtype/context/batch/device."""
+    hidden states the cache was filled from; cached (up to KEYS_CACHE_BYTES) per preset/seed/dtype/context/batch/
+    device."""
     key = (p.preset, p.seed, p.dtype, p.context, p.batch, str(p.device))
     if key in _KEYS:
         return _KEYS[key]
@@ -134,7 +138,11 @@ def _keys_f64(w64, p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             if cfg.dsa:
                 iks.append(ref.indexer_project(w64, x, pos)[1])
     got = (torch.cat(cs, 1), torch.cat(kpes, 1), torch.cat(iks, 1) if iks else None)
-    while len(_KEYS) >= 2:
+
+    def nbytes(entry) -> int:
+        return sum(t.numel() * t.element_size() for t in entry if t is not None)
+
+    while _KEYS and sum(map(nbytes, _KEYS.values())) + nbytes(got) > KEYS_CACHE_BYTES:
         _KEYS.pop(next(iter(_KEYS)))
     _KEYS[key] = got
     return got

@@ -23,11 +23,12 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"decode step on {device_line(report['device'])}, measured bandwidth "
              f"{report['measured_bandwidth_gb_per_s']:.1f} GB/s; every timed step was first checked against the "
              "float64 oracle (err/bound: its worst error over the suite's bound)", ""]
-    head = (f"{'backend':<22} {'codec':<10} {'context':>8} {'batch':>5} {'ms/step':>9} {'MB/step':>9} "
+    w = max([22] + [len(r["backend"]) for r in report["results"]])
+    head = (f"{'backend':<{w}} {'codec':<10} {'context':>8} {'batch':>5} {'ms/step':>9} {'MB/step':>9} "
             f"{'GB/s':>7} {'of bw':>6} {'MFLOP':>9} {'GFLOP/s':>8} {'err/bound':>9}  flop model")
     lines += [head, "-" * len(head)]
     for r in report["results"]:
-        lead = f"{r['backend']:<22} {r['kv_codec']:<10} {r['context']:>8} {r['batch']:>5}"
+        lead = f"{r['backend']:<{w}} {r['kv_codec']:<10} {r['context']:>8} {r['batch']:>5}"
         if r.get("skipped"):
             lines.append(f"{lead}  skipped: {r['skipped']}")
             continue
