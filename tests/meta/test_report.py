@@ -247,12 +247,12 @@ def test_rope_convention_in_the_report_and_the_terminal_summary():
     assert "| skip | off | not recorded (skipped: off: no YaRN here) |" in sec
     from types import SimpleNamespace
 
-    from mla_conformance import pytest_plugin as plugin
+    from mla_conformance.pytest_plugin.terminal import rope_conventions
 
     rep = lambda b, c: SimpleNamespace(when="call", nodeid=conv(b, c)["nodeid"],
                                        user_properties=[("mla_figures", {"rope_convention": c})])
     tr = SimpleNamespace(stats={"passed": [rep("v2", "transformers")], "failed": [rep("v3", "deepseek-v3")]})
-    assert plugin._rope_conventions(tr) == {"v2": "transformers", "v3": "deepseek-v3"}
+    assert rope_conventions(tr) == {"v2": "transformers", "v3": "deepseek-v3"}
 
 
 
