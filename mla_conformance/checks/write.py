@@ -36,9 +36,9 @@ WIDTHS = {"latent": (512, 64), FP8_656: (512, 64), model1.NAME: (model1.D_NOPE, 
 #: the fields of each format's spans: (name, span, start, end, kind)
 FIELDS = {
     "latent": (("row", 0, 0, None, "raw"),),
-    FP8_656: (("e4m3 payload", 0, 0, 512, "e4m3"), ("tile scales", 0, 512, 528, "f32"), ("k_pe", 0, 528, 656, "bf16")),
-    model1.NAME: (("e4m3 payload", 0, 0, 448, "e4m3"), ("k_pe", 0, 448, 576, "bf16"), ("tile scales", 1, 0, 7, "e8m0")),
-}
+    FP8_656: (("tile scales", 0, 512, 528, "f32"), ("e4m3 payload", 0, 0, 512, "e4m3"), ("k_pe", 0, 528, 656, "bf16")),
+    model1.NAME: (("tile scales", 1, 0, 7, "e8m0"), ("e4m3 payload", 0, 0, 448, "e4m3"), ("k_pe", 0, 448, 576, "bf16")),
+}  # scales first: a wrong scale is the cause of a wrong payload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +236,11 @@ def _stray_message(inp: WriteInputs, stray, mask) -> str:
     blocks_changed = sorted({int(b) for b in stray.nonzero()[:, 0]})
     written_blocks = sorted({int(s) // spec.page for s in inp.slots.tolist() if s >= 0})
     n_slots = inp.blocks.shape[0] * spec.page
-    if offset >= 0 and slot in (0, n_slots - 1) and n_pad:
+    if spec.kv_format == model1.NAME and _per_token_rows(inp, block):
+        cause = ("likely cause: MODEL1 tokens written as 584-byte rows at offset x 584 (the [num_blocks, page, 1, 584] "
+                 "view read as per-token rows); FlashMLA's MODEL1 layout is per block: token o's 576-byte part at "
+                 "o x 576, its 7 scale bytes at page x 576 + o x 8")
+    elif offset >= 0 and slot in (0, n_slots - 1) and n_pad:
         cause = (f"likely cause: slot_mapping -1 (padding, {n_pad} entries) written to slot {slot} "
                  f"({'the first' if slot == 0 else 'the last, Python-style -1'}); a negative slot writes nothing")
     elif set(blocks_changed) <= set(written_blocks):
@@ -246,6 +250,18 @@ def _stray_message(inp: WriteInputs, stray, mask) -> str:
         cause = "a writer sets only the spans of the slots slot_mapping names"
     return (f"{int(stray.sum())} byte(s) of the cache that no written token owns changed, first at byte {byte} of "
             f"block {block}: {where_}, which no entry of slot_mapping names; {cause}")
+
+
+def _per_token_rows(inp: WriteInputs, block: int) -> bool:
+    """Whether some token written into ``block`` sits, payload first, at offset x 584 (per-token rows)."""
+    spec = inp.spec
+    mem = inp.bufs["cache"].base[:inp.blocks.numel()].view(inp.blocks.shape).cpu()
+    parts, _ = model1.encode(inp.kv_c.detach().cpu(), inp.k_pe.detach().cpu())
+    for t, slot in enumerate(inp.slots.tolist()):
+        b, o = divmod(slot, spec.page)
+        if slot >= 0 and b == block and o > 0 and torch.equal(mem[b, o * 584:o * 584 + 576], parts[t]):
+            return True
+    return False
 
 
 def _values(kind: str, b: torch.Tensor) -> torch.Tensor:
@@ -342,12 +358,18 @@ def _field_message(op, inp: WriteInputs, t: int, slot: int, name: str, kind: str
             hint = (f"; the stored scales follow the {other!r} convention (amax / 448"
                     f"{' as is' if other == 'fp32' else ' rounded up to a power of two'}): declare "
                     f"write_fp8_scale_format = {other!r}, or write {fmt!r} scales")
+        if float(gv[i]) == 0.0 and float(wv[i]) > 0 and float(c.float().unflatten(-1, (-1, _tile(spec))).abs().amax(-1)[i]) == 0:
+            hint = "; likely cause: no 1e-4 floor on amax / 448 (an all-zero tile gets scale 0, its payload 0 / 0)"
         conv = "UE8M0 (power-of-two) scales only" if spec.kv_format == model1.NAME else \
             f"write_fp8_scale_format = {fmt!r} ({said})"
         rounded = " rounded up to a power of two" if fmt == "pow2" or spec.kv_format == model1.NAME else ""
         return f"{msg} (scale = max(amax / 448, 1e-4){rounded}; {conv}){hint}"
     return (f"{msg}: e4m3 of kv_c / its tile's scale, round to nearest even, as FlashMLA's tests/quant.py "
             f"quantize_k_cache")
+
+
+def _tile(spec: WriteSpec) -> int:
+    return model1.TILE if spec.kv_format == model1.NAME else 128
 
 
 def _scale_bytes(inp: WriteInputs, slot: int) -> torch.Tensor:
@@ -367,8 +389,9 @@ __all__ = ["WriteSpec", "WriteInputs", "build", "run", "check_write", "expected_
 
 
 def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict):
-    """Write rows (layout "rows"), check the bytes, then ``decode`` over what the op wrote against the float64
-    decode oracle over what the oracle encodes (mla_conformance.impl.ops.reference.oracle; the decode bounds)."""
+    """Write rows (layout "rows"), check the bytes (:func:`check_write`), then ``decode`` over what the op wrote
+    against the float64 decode oracle over those encoded values (mla_conformance.impl.ops.reference.oracle; the
+    decode bounds): write and decode agree on the layout."""
     __tracebackhide__ = True
     from mla_conformance.checks import op as oc  # noqa: PLC0415 (checks.op imports the decode machinery; only here)
     from mla_conformance.contract.op import OpCase  # noqa: PLC0415
@@ -389,13 +412,8 @@ def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict
             (("q", q), ("kv_cache", written), ("block_table", inp.block_table), ("cache_seqlens", lens))}
     dinp = oc.OpInputs(oc.Spec(dcase, spec.rows), bufs, oc.SOFTMAX_SCALE, [], [], written.shape[0])
     out, lse = oc.run_op(op, dinp, check + " (decode over the written cache)")
-    want, _ = expected_of(spec, scale_format(op) if spec.kv_format == FP8_656 else "pow2")
-    kvl, rope = spec.widths
-    if spec.kv_format == "latent":
-        encoded = want.view(dt).view(written.shape)
-    else:
-        encoded = want.view(written.shape)
-    ref = oracle(q, encoded, inp.block_table, lens, softmax_scale=oc.SOFTMAX_SCALE, causal=False, magnitudes=True)
+    # the encoding check_write accepted (the oracle's bytes, up to the fp32-scale allowances) is what decode reads
+    ref = oracle(q, written, inp.block_table, lens, softmax_scale=oc.SOFTMAX_SCALE, causal=False, magnitudes=True)
     oc.compare(op, dcase, out, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref,
                against="the float64 oracle over the encoded cache")
     return out, lse

@@ -1,0 +1,228 @@
+"""Every check of the op contract's optional methods can fail, and correct ops pass: each broken op of
+tests/meta/broken_op_methods.py must come out *failed* (an AssertionError verdict naming the op and the case, not
+an error, a skip or a pass) in the method tests named for it; the ops written independently of reference-op
+(tests/meta/independent_op_methods.py) pass every method test they have the method for, and an op with only
+decode (tests/meta/frozen_base_op.py, never edited) skips every one, naming the method it lacks. All of it in
+one in-process pytest session through the plugin (--mla-op, --mla-results) over the method suites only
+(mla_conformance.checks.op_methods.METHOD_SUITES), as a user runs it."""
+
+import ast
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_conformance.checks.op_methods import METHOD_SUITES
+from mla_conformance.contract.op import SIGNATURES
+
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_methods_meta")]
+ROOT = Path(__file__).resolve().parent.parent.parent
+SUITES = ROOT / "suites"
+BROKEN = "tests/meta/broken_op_methods.py"
+INDEPENDENT = "tests/meta/independent_op_methods.py"
+FROZEN = "tests/meta/frozen_base_op.py"
+
+#: broken op -> (spec, the name it reports, the method tests (file::function[params after the op name]) that must
+#: fail it, and what the failure must say)
+BROKEN_OPS = {
+    "prefill-top-left": (f"{BROKEN}:TopLeftCausalPrefill", "broken-prefill-top-left",
+                         ["test_op_prefill.py::test_prefill_context_and_new_tokens[]"],
+                         "likely cause: top-left causal alignment"),
+    "prefill-nan-empty": (f"{BROKEN}:NanForEmptyPrefill", "broken-prefill-nan-empty",
+                          ["test_op_prefill.py::test_prefill_varlen[-float32]",
+                           "test_op_composition.py::test_chunked_prefill_composition[]"], "has no keys"),
+    "prefill-always-causal": (f"{BROKEN}:AlwaysCausalPrefill", "broken-prefill-always-causal",
+                              ["test_op_prefill.py::test_prefill_non_causal[]"], "lse"),
+    "prefill-kv-head-modulo": (f"{BROKEN}:KvHeadModuloPrefill", "broken-prefill-kv-head-modulo",
+                               ["test_op_prefill.py::test_prefill_heads[-hq6-hk2]"], "differs from the float64"),
+    "prefill-ignores-strides": (f"{BROKEN}:IgnoresStridesPrefill", "broken-prefill-ignores-strides",
+                                ["test_op_prefill.py::test_prefill_strided[]"], "NaN"),
+    "prefill-v3-dims-only": (f"{BROKEN}:V3DimsOnlyPrefill", "broken-prefill-v3-dims-only",
+                             ["test_op_prefill.py::test_prefill_head_dims[-d256-256]"], "differs from the float64"),
+    "sparse-lse-base2": (f"{BROKEN}:SparseLseBase2DeclaredE", "broken-sparse-lse-base2",
+                         ["test_op_sparse_prefill.py::test_sparse_prefill_vs_oracle[-d576-v32]"],
+                         "the lse matches base 2"),
+    "sparse-minus-one-last": (f"{BROKEN}:SparseMinusOneIsLastToken", "broken-sparse-minus-one-last",
+                              ["test_op_sparse_prefill.py::test_sparse_prefill_invalid_indices[]"],
+                              "differs from the float64"),
+    "sparse-empty-minus-inf": (f"{BROKEN}:SparseEmptyRowMinusInf", "broken-sparse-empty-minus-inf",
+                               ["test_op_sparse_prefill.py::test_sparse_prefill_all_invalid_rows[]"], "lse must be inf"),
+    "sparse-ignores-topk-length": (f"{BROKEN}:SparseIgnoresTopkLength", "broken-sparse-ignores-topk-length",
+                                   ["test_op_sparse_prefill.py::test_sparse_prefill_topk_length[]"], ""),
+    "sparse-sink-into-lse": (f"{BROKEN}:SparseSinkIntoLse", "broken-sparse-sink-into-lse",
+                             ["test_op_sparse_prefill.py::test_sparse_prefill_attn_sink[]"], "lse"),
+    "merge-both-empty-nan": (f"{BROKEN}:MergeBothEmptyNaN", "broken-merge-both-empty-nan",
+                             ["test_op_merge.py::test_merge_both_empty[]",
+                              "test_op_composition.py::test_chunked_prefill_composition[]"], "has no keys"),
+    "merge-plus-inf-as-value": (f"{BROKEN}:MergePlusInfAsValue", "broken-merge-plus-inf-as-value",
+                                ["test_op_merge.py::test_merge_empty_sides[]"], "+inf (empty)"),
+    "merge-base2-as-e": (f"{BROKEN}:MergeBase2AsE", "broken-merge-base2-as-e",
+                         ["test_op_merge.py::test_merge_vs_oracle[-float32]",
+                          "test_op_merge.py::test_merge_vs_oracle[-bfloat16]",
+                          "test_op_merge.py::test_merge_vs_oracle[-float16]"], "declared base 2"),
+    "merge-ignores-lse-strides": (f"{BROKEN}:MergeIgnoresLseStrides", "broken-merge-ignores-lse-strides",
+                                  ["test_op_merge.py::test_merge_strided[-float32]",
+                                   "test_op_merge.py::test_merge_strided[-bfloat16]"], ""),
+    "write-whole-page": (f"{BROKEN}:WholePageWriter", "broken-write-whole-page",
+                         ["test_op_write.py::test_write_latent[-bfloat16]", "test_op_write.py::test_write_latent[-float16]",
+                          "test_op_write.py::test_write_latent[-float32]",
+                          "test_op_write.py::test_write_then_decode[-latent]"], "rewrites whole pages"),
+    "write-minus-one-slot-zero": (f"{BROKEN}:MinusOneToSlotZero", "broken-write-minus-one-slot-zero",
+                                  ["test_op_write.py::test_write_padding_slots[]"], "slot_mapping -1"),
+    "write-no-scale-floor": (f"{BROKEN}:NoScaleFloorWriter", "broken-write-no-scale-floor",
+                             ["test_op_write.py::test_write_fp8_flashmla[]"], "no 1e-4 floor"),
+    "write-scale-convention": (f"{BROKEN}:WrongScaleConventionWriter", "broken-write-scale-convention",
+                               ["test_op_write.py::test_write_fp8_scale_probe[]"], "follow the 'fp32' convention"),
+    "write-kpe-scaled": (f"{BROKEN}:KpeScaledWriter", "broken-write-kpe-scaled",
+                         ["test_op_write.py::test_write_kpe_unscaled[]",
+                          "test_op_write.py::test_write_then_decode[-fp8-e4m3-flashmla]"], "k_pe divided by"),
+    "write-model1-per-token": (f"{BROKEN}:Model1PerTokenRows", "broken-write-model1-per-token",
+                               ["test_op_write.py::test_write_model1[]"], "584-byte rows"),
+}
+#: the composition names the step that failed
+STEP_TEXT = {"merge-both-empty-nan": "composition step 5: merge(", "prefill-nan-empty": "composition step 1: prefill("}
+
+#: correct ops: name -> (spec, reported name)
+CORRECT_OPS = {
+    "independent": (f"{INDEPENDENT}:IndependentMethodsOp", "independent-methods-op"),
+    "merge-only": (f"{INDEPENDENT}:MergeOnlyOp", "merge-only-op"),
+    "frozen": (f"{FROZEN}:FrozenBaseOp", "frozen-base-op"),
+}
+#: the method each suite's tests need first (the one an op without it is told it lacks)
+SUITE_METHOD = {"test_op_prefill.py": "prefill", "test_op_sparse_prefill.py": "sparse_prefill",
+                "test_op_merge.py": "merge", "test_op_write.py": "write", "test_op_composition.py": "prefill"}
+
+
+def _node(test: str, name: str) -> str:
+    path, rest = test.split("::")
+    func, params = rest.split("[")
+    return f"suites/{path}::{func}[{name}{params}"
+
+
+CELLS = [(key, test, _node(test, name)) for key, (_, name, tests, _) in BROKEN_OPS.items() for test in tests]
+
+
+def method_tests() -> set[str]:
+    """file::function of every test in the method suites (each requests mla_op)."""
+    found = set()
+    for name in METHOD_SUITES:
+        for node in ast.parse((SUITES / name).read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                assert "mla_op" in [a.arg for a in node.args.args], f"{name}::{node.name} takes no mla_op"
+                found.add(f"{name}::{node.name}")
+    return found
+
+
+class _Select:
+    """Keeps the named cells of the broken ops and every method test of the correct ops."""
+
+    def __init__(self, wanted: set[str], correct: set[str]):
+        self.wanted, self.correct = wanted, correct
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        def keep(item):
+            op = getattr(getattr(item, "callspec", None), "params", {}).get("mla_op")
+            return item.nodeid in self.wanted or getattr(op, "name", None) in self.correct
+        kept = [item for item in items if keep(item)]
+        config.hook.pytest_deselected(items=[item for item in items if not keep(item)])
+        items[:] = kept
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """One pytest session, in this process, over the method suites with every op of the tables."""
+    results = tmp_path_factory.mktemp("op-methods-meta") / "results.json"
+    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:unraisableexception", "-q", "-o", "addopts=",
+            "--rootdir", str(ROOT), "--mla-results", str(results), "--mla-device", "cpu",
+            *(str(SUITES / name) for name in METHOD_SUITES)]
+    for spec, *_ in [*BROKEN_OPS.values(), *CORRECT_OPS.values()]:
+        path, attr = spec.split(":")
+        args += ["--mla-op", f"{ROOT / path}:{attr}"]
+    log = io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: one intra-op thread
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            code = pytest.main(args, plugins=[_Select({n for _, _, n in CELLS}, {n for _, n in CORRECT_OPS.values()})])
+    finally:
+        torch.set_num_threads(threads)
+    assert results.is_file(), f"the method meta run wrote no results (exit {code}):\n{log.getvalue()[-4000:]}"
+    assert code == 1, f"expected exit 1 (test failures), got {code}:\n{log.getvalue()[-4000:]}"
+    payload = json.loads(results.read_text())
+    payload["by_id"] = {t["nodeid"]: t for t in payload["tests"]}
+    return payload
+
+
+def test_every_method_test_is_failed_by_a_broken_op():
+    tests = method_tests()
+    covered = {test.split("[")[0] for _, test, _ in CELLS}
+    assert not sorted(tests - covered), f"method tests no broken op is shown to fail: {sorted(tests - covered)}"
+    assert not sorted(covered - tests), f"cells for method tests that do not exist: {sorted(covered - tests)}"
+
+
+@pytest.mark.parametrize("key,test,nodeid", CELLS, ids=[f"{t.split('::')[1].split('[')[0]}<-{k}" for k, t, _ in CELLS])
+def test_broken_method_fails_its_check(run, key, test, nodeid):
+    got = run["by_id"].get(nodeid)
+    assert got is not None, f"{nodeid} did not run"
+    _, name, _, text = BROKEN_OPS[key]
+    assert got["outcome"] == "failed", f"{nodeid}: expected a failure of {name}, got {got['outcome']}: {got.get('reason', '')}"
+    reason = got.get("reason", "")
+    assert reason.startswith(f"{name} ["), f"{nodeid}: the failure does not name the op and the case: {reason}"
+    assert got.get("figures", {}).get("case"), f"{nodeid}: no case figure recorded: {got}"
+    expected = STEP_TEXT.get(key, "") if "composition" in test else text
+    assert expected in reason, f"{nodeid}: the failure does not say {expected!r}: {reason}"
+
+
+def test_the_independent_op_passes_every_method_test(run):
+    rows = [t for t in run["tests"] if t.get("params", {}).get("op") == CORRECT_OPS["independent"][1]]
+    assert len(rows) == len([t for t in run["tests"] if t.get("params", {}).get("op") == "frozen-base-op"]) > 30
+    bad = [f"{t['nodeid']}: {t['outcome']} {t.get('reason', '')}" for t in rows if t["outcome"] != "passed"]
+    assert not bad, "independent-methods-op does not pass:\n" + "\n".join(bad)
+
+
+def test_the_decode_only_op_skips_every_method_test_by_name(run):
+    """The frozen decode-only op: every method test skips, saying the method it lacks and its signature."""
+    rows = [t for t in run["tests"] if t.get("params", {}).get("op") == "frozen-base-op"]
+    assert rows
+    for t in rows:
+        method = SUITE_METHOD[t["nodeid"].split("::")[0].removeprefix("suites/")]
+        assert t["outcome"] == "skipped", t
+        assert t["reason"] == (f"op frozen-base-op has no {method} method (optional: {SIGNATURES[method]}; define "
+                               f"it to have {method} tested)"), t
+        if "test_op_write.py::test_write_then_decode" not in t["nodeid"]:
+            continue
+
+
+def test_an_op_with_only_merge_is_an_op(run):
+    """merge-only-op passes every merge test and skips the rest naming the method it lacks."""
+    rows = [t for t in run["tests"] if t.get("params", {}).get("op") == "merge-only-op"]
+    merge = [t for t in rows if "test_op_merge.py" in t["nodeid"]]
+    assert merge and all(t["outcome"] == "passed" for t in merge), [(t["nodeid"], t["outcome"]) for t in merge]
+    for t in rows:
+        if t in merge:
+            continue
+        method = SUITE_METHOD[t["nodeid"].split("::")[0].removeprefix("suites/")]
+        assert t["outcome"] == "skipped" and t["reason"].startswith(f"op merge-only-op has no {method} method"), t
+    assert run["op_declarations"]["merge-only-op"] == {"merge_lse_base": "e", "merge_empty_row": "+inf"}
+
+
+def test_bounds_are_not_loose_for_the_kernel_style_op(run):
+    """The independent op rounds P to bfloat16 before P.V (prefill) and to q's dtype (sparse prefill): it uses a
+    real share of the derived bound, so the bound is not slack by orders of magnitude."""
+    def worst(test):
+        return max(float(t.get("figures", {}).get("out_error_over_bound", 0.0)) for t in run["tests"]
+                   if t.get("params", {}).get("op") == "independent-methods-op" and test in t["nodeid"])
+    assert 0.05 < worst("test_prefill_varlen[independent-methods-op-bfloat16]") <= 1.0
+    assert 0.05 < worst("test_sparse_prefill_vs_oracle") <= 1.0
+
+
+@pytest.mark.parametrize("path", [INDEPENDENT])
+def test_independent_ops_import_nothing_of_the_suite(path):
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+        {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert modules <= {"__future__", "math", "torch"}, modules
