@@ -136,3 +136,32 @@ def test_cli_bad_sequence_length(capsys):
 
     assert main(["budget", "--seq", "0"]) == 2
     assert "--seq" in capsys.readouterr().err
+
+
+def test_codec_rows_are_the_codecs_formulas():
+    """The quantized rows the budget adds are kv.codecs' own formulas (no silent empty list: codecs always ship)."""
+    import torch
+
+    from mla_conformance.kv.codecs import CODECS
+
+    rows = dict(B.codec_rows(V32, "bfloat16"))
+    assert rows and "none" not in rows
+    for name, nbytes in rows.items():
+        assert nbytes == int(CODECS[name].bytes_per_token(V32, torch.bfloat16)["total"])
+
+
+@pytest.mark.parametrize("typed", ["9.0", "sm_90", "SM90", "sm90a"])
+def test_cli_capability_spellings(typed, capsys):
+    """--capability takes what matrix --capability takes (arch.capability.parse_capability)."""
+    from mla_conformance.cli import main
+
+    assert main(["budget", "--preset", "tiny", "--capability", typed, "--json"]) == 0
+    assert list(json.loads(capsys.readouterr().out)["tile"]["smem_verdicts"]) == ["9.0"]
+
+
+def test_cli_capability_not_a_capability(capsys):
+    from mla_conformance.cli import main
+
+    assert main(["budget", "--capability", "banana"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--capability banana: expected a compute capability" in err
