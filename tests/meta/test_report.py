@@ -453,22 +453,25 @@ SUBSET = ("seed_table or (test_against_float64 and tiny and float32 and prefill 
 SUBSET_FILES = ("test_cache_bytes.py", "test_numerics.py", "test_op_numerics.py")
 
 
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
+def _two_runs(pytester):
     """`mla-conformance run` on SUBSET twice, into a/ plain and into b/ with `-n 2` (two worker processes, one
     torch thread each, their results handed to the controller). The pytest command `run` builds is run in
-    this process, where torch is already imported, instead of a fresh interpreter: that saves an interpreter,
-    torch and transformers per run; the command line, the results file and everything after are `run`'s
-    own (CI's `mla-conformance run` starts the real subprocess). Returns (tmp dir, [a, b], exit codes)."""
+    this process through tests/meta/harness.py (pytester), where torch is already imported, instead of a fresh
+    interpreter: that saves an interpreter, torch and transformers per run; the command line, the results file
+    and everything after are `run`'s own (CI's `mla-conformance run` starts the real subprocess). Returns
+    (tmp dir, [a, b], exit codes)."""
     from mla_conformance.cli import main
     from mla_conformance.resources import suites_dir
+
+    from .harness import pytest_inprocess
 
     def pytest_here(cmd):
         assert cmd[1:3] == ["-m", "pytest"], cmd
         # the plugin is imported already, so pytest cannot assertion-rewrite it: say nothing about that
-        return int(pytest.main([*cmd[3:], "-W", "ignore::pytest.PytestAssertRewriteWarning"])), None
+        return int(pytest_inprocess(pytester, *cmd[3:], "-W", "ignore::pytest.PytestAssertRewriteWarning").ret), None
 
-    tmp = tmp_path_factory.mktemp("two-runs")
+    tmp = pytester.path / "two-runs"
+    tmp.mkdir()
     ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
     outs, rcs = [], []
     with pytest.MonkeyPatch.context() as mp:
@@ -479,6 +482,12 @@ def two_runs(tmp_path_factory):
                              "--backend", "reference-absorbed", "--op", "reference-op", "--", "-q", *mode,
                              "-k", SUBSET, *ignore]))
     return tmp, outs, rcs
+
+
+@pytest.fixture
+def two_runs(suite_run):
+    """The two runs, made once per session by the first test that asks (tests/conftest.py's suite_run)."""
+    return suite_run("test_report-two-runs", _two_runs)
 
 
 def test_run_plain_and_xdist_are_byte_identical(two_runs):
