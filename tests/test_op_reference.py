@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from mla_conformance.checks import op as oc
+from mla_conformance.checks import prefill as pc
+from mla_conformance.checks import sparse_prefill as sc
 from mla_conformance.contract.op import OpCase
+from mla_conformance.kv import model1
+from mla_conformance.model import attention_oracles as ao
 from mla_conformance.impl.ops.reference import (ReferenceOp, decode_fp8_656, encode_fp8_656, fp8_scales, lse_to_natural,
                                            merge_by_lse, natural_to_base, oracle)
 
@@ -176,3 +180,126 @@ def test_inputs_are_poisoned_shuffled_and_canaried():
     kv8 = fp8.tensor("kv_cache")
     assert kv8.dtype == torch.uint8 and kv8.shape[-1] == 656
     assert (kv8[int(fp8.tensor("block_table")[0, 0]), 5:] == 0xFF).all()
+
+
+# --------------------------------------------------------------------------- the optional methods' anchors
+
+
+def _flashmla_model1_quantize(k: torch.Tensor) -> torch.Tensor:
+    """FlashMLA tests/quant.py quantize_k_cache, MODEL1_FP8Sparse branch, transcribed: k [num_blocks, page, 1,
+    512] bf16 -> the [num_blocks, page, 1, 584] view of its padded block memory (unwritten bytes 0 here)."""
+    num_blocks, page = k.shape[:2]
+    k = k.squeeze(2)
+    per_block = (page * 584 + 575) // 576 * 576
+    result = torch.zeros((num_blocks, per_block), dtype=torch.float8_e4m3fn)[:, :page * 584]
+    nope_rope = result[:, :page * 576].view(num_blocks, page, 576)
+    nope, rope = nope_rope[:, :, :448], nope_rope[:, :, 448:].view(torch.bfloat16)
+    scale = result[:, page * 576:].view(num_blocks, page, 8)[:, :, :7].view(torch.float8_e8m0fnu)
+    rope[:] = k[..., 448:]
+    for t in range(7):
+        inv = k[..., t * 64:(t + 1) * 64].abs().max(dim=-1).values.float() / 448.0
+        inv = torch.pow(2, torch.clamp_min(inv, 1e-4).log2().ceil()).to(torch.float32)
+        scale[:, :, t] = inv.to(torch.float8_e8m0fnu)
+        nope[:, :, t * 64:(t + 1) * 64] = (k[..., t * 64:(t + 1) * 64].float() / inv[..., None]).to(torch.float8_e4m3fn)
+    return result.view(num_blocks, page, 1, -1)
+
+
+def test_model1_layout_matches_flashmla_quant():
+    """kv.model1 (encode into each token's two spans, decode) byte for byte against FlashMLA's MODEL1 quantizer,
+    584 B/token, blocks padded to 576; the reference op's write of every slot builds the same memory."""
+    g = torch.Generator().manual_seed(1)
+    nb, page = 3, 16
+    mags = torch.logspace(-6, 2, nb * page, dtype=torch.float64).view(nb, page, 1, 1)
+    k = (torch.randn(nb, page, 1, 512, generator=g, dtype=torch.float64) * mags).to(torch.bfloat16)
+    k[1, 2, 0, 64:128] = 0  # an all-zero tile: the 1e-4 floor
+    theirs = _flashmla_model1_quantize(k).view(torch.uint8)
+    assert model1.TOKEN_BYTES == 584 and model1.block_bytes(page) == (page * 584 + 575) // 576 * 576
+    blocks = torch.zeros(nb, model1.block_bytes(page), dtype=torch.uint8)
+    cache = model1.cache_view(blocks, page)
+    flat = k.reshape(-1, 512)
+    ReferenceOp().write(flat[:, :448], flat[:, 448:], cache, torch.arange(nb * page), kv_format=model1.NAME)
+    mem = model1.block_memory(cache)
+    for o in range(page):  # the written spans, token by token (the scale group's padding byte is never written)
+        for start, length in model1.spans(page, o):
+            assert torch.equal(mem[:, start:start + length], model1.block_memory(theirs)[:, start:start + length])
+    # dequantize as quant.py's dequantize_k_cache: e4m3.to(bf16) x scale.to(bf16), then the rope
+    assert torch.equal(model1.decode(cache, torch.bfloat16).view(torch.int16)[..., 448:],
+                       k.view(torch.int16)[..., 448:])
+    assert float((model1.decode(cache, F64) - k.to(F64)).abs().div(k.to(F64).abs().amax(-1, keepdim=True)
+                                                                     .clamp_min(1e-30)).max()) <= 2 ** -4
+
+
+def _flashmla_ref_sparse_fwd(q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+    """FlashMLA tests/ref.py ref_sparse_attn_fwd, transcribed (float32 there; float64 here): (out, max_logits,
+    lse) with lse +inf for a row with no valid index."""
+    s_q, topk = indices.shape[0], indices.shape[-1]
+    idx = indices.clone().squeeze(1).long()
+    if topk_length is not None:
+        idx[torch.arange(topk).unsqueeze(0).broadcast_to(s_q, topk) >= topk_length.unsqueeze(1)] = -1
+    invalid = (idx < 0) | (idx >= kv.shape[0])
+    idx[invalid] = 0
+    gathered = kv.index_select(0, idx.flatten()).reshape(s_q, topk, -1).double()
+    P = (q.double() @ gathered.transpose(1, 2)) * sm_scale
+    P[invalid.unsqueeze(1).broadcast_to(P.shape)] = float("-inf")
+    orig_lse = torch.logsumexp(P, dim=-1)
+    max_logits = P.max(dim=-1).values
+    lse_for_o = orig_lse if attn_sink is None else torch.logsumexp(
+        torch.stack([orig_lse, attn_sink.double().broadcast_to(orig_lse.shape)]), dim=0)
+    lse_for_o = lse_for_o.clone()
+    lse_for_o[lse_for_o == float("-inf")] = float("+inf")
+    out = torch.exp(P - lse_for_o.unsqueeze(-1)) @ gathered[..., :d_v]
+    orig_lse[orig_lse == float("-inf")] = float("+inf")
+    return out, max_logits, orig_lse
+
+
+def test_sparse_prefill_oracle_and_reference_match_flashmla_ref():
+    spec = sc.SparseSpec(s_q=5, s_kv=40, topk=16, h_q=8, invalid_share=0.3, all_invalid_rows=(2,), topk_length=True,
+                         attn_sink=True, dtype="float64")
+    t = {n: b.view for n, b in sc.build(spec).items()}
+    theirs = _flashmla_ref_sparse_fwd(t["q"], t["kv"], t["indices"], 0.5, 512, t["topk_length"], t["attn_sink"])
+    ours = ao.sparse_prefill(t["q"], t["kv"], t["indices"], softmax_scale=0.5, d_v=512, topk_length=t["topk_length"],
+                             attn_sink=t["attn_sink"])
+    ref = ReferenceOp().sparse_prefill(t["q"], t["kv"], t["indices"], softmax_scale=0.5, d_v=512,
+                                       topk_length=t["topk_length"], attn_sink=t["attn_sink"])
+    for a, b, c in zip(theirs, ours, ref):
+        assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.equal(torch.isinf(a), torch.isinf(c))
+        fin = torch.isfinite(a)
+        assert float((a[fin] - b[fin]).abs().max()) < 1e-12 and float((a[fin] - c.double()[fin]).abs().max()) < 1e-6
+    assert bool(torch.isposinf(ours[2][2]).all()) and bool(torch.isneginf(ours[1][2]).all())
+    assert float(ours[0][2].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_prefill_matches_the_oracle(causal):
+    """reference-op's prefill (heads batched, torch.where masking) and the oracle (query by query) in float64:
+    bottom-right causal, GQA, a row with no keys."""
+    spec = pc.PrefillSpec(((5, 5), (3, 0), (6, 4), (2, 11)), h_q=6, h_k=2, dtype="float64", causal=causal)
+    t = [pc.build(spec)[n].view for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
+    out, lse = ReferenceOp().prefill(*t, softmax_scale=spec.softmax_scale, causal=causal)
+    ref_out, ref_lse = ao.prefill(*t, softmax_scale=spec.softmax_scale, causal=causal)
+    assert float((out - ref_out).abs().max()) < 1e-12
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert float((lse.double() - ref_lse)[fin].abs().max()) < 1e-6  # lse is float32 by contract
+
+
+@pytest.mark.parametrize("empty_a,empty_b", [("+inf", None), (None, "-inf"), ("+inf", "-inf"), ("-inf", "-inf")])
+def test_merge_oracle_and_reference_treat_both_infinities_as_empty(empty_a, empty_b):
+    g = torch.Generator().manual_seed(2)
+    oa, ob = torch.randn(2, 3, 4, generator=g, dtype=F64), torch.randn(2, 3, 4, generator=g, dtype=F64)
+    la, lb = torch.randn(2, 3, generator=g, dtype=F64), torch.randn(2, 3, generator=g, dtype=F64)
+    for lse, out, mark in ((la, oa, empty_a), (lb, ob, empty_b)):
+        if mark:
+            lse[0] = math.inf if mark == "+inf" else -math.inf
+            out[0] = 0.0
+    out, lse = ao.merge(oa, la, ob, lb)
+    ref_out, ref_lse = ReferenceOp().merge(oa, la, ob, lb)
+    assert float((out - ref_out).abs().max()) < 1e-12
+    if empty_a and empty_b:
+        assert bool((out[0] == 0).all()) and bool(torch.isposinf(lse[0]).all()) and bool(torch.isposinf(ref_lse[0]).all())
+    else:
+        kept = ob[0] if empty_a else oa[0]
+        assert float((out[0] - kept).abs().max()) < 1e-15
+    # the merge of the non-empty rows is the log-sum-exp mix (token 1)
+    w = torch.softmax(torch.stack([la[1], lb[1]]), 0)
+    assert float((out[1] - (w[0, :, None] * oa[1] + w[1, :, None] * ob[1])).abs().max()) < 1e-12

@@ -23,11 +23,13 @@ import functools
 
 import torch
 
+from mla_conformance.checks import op as oc
 from mla_conformance.checks import op_methods as om
-from mla_conformance.contract.op import MethodCase, declared
+from mla_conformance.contract.op import MethodCase, OpCase, declared
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.kv import cache_write, model1
 from mla_conformance.kv.codecs import flashmla_fp8_scales
+from mla_conformance.impl.ops.reference import oracle
 
 METHOD = "write"
 FP8_656 = "fp8-e4m3-flashmla"
@@ -393,10 +395,6 @@ def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict
     against the float64 decode oracle over those encoded values (mla_conformance.impl.ops.reference.oracle; the
     decode bounds): write and decode agree on the layout."""
     __tracebackhide__ = True
-    from mla_conformance.checks import op as oc  # noqa: PLC0415 (checks.op imports the decode machinery; only here)
-    from mla_conformance.contract.op import OpCase  # noqa: PLC0415
-    from mla_conformance.impl.ops.reference import oracle  # noqa: PLC0415
-
     om.require_method(op, METHOD, "decode")
     assert spec.layout == "rows", spec
     dt = getattr(torch, spec.dtype)
