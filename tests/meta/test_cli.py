@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from mla_conformance.report.build import build_report
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.perf import bench
 from mla_conformance.cli import main
+from tests.meta import background
 
 pytestmark = pytest.mark.meta
 
@@ -435,36 +437,36 @@ def test_domain_modules_import_nothing_from_cli():
 NODEID = "suites/test_cache_bytes.py::test_bytes_formula[reference-absorbed-1-0-1-float32-tiny]"
 
 
-def test_test_command_takes_and_prints_checkout_ids(tmp_path, capsys, monkeypatch, pytester):
+def _test_command_run():
+    """`mla-conformance test --backend reference-absorbed -- <a checkout id> -v`, typed in another directory: the
+    console script, a real process: (its directory, exit code, output, what it left in the directory)."""
+    tmp = background.scratch("mla-test-command-")
+    script = Path(sys.executable).parent / "mla-conformance"
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "mla_conformance.cli"]
+    proc = subprocess.run([*cmd, "test", "--backend", "reference-absorbed", "--", NODEID, "-v"], cwd=tmp,
+                          capture_output=True, text=True, timeout=300)
+    return tmp, proc.returncode, proc.stdout + proc.stderr, sorted(p.name for p in tmp.iterdir())
+
+
+#: started when the session has collected this module (tests/meta/background.py): it runs on the core the
+#: serial session leaves idle
+BACKGROUND = {"test-command": ("command_run", None, _test_command_run)}
+
+
+@pytest.fixture(scope="module")
+def command_run():
+    return background.result("test-command", _test_command_run)
+
+
+def test_test_command_takes_and_prints_checkout_ids(command_run):
     """From another directory, `mla-conformance test -- suites/...::test[...]` runs that test (not the whole
-    suite) and pytest prints it as `suites/...`, not as a path relative to the caller's directory. pytest runs in
-    this process (tests/meta/harness.py), in the directory and with the arguments the command gives its
-    subprocess."""
-    from mla_conformance.cli import test as cli_test
-    from mla_conformance.resources import suites_dir
-
-    from .harness import pytest_inprocess
-
-    seen = {}
-    real_run = subprocess.run
-
-    def in_process(cmd, *args, cwd=None, env=None, **kw):
-        if cmd[1:3] != ["-m", "pytest"]:  # another subprocess (pytest-benchmark asks git)
-            return real_run(cmd, *args, cwd=cwd, env=env, **kw)
-        seen.update(cmd=cmd, cwd=cwd, env=env)
-        monkeypatch.chdir(cwd)
-        seen["result"] = pytest_inprocess(pytester, *cmd[3:], "-p", "no:xdist")
-        return subprocess.CompletedProcess(cmd, int(seen["result"].ret))
-
-    monkeypatch.setattr(cli_test.subprocess, "run", in_process)
-    monkeypatch.chdir(tmp_path)
-    rc, out, err = _main(["test", "--backend", "reference-absorbed", "--", NODEID, "-v"], capsys)
-    inner = "\n".join(seen["result"].outlines + seen["result"].errlines)
-    assert rc == 0, inner[-3000:] + err[-2000:]
-    assert seen["cwd"] == suites_dir().parent and seen["cmd"][3] == NODEID and "suites" not in seen["cmd"][4:]
-    assert f"{NODEID} PASSED" in inner and "1 passed" in inner
-    assert "../" not in inner and str(tmp_path) not in inner
-    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)  # module:attr specs resolve from here
+    suite) and pytest prints it as `suites/...`, not as a path relative to the caller's directory (before:
+    `../venv/lib/.../site-packages/mla_conformance/suites/...` for an installed suite); it writes nothing there."""
+    tmp, rc, out, left = command_run
+    assert rc == 0, out[-3000:]
+    assert f"{NODEID} PASSED" in out and "1 passed" in out, out[-3000:]
+    assert "../" not in out and str(tmp) not in out, out[-3000:]
+    assert left == [], f"mla-conformance test wrote into the caller's directory: {left}"
 
 
 def test_test_command_arguments_keep_their_meaning(tmp_path):
@@ -498,5 +500,6 @@ def test_test_command_arguments_keep_their_meaning(tmp_path):
         assert rest[i:i + 2] == pair or pair[1] in rest, (pair, rest)
     assert f"--junitxml={t}/out/j.xml" in rest and f"--mla-op={t}/op_file.py:Op" in rest
     assert f"{t}/mine/test_extra.py" in rest and rest[-1] == "-x"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == t  # module:attr specs resolve from the caller's directory
     no_ids = SimpleNamespace(backend=None, checkpoint=None, device=None, pytest_args=["-k", "seed_table"])
     assert pytest_command(no_ids, suites, tmp_path, tmp_path)[0][3] == "suites"  # no id given: every suite
