@@ -9,6 +9,13 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 
+#: the marker of the tool's own tests (the suite's markers are the plugin's: mla_conformance.pytest_plugin.MARKERS)
+META_MARKER = "meta: the suite testing itself (broken backends must be caught, independent correct backends must pass)"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", META_MARKER)
+
 
 def pytest_collection_modifyitems(config, items):
     given = [opt for opt in ("--mla-backend", "--mla-op") if config.getoption(opt)]
@@ -50,3 +57,17 @@ def pytest_sessionfinish(session):
     from tests.meta import background
 
     background.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _suite_runs():
+    from tests.meta.harness import SuiteRuns
+
+    return SuiteRuns()
+
+
+@pytest.fixture
+def suite_run(request, _suite_runs):
+    """``suite_run(key, build)``: the session's inner run of the suite named ``key``, made once by
+    ``build(pytester)`` for the first test that asks (tests/meta/harness.py); every later test gets it as made."""
+    return lambda key, build: _suite_runs.get(key, lambda: build(request.getfixturevalue("pytester")))

@@ -151,6 +151,54 @@ def cuda_fault(exc: BaseException | str | None) -> tuple[str, bool] | None:
     return None
 
 
+# --------------------------------------------------------------------------- a test's fault, described
+
+
+def crash_fault(dump: str, returncode: int | None, timeout: float, started: bool) -> tuple[dict, str]:
+    """(fault, reason) of a test whose xdist worker died while it was the worker's current test: ended by the
+    watchdog (``timeout``: its dump in the worker's fault file), else crashed (how the process ended, the fatal
+    error faulthandler named, the innermost frame); ``started``: the test had begun."""
+    stack = current_block(dump)
+    where = innermost_frame(dump)
+    if is_watchdog_dump(dump):
+        return ({"kind": "timeout", "after_s": timeout, "native": True, "stack": stack},
+                f"timed out after {timeout:g} s (--mla-timeout)" + (f" in {where}" if where else "") +
+                ": Python could not interrupt it (a native call that blocks signals or holds the GIL, a hung "
+                "kernel), so its worker process was ended and a fresh one runs the rest")
+    how = describe_exit(returncode)
+    fatal = fatal_signal_of(dump)
+    fault = {"kind": "crashed", "exit_code": returncode, "stack": stack}
+    if returncode is not None and returncode < 0:
+        fault["signal"] = signal_name(-returncode)
+    return fault, (f"crashed: its worker process {how}" +
+                   (f" ({fatal})" if fatal and fatal.lower() not in how.lower() else "") +
+                   (f" in {where}" if where else "") +
+                   (" while running it" if started else " before this test started (it did not run)") +
+                   "; a fresh worker runs the rest")
+
+
+def exception_fault(exc: BaseException, typename: str, timeout: float, worker: bool) -> dict | None:
+    """A timeout or CUDA fault in a test's exception, as the results entry's ``fault`` with its one-line
+    ``reason`` (popped by the caller), else None. ``worker``: the test ran in an xdist worker (a sticky CUDA
+    error ends the worker; serially it stops the run)."""
+    if isinstance(exc, TestTimeout):
+        head, _, stacks = str(exc).partition("\n\nstacks of every thread (faulthandler):\n")
+        return {"kind": "timeout", "after_s": timeout, "native": False, "stack": current_block(stacks), "reason": head}
+    cuda = cuda_fault(exc)
+    if cuda is None:
+        return None
+    what, sticky = cuda
+    first = (f"{typename}: {exc}".strip().splitlines() or [""])[0]
+    if not sticky:
+        return {"kind": "cuda", "error": what, "sticky": False,
+                "reason": f"{what} (the backend ran out of GPU memory: a smaller preset or batch, or a leak in "
+                          f"the backend): {first}"}
+    after = ("the worker process ends after this test and xdist starts a fresh one" if worker else
+             "the run stops after this test (serial: run under xdist, e.g. -n 1, to have the process replaced)")
+    return {"kind": "cuda", "error": what, "sticky": True,
+            "reason": f"{what} (sticky: the CUDA context is unusable; {after}): {first}"}
+
+
 # --------------------------------------------------------------------------- per-test watch
 
 

@@ -1,10 +1,18 @@
-"""The kill matrix: every conformance test (a test function of suites/ that takes the ``mla_backend``
-fixture) and a broken backend that must make it *fail* -- an AssertionError verdict, recorded as
-outcome "failed", not a crash ("error"), a skip or a pass.
+"""The kill matrix of both contracts: every conformance test and a broken implementation that must make it
+*fail* -- an AssertionError verdict naming it, recorded as outcome "failed", not a crash ("error"), a skip or a
+pass -- and the correct implementations, written independently of the reference, that must pass.
 
-Data only; tests/meta/test_kill_matrix.py runs every cell in one pytest subprocess and checks the
-outcomes, and that no conformance test is missing from the matrix.
+* layer: every test function of suites/ that takes the ``mla_backend`` fixture; a broken backend per cell
+  (:data:`KILL_MATRIX`), the correct backends (:data:`CORRECT`), crashes that must be errors (:data:`ERROR_CELLS`);
+* op: every test of suites/test_op_*.py (it takes ``mla_op``); a broken op and the op tests it must fail
+  (:data:`BROKEN_OPS`), the correct ops (:data:`CORRECT_OPS`), crashing ops (:data:`ERROR_OPS`).
+
+Data only. Both run through tests/meta/harness.py as a user runs the suite: the layer matrix in one pytest
+process started in the background (tests/meta/test_kill_matrix.py), the op matrix in one in-process session
+(tests/meta/test_op_meta.py, which keeps the cells with :class:`KeepOpCells`).
 """
+
+import pytest
 
 HERE = "tests/meta"
 
@@ -111,3 +119,115 @@ def correct_node_ids() -> list[tuple[str, str, str]]:
             for test, cells in KILL_MATRIX.items() for key in CORRECT for _, params in cells[:1]
             if (test in CORRECT_TESTS[key] if isinstance(CORRECT_TESTS[key], tuple)
                 else not test.endswith("test_bytes_formula_v3_dims"))]
+
+
+# --------------------------------------------------------------------------- the op contract
+
+OPS = f"{HERE}/broken_ops.py"
+KERNEL_OPS = f"{HERE}/kernel_ops.py"
+FROZEN = f"{HERE}/frozen_base_op.py"
+
+#: broken op -> (spec, the name it reports, the op tests (file::function[params after the op name]) that must fail it)
+BROKEN_OPS = {
+    "lse-base2-as-e": (f"{OPS}:Base2DeclaredE", "broken-lse-base2-as-e",
+                       ["test_op_numerics.py::test_out_lse_vs_oracle[-float32]", "test_op_numerics.py::test_split_kv_merge[-1]",
+                        "test_op_sparse.py::test_sparse_vs_oracle[]"]),
+    "nan-empty-rows": (f"{OPS}:NanForEmptyRows", "broken-nan-empty-rows",
+                       ["test_op_paging.py::test_empty_and_single_key_rows[]",
+                        "test_op_sparse.py::test_sparse_all_invalid_rows[]", "test_op_numerics.py::test_split_kv_merge[-2]"]),
+    "reads-page-tail": (f"{OPS}:ReadsPageTail", "broken-reads-page-tail",
+                        ["test_op_paging.py::test_poisoned_pages[]", "test_op_fp8.py::test_fp8_all_zero_kv[]"]),
+    "top-left-causal": (f"{OPS}:TopLeftCausal", "broken-top-left-causal",
+                        ["test_op_paging.py::test_multi_token_decode[-4-causal]"]),
+    "minus-one-last-token": (f"{OPS}:MinusOneIsLastToken", "broken-minus-one-last-token",
+                             ["test_op_sparse.py::test_sparse_invalid_indices[-minus-one]",
+                              "test_op_sparse.py::test_sparse_equals_dense[]"]),
+    "attn-sink-ignored": (f"{OPS}:SinkIgnored", "broken-attn-sink-ignored",
+                          ["test_op_sparse.py::test_attn_sink[]", "test_op_numerics.py::test_attn_sink_dense[]"]),
+    # P kept to 3 bits fewer than the cache dtype: an error ~4x the derived bound (written without the reference)
+    "coarse-p": (f"{KERNEL_OPS}:CoarsePOp", "broken-coarse-p",
+                 ["test_op_numerics.py::test_out_lse_vs_oracle[-bfloat16]",
+                  "test_op_numerics.py::test_out_lse_vs_oracle[-float16]"]),
+    "fp8-exponent-only": (f"{OPS}:Fp8ExponentOnly", "broken-fp8-exponent-only", ["test_op_fp8.py::test_fp8_scale_probe[]"]),
+    "fp8-scales-as-bf16": (f"{OPS}:Fp8ScalesAsBf16", "broken-fp8-scales-as-bf16",
+                           ["test_op_fp8.py::test_fp8_scale_probe[]", "test_op_fp8.py::test_fp8_vs_dequantized_oracle[]"]),
+    "writes-past-block-table": (f"{OPS}:WritesPastBlockTable", "broken-writes-past-block-table",
+                                ["test_op_paging.py::test_poisoned_pages[]"]),
+    "ignores-q-strides": (f"{OPS}:IgnoresQStrides", "broken-ignores-q-strides", ["test_op_paging.py::test_noncontiguous_q[]"]),
+    "naive-softmax": (f"{OPS}:NaiveSoftmax", "broken-naive-softmax", ["test_op_fp8.py::test_fp8_magnitude_sweep[-x256]"]),
+    "ignores-topk-length": (f"{OPS}:IgnoresTopkLength", "broken-ignores-topk-length",
+                            ["test_op_sparse.py::test_sparse_topk_length[]"]),
+    "nondeterministic": (f"{OPS}:Nondeterministic", "broken-nondeterministic", ["test_op_numerics.py::test_deterministic[]"]),
+    "batch-variant": (f"{OPS}:BatchVariant", "broken-batch-variant", ["test_op_numerics.py::test_batch_invariant[]"]),
+    "heads-capped": (f"{OPS}:HeadsCapped", "broken-heads-capped-at-64", ["test_op_paging.py::test_head_counts[-128]"]),
+    "assumes-page-64": (f"{OPS}:AssumesPage64", "broken-assumes-page-64", ["test_op_paging.py::test_page_sizes[-16]"]),
+}
+
+#: a failure message must say this (the likely cause) for the broken op's cells
+HINTS = {"top-left-causal": "likely cause: top-left causal alignment"}
+
+#: correct ops: every op test runs on them; "all" must pass; otherwise they may skip only with the sentences
+#: of SKIPS[mode] (their own unsupported_reason, or a declaration they do not make)
+CORRECT_OPS = {
+    "independent": (f"{HERE}/independent_op.py:IndependentOp", "independent-op", "all"),
+    "base-contract": (f"{HERE}/independent_op.py:BaseContractOp", "base-contract-op", "base"),
+    # P rounded to the cache dtype before P.V, float32 accumulation, online softmax over pages (half precision)
+    "p-rounding-bf16": (f"{KERNEL_OPS}:PRoundingOp", "p-rounding-op", "dtype"),
+    "p-rounding-fp16": (f"{KERNEL_OPS}:PRoundingFp16Op", "p-rounding-fp16-op", "dtype"),
+    "split-kv": (f"{KERNEL_OPS}:SplitKVOp", "split-kv-op", "dtype"),
+    "no-lse-triton": (f"{KERNEL_OPS}:NoLseTritonOp", "no-lse-triton-op", "no-lse"),
+    "frozen": (f"{FROZEN}:FrozenBaseOp", "frozen-base-op", "frozen"),
+}
+#: a skip that names the declaration opting the op in (the op suite's own sentences)
+DECLARATION_SKIPS = ("kv_formats is", "page_block_sizes is", "does not declare sparse_decode",
+                     "does not declare attn_sink", "does not declare deterministic", "does not declare batch_invariant",
+                     "invalid_index = 'minus-one'", "declares returns_lse = False")
+SKIPS = {
+    "base": ("implements dense decode only", "takes no attn_sink",
+             "reads a latent cache in q's dtype only",  # its own sentence, asked before the declarations
+             *DECLARATION_SKIPS),
+    "dtype": ("computes with a ",),  # the kernel-style ops take one dtype
+    "no-lse": ("computes with a ", "leaves a query with no keys undefined", *DECLARATION_SKIPS),
+    "frozen": DECLARATION_SKIPS,
+}
+
+#: crashes and contract violations are errors, not verdicts
+ERROR_OPS = {
+    "raises": (f"{OPS}:RaisesOnDecode", "broken-op-raises", "test_op_numerics.py::test_out_lse_vs_oracle[-float32]"),
+    "lse-layout": (f"{OPS}:WrongLseLayout", "broken-op-lse-layout", "test_op_numerics.py::test_out_lse_vs_oracle[-float32]"),
+    "half-lse": (f"{KERNEL_OPS}:HalfLseOp", "broken-half-lse", "test_op_numerics.py::test_out_lse_vs_oracle[-bfloat16]"),
+}
+#: what an error's message must say
+ERROR_TEXT = {"half-lse": ("lse is bfloat16, not float32", "significant bits", "merged")}
+
+
+def _op_node(test: str, name: str) -> str:
+    path, rest = test.split("::")
+    func, params = rest.split("[")
+    return f"suites/{path}::{func}[{name}{params}"
+
+
+#: (broken op key, op test, node id) of every op cell; (error op key, node id) of every crash cell
+OP_CELLS = [(key, test, _op_node(test, name)) for key, (_, name, tests) in BROKEN_OPS.items() for test in tests]
+OP_ERRORS = [(key, _op_node(test, name)) for key, (_, name, test) in ERROR_OPS.items()]
+#: every op of the op matrix, in the order the run names them
+OP_SPECS = [spec for spec, _, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
+
+
+class KeepOpCells:
+    """A plugin of the op run: keeps the cells of the broken and erroring ops and every op test of the correct
+    ops (the rest is deselected)."""
+
+    def __init__(self):
+        self.wanted = {n for _, _, n in OP_CELLS} | {n for _, n in OP_ERRORS}
+        self.correct = {name for _, name, _ in CORRECT_OPS.values()}
+
+    def _keep(self, item) -> bool:
+        op = getattr(getattr(item, "callspec", None), "params", {}).get("mla_op")
+        return item.nodeid in self.wanted or getattr(op, "name", None) in self.correct
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        kept = [item for item in items if self._keep(item)]
+        config.hook.pytest_deselected(items=[item for item in items if not self._keep(item)])
+        items[:] = kept

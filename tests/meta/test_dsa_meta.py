@@ -12,16 +12,12 @@
   0.031, max 0.165 of M at v3.2-mini), so every swap it makes lies within the tie bound.
 """
 
-import contextlib
-import io
-import json
-from pathlib import Path
-
 import pytest
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_dsa_meta")]  # module fixtures run once under -n
-ROOT = Path(__file__).resolve().parent.parent.parent
-SPEC = str(ROOT / "tests/meta/deepseek_v32_backend.py")
+from . import harness
+
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_dsa_meta")]  # its one run of the suite, once under -n
+SPEC = "tests/meta/deepseek_v32_backend.py"
 
 REF, PREFIX_BF16, PREFIX_FP8, GLM = ("deepseek-v32-reference-style", "broken-dsa-v32-prefix-interleaved-bf16",
                                      "broken-dsa-v32-prefix-interleaved-fp8", "glm-style-dsa")
@@ -41,19 +37,15 @@ UNCAUGHT = [f"{D}::test_selection[{PREFIX_FP8}-v3.2-mini-varlen_batch]",
             f"{D}::test_sparse_attention[{PREFIX_FP8}-bfloat16-v3.2-mini-varlen_batch]"]
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, dict]:
-    results = tmp_path_factory.mktemp("dsa") / "results.json"
-    nodes = [*PASSES, *FAILS, *SKIPS, *UNCAUGHT]
-    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=", "--rootdir", str(ROOT),
-            "--mla-results", str(results), "--mla-device", "cpu", *[str(ROOT / n) for n in nodes]]
-    for cls in ("DeepSeekV32Reference", "DeepSeekV32PreFixBF16Key", "DeepSeekV32PreFix", "GLMStyleDSA"):
-        args += ["--mla-backend", f"{SPEC}:{cls}"]
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        pytest.main(args)
-    assert results.is_file(), f"the DSA meta run wrote no results:\n{log.getvalue()[-4000:]}"
-    return {t["nodeid"]: t for t in json.loads(results.read_text())["tests"]}
+def _dsa_run(pytester) -> harness.SuiteRun:
+    backends = [f"{SPEC}:{cls}" for cls in ("DeepSeekV32Reference", "DeepSeekV32PreFixBF16Key", "DeepSeekV32PreFix",
+                                            "GLMStyleDSA")]
+    return harness.run_inprocess(pytester, [*PASSES, *FAILS, *SKIPS, *UNCAUGHT], backends=backends)
+
+
+@pytest.fixture
+def outcomes(suite_run) -> dict[str, dict]:
+    return suite_run("dsa-meta", _dsa_run).by_id
 
 
 @pytest.mark.parametrize("nodeid", PASSES)

@@ -2,23 +2,22 @@
 DynamicCache (tests/meta/hf_deepseek_v3_backend.py, no optional declarations) -- run through the suite as a
 user runs it: the plugin, ``--mla-backend path/to/file.py:attr``, ``--mla-results``. It must pass; the optional
 parts it never declared skip with the sentence naming the declaration (DeepSeek Sparse Attention) or its own
-sentence (kv_codec). One pytest session in this process (torch and transformers imported once).
+sentence (kv_codec). One pytest session in this process (torch and transformers imported once;
+tests/meta/harness.py).
 
 The selection is a cheap cross-section (a few seconds on CPU): one numerics case per query path (q_lora on tiny
 and v3-mini, plain q_proj on V2-Lite dims), the byte rule, one codec and every DSA test (they skip); the full
 run is ``pytest suites --mla-backend tests/meta/hf_deepseek_v3_backend.py:HFDeepseekV3`` (62 passed, the rest
 skipped, when it was written)."""
 
-import contextlib
-import io
 import json
-from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_hf_v3_base_contract")]  # module fixtures run once under -n
-ROOT = Path(__file__).resolve().parent.parent.parent
-BACKEND = ROOT / "tests" / "meta" / "hf_deepseek_v3_backend.py"
+from . import harness
+
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_hf_v3_base_contract")]  # its one run, once under -n
+BACKEND = "tests/meta/hf_deepseek_v3_backend.py:HFDeepseekV3"
 NAME = "hf-deepseek-v3"
 SELECTION = "dsa or float32-prefill_decode-tiny or bfloat16-varlen_batch-deepseek-v2-lite or float32-prefill-v3-mini " \
             "or 6-2-3-bfloat16-tiny or test_attention_error and int8-g32"
@@ -28,20 +27,14 @@ OPTIONAL_SKIPS = (DSA_DECLARATION, f"{NAME}: {NAME} caches what transformers' Dy
                   f"{NAME} does not implement the optional paged-cache extension")
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, dict]:
+def _hf_run(pytester) -> harness.SuiteRun:
+    return harness.run_inprocess(pytester, ["suites"], backends=[BACKEND], extra=["-s", "-k", SELECTION], expect=0)
+
+
+@pytest.fixture
+def outcomes(suite_run) -> dict[str, dict]:
     pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
-    results = tmp_path_factory.mktemp("hf-v3") / "results.json"
-    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-s", "-o", "addopts=", "--rootdir", str(ROOT),
-            "--mla-results", str(results), "--mla-device", "cpu", "--mla-backend", f"{BACKEND}:HFDeepseekV3",
-            "-k", SELECTION, str(ROOT / "suites")]
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        code = pytest.main(args)
-    assert results.is_file(), f"the run wrote no results (exit {code}):\n{log.getvalue()[-4000:]}"
-    got = {t["nodeid"]: t for t in json.loads(results.read_text())["tests"]}
-    assert code == 0, f"expected exit 0, got {code}:\n{log.getvalue()[-4000:]}"
-    return got
+    return suite_run("hf-v3-base-contract", _hf_run).by_id
 
 
 def _is_dsa(nodeid: str) -> bool:

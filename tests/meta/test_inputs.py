@@ -11,6 +11,8 @@ import pytest
 from mla_conformance.errors import MLAInputError
 from mla_conformance.generation.golden import read_golden
 
+from . import harness
+
 pytestmark = pytest.mark.meta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,16 +23,14 @@ def _run(*args, **kw):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, **kw)
 
 
-def pytest_inprocess(capsys, monkeypatch, *args) -> tuple[int, str, str]:
-    """Run pytest in this process (no second torch import): (exit code, stdout, stderr)."""
-    monkeypatch.chdir(ROOT)
-    capsys.readouterr()
-    code = pytest.main(["-p", "no:cacheprovider", "-p", "no:xdist", *args])
-    out = capsys.readouterr()
-    return int(code), out.out, out.err
+def pytest_inprocess(pytester, *args) -> tuple[int, str, str]:
+    """pytest on this checkout's files, in this process (no second torch import; tests/meta/harness.py):
+    (exit code, stdout, stderr). Paths and specs are the checkout's (made absolute)."""
+    got = harness.pytest_inprocess(pytester, "-p", "no:cacheprovider", "-p", "no:xdist", *map(harness.here, args))
+    return int(got.ret), "\n".join(got.outlines), "\n".join(got.errlines)
 
 
-def test_expectation_file(tmp_path, capsys, monkeypatch):
+def test_expectation_file(tmp_path, pytester):
     """Listed failures become xfail; a listed passing test is reported XPASS; an unmatched line warns."""
     expect = tmp_path / "expect.txt"
     expect.write_text(
@@ -39,7 +39,7 @@ def test_expectation_file(tmp_path, capsys, monkeypatch):
         "suites/test_cache_bytes.py::test_seed_table[broken-missing-mscale]  listed but passes\n"
         "suites/test_numerics.py::test_nothing_like_this  stale entry\n")
     code, out, err = pytest_inprocess(
-        capsys, monkeypatch, "suites/test_numerics.py", "suites/test_cache_bytes.py", "-rxXs", "-k",
+        pytester, "suites/test_numerics.py", "suites/test_cache_bytes.py", "-rxXs", "-k",
         "(float64 and tiny and prefill and not decode and float32) or seed_table",
         "--mla-backend", "tests/meta/broken_backends.py:MissingMscale", "--mla-expect", str(expect))
     assert code == 0, out[-3000:] + err[-2000:]
@@ -48,10 +48,10 @@ def test_expectation_file(tmp_path, capsys, monkeypatch):
     assert "matches no collected test" in out and "test_nothing_like_this" in out
 
 
-def test_expectation_file_errors(tmp_path, capsys, monkeypatch):
+def test_expectation_file_errors(tmp_path, pytester):
     bad = tmp_path / "expect.txt"
     bad.write_text("suites/test_numerics.py::test_against_float64[x\n")
-    code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_numerics.py", "--mla-expect", str(bad),
+    code, out, err = pytest_inprocess(pytester, "suites/test_numerics.py", "--mla-expect", str(bad),
                                       "--co", "-q")
     assert code == 4 and f"{bad}:1" in err and "gives no reason" in err
     assert "Traceback" not in err + out
@@ -95,16 +95,15 @@ def test_cli_unknown_preset_and_dtype(capsys):
     assert "--dtype 'float8'" in err and "Traceback" not in err
 
 
-def test_plugin_rejects_bad_device(capsys, monkeypatch):
-    code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_cache_bytes.py", "--mla-device", "tpu",
+def test_plugin_rejects_bad_device(pytester):
+    code, out, err = pytest_inprocess(pytester, "suites/test_cache_bytes.py", "--mla-device", "tpu",
                                       "--co", "-q")
     assert code == 4 and "--mla-device 'tpu'" in err and "Traceback" not in err + out
 
 
-
-def test_plugin_rejects_an_empty_checkpoint_directory(tmp_path, capsys, monkeypatch):
+def test_plugin_rejects_an_empty_checkpoint_directory(tmp_path, pytester):
     """--mla-checkpoint is validated once, before any test: one line naming what is missing, exit 4."""
-    code, out, err = pytest_inprocess(capsys, monkeypatch, "suites/test_cache_bytes.py", "--mla-checkpoint",
+    code, out, err = pytest_inprocess(pytester, "suites/test_cache_bytes.py", "--mla-checkpoint",
                                       str(tmp_path), "--co", "-q")
     assert code == 4 and "--mla-checkpoint" in err and str(tmp_path) in err
     assert "Traceback" not in err + out and "INTERNALERROR" not in err + out

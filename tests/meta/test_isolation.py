@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance import report as R
+from mla_conformance.report import build, outdir
+from mla_conformance.report import run as R
 from mla_conformance.pytest_plugin import isolation
 from mla_conformance.cli import main
 
@@ -145,7 +146,7 @@ def _sigterm_run() -> dict:
     suite, out = _suite(tmp_path), tmp_path / "out"
     out.mkdir()
     (out / "conformance.json").write_text("previous\n")
-    (out / R.MARKER).write_text(json.dumps({"tool": "mla-conformance", "kind": "report",
+    (out / outdir.MARKER).write_text(json.dumps({"tool": "mla-conformance", "kind": "report",
                                             "files": ["conformance.json"]}))
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     tmpdir = tmp_path / "tmp"
@@ -231,7 +232,7 @@ def test_a_serial_pytest_that_died_leaves_a_report_from_its_journal(tmp_path):
     dead = rows["suite/test_x.py::test_a[b-2]"]
     assert dead["outcome"] == "error" and dead["fault"]["signal"] == "SIGSEGV" and "SIGSEGV" in dead["reason"]
     assert dead["params"] == {"backend": "b"} and "did not run" in dead["reason"]
-    assert R.build_report(results, name="h", env={})["verdicts"]["b"]["verdict"] == "DOES NOT CONFORM"
+    assert build.build_report(results, name="h", env={})["verdicts"]["b"]["verdict"] == "DOES NOT CONFORM"
 
 
 @pytest.mark.parametrize("exc, expect", [
@@ -277,16 +278,16 @@ def test_out_proven_writable_before_any_test(tmp_path, capsys, monkeypatch, brea
     out = tmp_path / "ro"
     out.mkdir()
     if breakage == "read-only":  # as on a read-only mount (root ignores chmod, so the probe's write fails here)
-        real = R.tempfile.mkstemp
+        real = outdir.tempfile.mkstemp
 
         def mkstemp(*a, dir=None, **kw):
             if dir is not None and Path(dir) == out:
                 raise OSError(30, "Read-only file system")
             return real(*a, dir=dir, **kw)
 
-        monkeypatch.setattr(R.tempfile, "mkstemp", mkstemp)
+        monkeypatch.setattr(outdir.tempfile, "mkstemp", mkstemp)
     else:
-        monkeypatch.setattr(R.os.path, "ismount", lambda p: Path(p) == out)
+        monkeypatch.setattr(outdir.os.path, "ismount", lambda p: Path(p) == out)
     ran = []
     monkeypatch.setattr(R, "_run_pytest", lambda cmd: ran.append(cmd) or (0, None))
     rc = main(["run", "--out", str(out)])

@@ -3,21 +3,17 @@ runs a conformance test on a broken backend and must come out *failed* -- an Ass
 the backend, not an error, a skip or a pass; the same tests on the correct backends written independently
 of the reference must pass (or skip an optional part they do not implement). All of it in one pytest
 subprocess (started in the background when the session has collected this module: tests/meta/background.py),
-through the plugin as a user runs it; and every conformance test of suites/ has a cell."""
+through the plugin as a user runs it (tests/meta/harness.py); and every conformance test of suites/ has a cell."""
 
 import ast
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from . import background
+from . import background, harness
 from .kill_matrix import BROKEN, CORRECT, CORRECT_TESTS, ERROR_CELLS, EXEMPT, KILL_MATRIX, correct_node_ids, node_ids
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_kill_matrix")]  # module fixtures run once under -n
-ROOT = Path(__file__).resolve().parent.parent.parent
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_kill_matrix")]  # its one run of the suite, once under -n
+ROOT = harness.ROOT
 CELLS = node_ids()
 PASSING = correct_node_ids()
 
@@ -33,31 +29,26 @@ def conformance_tests() -> set[str]:
     return found
 
 
-def _kill_matrix_run() -> dict[str, dict]:
-    """Every cell in one pytest process, through the plugin and its --mla-results exactly as a user's run:
-    nodeid -> result."""
-    results = background.scratch("mla-kill-") / "results.json"
-    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-s", "-o", "addopts=", "--rootdir", str(ROOT),
-            "--mla-results", str(results), "--mla-device", "cpu",
-            *[str(ROOT / n.split("::")[0]) + "::" + n.split("::", 1)[1] for _, _, n in CELLS + PASSING + ERROR_CELLS]]
-    for spec, _ in [*BROKEN.values(), *CORRECT.values(), *[(s, n) for s, n, _ in ERROR_CELLS]]:
-        args += ["--mla-backend", str(ROOT / spec.split(":")[0]) + ":" + spec.split(":")[1] if ":" in spec else spec]
-    proc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    log = proc.stdout + proc.stderr
-    assert results.is_file(), f"the kill-matrix run wrote no results (exit {proc.returncode}):\n{log[-4000:]}"
-    assert proc.returncode == 1, f"expected exit 1 (test failures), got {proc.returncode}:\n{log[-4000:]}"
-    return {t["nodeid"]: t for t in json.loads(results.read_text())["tests"]}
+def _kill_matrix_run() -> harness.SuiteRun:
+    """Every cell in one pytest process, through the plugin and its --mla-results exactly as a user's run."""
+    specs = [*(spec for spec, _ in [*BROKEN.values(), *CORRECT.values()]), *(spec for spec, _, _ in ERROR_CELLS)]
+    return harness.run_subprocess(background.scratch("mla-kill-"), [n for _, _, n in CELLS + PASSING + ERROR_CELLS],
+                                  backends=specs, extra=["-s"], expect=1)
 
 
 #: started when the session has collected this module, on the core the serial session leaves idle
 #: (tests/meta/background.py)
-BACKGROUND = {"kill-matrix": ("outcomes", None, _kill_matrix_run)}
+BACKGROUND = {"kill-matrix": ("run", None, _kill_matrix_run)}
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> dict[str, dict]:
+def run() -> harness.SuiteRun:
     return background.result("kill-matrix", _kill_matrix_run)
+
+
+@pytest.fixture(scope="module")
+def outcomes(run) -> dict[str, dict]:
+    return run.by_id
 
 
 def test_every_conformance_test_has_a_cell():
@@ -69,13 +60,8 @@ def test_every_conformance_test_has_a_cell():
 
 
 @pytest.mark.parametrize("test,broken,nodeid", CELLS, ids=[f"{t.split('::')[1]}<-{b}" for t, b, _ in CELLS])
-def test_cell_fails(outcomes, test, broken, nodeid):
-    got = outcomes.get(nodeid)
-    assert got is not None, f"{nodeid} did not run"
-    assert got["outcome"] == "failed", (f"{nodeid}: expected the check to fail {BROKEN[broken][1]}, got "
-                                        f"{got['outcome']}: {got.get('reason', '')}")
-    reason = got.get("reason", "")
-    assert reason, f"{nodeid}: the failure says nothing"
+def test_cell_fails(run, test, broken, nodeid):
+    reason = run.assert_failed(nodeid, BROKEN[broken][1])
     if "golden" not in test:  # a golden mismatch is syrupy's diff; every other verdict names the backend
         assert BROKEN[broken][1] in reason, f"{nodeid}: the failure does not name the backend: {reason}"
 
@@ -117,12 +103,9 @@ def test_correct_backends_pass_most_cells(outcomes):
 
 
 @pytest.mark.parametrize("spec,name,nodeid", ERROR_CELLS, ids=[n for _, n, _ in ERROR_CELLS])
-def test_crash_is_recorded_as_error(outcomes, spec, name, nodeid):
+def test_crash_is_recorded_as_error(run, spec, name, nodeid):
     """A backend that raises or returns the wrong shape is an *error* in the results, not a failure."""
-    got = outcomes.get(nodeid)
-    assert got is not None, f"{nodeid} did not run"
-    assert got["outcome"] == "error", f"{nodeid}: {got['outcome']}: {got.get('reason', '')}"
-    assert "BackendError" in got.get("reason", "") or "BackendOutputError" in got.get("reason", ""), got
+    run.assert_error(nodeid, "BackendError", "BackendOutputError")
 
 
 def test_suites_hold_conformance_tests_only():

@@ -1,11 +1,7 @@
 """The suite testing itself: every broken backend is caught by the check named for it, and a correct
 backend written independently of the reference (tests/meta/independent_backend.py) passes."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +15,6 @@ from .broken_backends import CAUGHT_BY, ERRORS_BY
 from .independent_backend import IndependentMLA
 
 pytestmark = pytest.mark.meta
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
 
 F32, BF16 = torch.float32, torch.bfloat16
 CHECKS = {
@@ -125,13 +119,6 @@ def test_contract_violations_are_named(broken, message):
         "numerics-fp32-tiny-prefill_decode" if broken == "RaisesOnDecode" else "numerics-fp32-tiny-prefill")
     with pytest.raises(BackendError, match=message):
         CHECKS[check](getattr(broken_backends, broken)())
-
-
-def _pytest(*args, timeout=600):
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
-                           "-o", "addopts=", *args], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=timeout)
 
 
 def test_independent_backend_generates_the_golden_tokens():

@@ -1,0 +1,159 @@
+"""The one way a test runs the suite inside a test: as a user runs it (the plugin, ``--mla-backend`` /
+``--mla-op`` specs, ``--mla-results``), and reads what each inner test came out as.
+
+* :func:`run_inprocess`: through ``pytester`` in this process (torch, transformers and the suite's modules are
+  imported once); the ``suite_run`` fixture (tests/conftest.py) makes one such run per session for all the
+  tests of a module, whichever asks first, and under xdist the module's ``xdist_group`` keeps them on one worker;
+* :func:`run_subprocess`: the same command line as a real pytest process, for the jobs that run on the
+  background thread (tests/meta/background.py: pytest is not thread-safe, a subprocess is);
+* :func:`pytest_inprocess`: pytester's run of any other command line (a usage error, an expectation file).
+
+Every run: no xdist, no cache, none of the project's ``addopts``, the CPU, one torch thread (the outer
+session's thread count is restored after an in-process run).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+# torch and hypothesis (its pytest plugin imports it in every run) are imported before any pytester run:
+# pytester drops the modules a run imported first and the next run imports them again (torch must never be
+# imported twice; hypothesis costs 1-4 s a run)
+import hypothesis  # noqa: F401
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the options of every inner run of the suite
+BASE = ("-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=", "--mla-device", "cpu",
+        "--mla-threads", "1")
+
+
+def here(ref: str) -> str:
+    """A path, node id or ``path:attr`` spec of this checkout made absolute (an inner run starts in pytester's
+    directory); anything else (a built-in name, an option, an absolute path) is left as it is."""
+    path, sep, rest = ref.partition("::")
+    if not sep:
+        path, sep, rest = ref.rpartition(":") if ".py:" in ref else (ref, "", "")
+    if not path or path.startswith("/") or not (ROOT / path).exists():
+        return ref
+    return f"{ROOT / path}{sep}{rest}"
+
+
+@dataclass
+class SuiteRun:
+    """One inner run: its exit code, its output and its --mla-results JSON."""
+
+    code: int
+    log: str
+    payload: dict
+    by_id: dict[str, dict] = field(init=False)
+
+    def __post_init__(self):
+        self.by_id = {t["nodeid"]: t for t in self.payload.get("tests", [])}
+
+    @property
+    def tests(self) -> list[dict]:
+        return self.payload.get("tests", [])
+
+    def __getitem__(self, key: str):
+        return self.payload[key]
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log[-n:]
+
+    def result(self, nodeid: str) -> dict:
+        """The entry of one inner test (an AssertionError naming it when it did not run)."""
+        got = self.by_id.get(nodeid)
+        assert got is not None, f"{nodeid} did not run"
+        return got
+
+    def assert_failed(self, nodeid: str, name: str) -> str:
+        """The test came out *failed* (an AssertionError verdict, not an error, a skip or a pass) with a
+        message; returns the message."""
+        got = self.result(nodeid)
+        assert got["outcome"] == "failed", (f"{nodeid}: expected the check to fail {name}, got {got['outcome']}: "
+                                            f"{got.get('reason', '')}")
+        reason = got.get("reason", "")
+        assert reason, f"{nodeid}: the failure says nothing"
+        return reason
+
+    def assert_error(self, nodeid: str, *kinds: str) -> str:
+        """The test came out an *error* (a crash or a contract violation) whose reason starts with one of
+        ``kinds`` (exception names); returns the reason."""
+        got = self.result(nodeid)
+        assert got["outcome"] == "error", f"{nodeid}: {got['outcome']}: {got.get('reason', '')}"
+        reason = got.get("reason", "")
+        assert reason.startswith(kinds), f"{nodeid}: not an error of {kinds}: {got}"
+        return reason
+
+
+def suite_args(results: Path, targets: Iterable[str], backends: Iterable[str] = (), ops: Iterable[str] = (),
+               extra: Iterable[str] = ()) -> list[str]:
+    """The inner command line: :data:`BASE`, ``--rootdir`` this checkout (node ids read ``suites/…`` as in a
+    checkout), ``--mla-results``, the targets (paths or node ids) and the specs, made absolute."""
+    args = [*BASE, "--rootdir", str(ROOT), "--mla-results", str(results), *extra, *map(here, targets)]
+    for spec in backends:
+        args += ["--mla-backend", here(spec)]
+    for spec in ops:
+        args += ["--mla-op", here(spec)]
+    return args
+
+
+def _read(results: Path, code: int, log: str, expect: int | None) -> SuiteRun:
+    assert results.is_file(), f"the inner run wrote no results (exit {code}):\n{log[-4000:]}"
+    run = SuiteRun(code, log, json.loads(results.read_text(encoding="utf-8")))
+    if expect is not None:
+        assert code == expect, f"expected exit {expect}, got {code}:\n{run.tail()}"
+    return run
+
+
+def pytest_inprocess(pytester, *args: str, plugins: Iterable = ()) -> pytest.RunResult:
+    """pytester's in-process run of ``args`` (from pytester's directory; the outer torch thread count kept)."""
+    threads = torch.get_num_threads()
+    try:
+        return pytester.runpytest_inprocess(*args, plugins=list(plugins))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_inprocess(pytester, targets: Iterable[str], *, backends: Iterable[str] = (), ops: Iterable[str] = (),
+                  extra: Iterable[str] = (), plugins: Iterable = (), expect: int | None = None) -> SuiteRun:
+    """The suite's ``targets`` on ``backends`` / ``ops`` in this process; ``expect``: the exit code it must
+    have (1: some inner test failed, as a kill matrix's must)."""
+    results = pytester.path / "results.json"
+    got = pytest_inprocess(pytester, *suite_args(results, targets, backends, ops, extra), plugins=plugins)
+    return _read(results, int(got.ret), "\n".join(got.outlines + got.errlines), expect)
+
+
+def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[str] = (), ops: Iterable[str] = (),
+                   extra: Iterable[str] = (), expect: int | None = None, timeout: float = 600) -> SuiteRun:
+    """The same run as a pytest process started in ``workdir`` (a background job's scratch directory)."""
+    results = workdir / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", *suite_args(results, targets, backends, ops, extra)],
+                          cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    return _read(results, proc.returncode, proc.stdout + proc.stderr, expect)
+
+
+class SuiteRuns:
+    """The session's inner runs by name (the ``suite_run`` fixture): each made once, by the first test that
+    asks; a run that raised raises again for every later test (as a failing module fixture does)."""
+
+    def __init__(self):
+        self._runs: dict[str, tuple[bool, object]] = {}
+
+    def get(self, key: str, build: Callable[[], SuiteRun]) -> SuiteRun:
+        if key not in self._runs:
+            try:
+                self._runs[key] = (True, build())
+            except Exception as exc:  # noqa: BLE001 - kept and raised to every test of the run
+                self._runs[key] = (False, exc)
+        ok, value = self._runs[key]
+        if not ok:
+            raise value
+        return value
