@@ -259,6 +259,7 @@ def budget(config: MLAConfig, seq_len: int, *, dtype: str = "bfloat16", elem_byt
     tile["smem_verdicts"] = {cap: smem_verdict(tile["smem_total_bytes"], cap) for cap in capabilities}
     return {
         "dsa": dsa_bytes(config, seq_len, b),
+        "kernel_layouts": kernel_layouts(),
         "preset": preset,
         "config": {k: getattr(config, k) for k in (
             "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -321,6 +322,15 @@ def dsa_bytes(config: MLAConfig, seq_len: int, elem_bytes: float) -> dict[str, A
                     "per token per layer (cache_format 'latent+indexer')"}
 
 
+def kernel_layouts() -> dict[str, Any]:
+    """The FP8 cache layouts of FlashMLA's kernels at their own head dims, next to the preset's rows: the 656-byte
+    V3.2 row is the ``fp8-e4m3-flashmla`` codec row above where the preset's dims are 512 + 64; MODEL1's 584-byte
+    layout (d_qk 512 = 448 + 64) is listed here whatever the preset (mla_conformance.kv.model1)."""
+    from mla_conformance.kv import model1  # imports torch: the arithmetic above stays importable without it
+
+    return {model1.NAME: model1.layout_row()}
+
+
 def to_json(report: dict[str, Any]) -> str:
     """Deterministic JSON: sorted keys, two-space indent."""
     return json.dumps(report, sort_keys=True, indent=2)
@@ -349,6 +359,10 @@ def format_report(report: dict[str, Any]) -> str:
                    f"{fmt_bytes(report['kv_bytes_per_token_model'][key]):>16} "
                    f"{fmt_bytes(report['sequence_bytes'][key]):>14} "
                    f"{report['fraction_of_mha'][key]:>8.2%} {report['arithmetic_intensity'][key]:>10.1f}")
+    for row in (report.get("kernel_layouts") or {}).values():
+        out.append(f"{row['name']:<34} {row['total']:>14,}  FlashMLA's layout at its own dims ({row['dims']}, "
+                   f"not this preset's): {row['payload']} payload + {row['metadata']} scale/padding B; pages of "
+                   f"{row['page_block_size']}: {row['block_bytes']:,} B per block")
     dsa = report.get("dsa")
     if dsa:
         out += ["", f"DeepSeek Sparse Attention (indexer {dsa['index_n_heads']} heads x {dsa['index_head_dim']}, "

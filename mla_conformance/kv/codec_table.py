@@ -65,6 +65,20 @@ def quant_study_figures(config: MLAConfig, dtype: torch.dtype) -> dict[str, Any]
     return out
 
 
+def kernel_layouts() -> list[dict[str, Any]]:
+    """The FP8 layouts the op contract's ``write`` and ``decode`` take, at their own dims, whatever the preset:
+    FlashMLA's 656-byte V3.2 row (the ``fp8-e4m3-flashmla`` codec) and its 584-byte MODEL1 layout; per token the
+    layout's bytes and those a write sets (mla_conformance.kv.cache_write's spans), per page block its size."""
+    from mla_conformance.kv import cache_write, model1
+
+    v32 = get_codec("fp8-e4m3-flashmla")
+    v32_row = {"name": v32.name, "description": v32.description, "dims": "d_qk 576 = 512 + 64",
+               **v32.bytes_per_token(MLAConfig.preset("deepseek-v3"), torch.bfloat16),
+               "written_bytes_per_token": sum(n for _, n in cache_write.spans(v32.name, 64, 0)),
+               "page_block_size": 64, "block_bytes": cache_write.block_bytes(v32.name, 64), "kpe": v32.kpe}
+    return [v32_row, model1.layout_row()]
+
+
 def codec_table(preset: str, dtype: torch.dtype, device="cpu") -> dict[str, Any]:
     """Per codec: measured bytes per token per layer (checked against the formula), whole model, ratios."""
     config = MLAConfig.preset(preset)
@@ -93,7 +107,8 @@ def codec_table(preset: str, dtype: torch.dtype, device="cpu") -> dict[str, Any]
                    ratio_vs_latent=round(latent / total, 4), ratio_vs_expanded=round(expanded / total, 4))
         rows.append(row)
     out = {"preset": preset, "dtype": str(dtype).removeprefix("torch."), "layers": config.num_hidden_layers,
-           "latent_bytes_per_token_layer": latent, "expanded_bytes_per_token_layer": expanded, "codecs": rows}
+           "latent_bytes_per_token_layer": latent, "expanded_bytes_per_token_layer": expanded, "codecs": rows,
+           "kernel_layouts": kernel_layouts()}
     if preset == "deepseek-v2-lite":
         out["quant_study"] = quant_study_figures(config, dtype)
     else:

@@ -93,5 +93,19 @@ def bytes_per_token() -> dict[str, int]:
     return {"payload": D_NOPE + 2 * D_ROPE, "metadata": SCALE_BYTES, "total": TOKEN_BYTES}
 
 
+DESCRIPTION = ("FlashMLA MODEL1 FP8 layout (tests/quant.py MODEL1_FP8Sparse): d_qk 512 = 448 nope + 64 rope; per "
+               "token 448 x float8_e4m3fn (7 tiles of 64, UE8M0 scales) + 64 x bf16 rope + 7 e8m0 scale bytes + 1 "
+               "padding byte; per page block the 576-byte parts, then the 8-byte scale groups, padded to 576 B")
+
+
+def layout_row(page: int = 64) -> dict:
+    """The layout's bytes (``budget`` and ``codecs`` list it): per token, the bytes a write sets (its two spans),
+    and a page block's size with its padding."""
+    return {"name": NAME, "description": DESCRIPTION, "dims": f"d_qk {D_QK} = {D_NOPE} + {D_ROPE}",
+            **bytes_per_token(), "written_bytes_per_token": sum(n for _, n in spans(page, 0)),
+            "page_block_size": page, "block_bytes": block_bytes(page),
+            "kpe": "kept in bfloat16 (the last 128 bytes of each token's 576-byte part, unquantized)"}
+
+
 __all__ = ["NAME", "D_NOPE", "D_ROPE", "D_QK", "TILE", "TILES", "TOKEN_BYTES", "block_bytes", "cache_view",
-           "block_memory", "spans", "scales", "encode", "decode", "bytes_per_token"]
+           "block_memory", "spans", "scales", "encode", "decode", "bytes_per_token", "layout_row", "DESCRIPTION"]
