@@ -22,9 +22,7 @@ def test_seed_table(mla_backend, mla_device, mla_figures):
     """The V2-Lite cache probe through the contract: the bytes per stored token measured from the cache's
     tensors equal the declared format's formula at V2-Lite dims (checks.format_bytes_per_token; the seed's own
     figures are reproduced by tests/test_cache_bytes_reference.py), and active_nbytes() covers the tokens."""
-    got = checks.v2_lite_cache_probe(mla_backend, device=mla_device, figures=mla_figures)
-    assert got["measured_bytes_per_token"] == got["formula_bytes_per_token"]  # cache_bytes raised with the cause
-    assert got["tokens"] * got["measured_bytes_per_token"] <= got["active_nbytes"]
+    checks.v2_lite_cache_probe(mla_backend, device=mla_device, figures=mla_figures)  # raises naming the cause
 
 
 @pytest.mark.mla_section("cache-bytes")
@@ -44,9 +42,8 @@ def test_bytes_formula(mla_backend, preset, dtype, prefill, decode, batch, mla_d
 def test_bytes_formula_v3_dims(mla_backend, preset, mla_device, mla_figures):
     """At DeepSeek-V3 dims (128 heads, q_lora 1536) the measured bytes per token equal the formula: 1,152 B/token
     latent, 81,920 expanded (the formula's values: tests/test_cache_bytes_reference.py)."""
-    got = checks.cache_bytes(mla_backend, preset, torch.bfloat16, prefill=4, decode=1, batch=1, capacity=8,
-                             device=mla_device, figures=mla_figures)
-    assert got["measured_bytes_per_token"] == got["formula_bytes_per_token"]  # cache_bytes raised with the cause
+    checks.cache_bytes(mla_backend, preset, torch.bfloat16, prefill=4, decode=1, batch=1, capacity=8,
+                       device=mla_device, figures=mla_figures)
 
 
 #: test_bytes_formula_dsa cases: (preset, dtype, kv_codec)
@@ -67,6 +64,5 @@ def test_bytes_formula_dsa(mla_backend, case, prefill, decode, batch, mla_device
     with the FP8 key; with kv_codec fp8-e4m3-flashmla FlashMLA's 656-byte latent row + the FP8 key, 788 B. The
     formula is checks.format_bytes_per_token's, the measurement checks.cache_bytes's."""
     preset, dtype, kv_codec = DSA_BYTE_CASES[case]
-    got = checks.cache_bytes(mla_backend, preset, checks.DTYPES[dtype], prefill=prefill, decode=decode,
-                             batch=batch, capacity=16, device=mla_device, kv_codec=kv_codec, figures=mla_figures)
-    assert got["measured_bytes_per_token"] == got["formula_bytes_per_token"]  # cache_bytes raised with the cause
+    checks.cache_bytes(mla_backend, preset, checks.DTYPES[dtype], prefill=prefill, decode=decode, batch=batch,
+                       capacity=16, device=mla_device, kv_codec=kv_codec, figures=mla_figures)

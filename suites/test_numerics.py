@@ -10,7 +10,7 @@ import pytest
 
 from mla_conformance import checks
 
-PRESETS = ["tiny", "deepseek-v2-lite", "v3-mini"]
+PRESETS = checks.NUMERICS_PRESETS
 
 
 @pytest.mark.mla_section("numerics")

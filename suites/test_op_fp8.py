@@ -3,24 +3,18 @@ op's declared fp8_scale_format, against the float64 oracle of the dequantized ca
 op (--mla-op) that declares kv_formats "fp8-e4m3-flashmla"; q is bfloat16."""
 
 import pytest
-import torch
 
 from mla_conformance.checks import op as oc
 from mla_conformance.contract.op import declared
-from mla_conformance.impl.ops.reference import fp8_scales
 
-FP8 = "fp8-e4m3-flashmla"
+FP8 = ("fp8-e4m3-flashmla",)
 LENS = (37, 100, 5)
-
-
-def fp8_case(op, lens, device, **kw):
-    return oc.make_case(op, lens=lens, kv_formats=(FP8,), device=device, **kw)
 
 
 @pytest.mark.mla_section("op-fp8")
 def test_fp8_vs_dequantized_oracle(mla_op, mla_device, mla_figures):
     """Quantize, then the op against the oracle of what the cache holds (2 causal queries per row)."""
-    case = fp8_case(mla_op, LENS, mla_device, s_q=2, h_q=16, causal=True)
+    case = oc.make_case(mla_op, lens=LENS, kv_formats=FP8, device=mla_device, s_q=2, h_q=16, causal=True)
     spec = oc.Spec(case, LENS, seed=10, scale_format=declared(mla_op, "fp8_scale_format"))
     oc.check_against_oracle(mla_op, spec, check="FP8 cache vs dequantized oracle", figures=mla_figures)
 
@@ -30,17 +24,9 @@ def test_fp8_scale_probe(mla_op, mla_device, mla_figures):
     """Every tile's max |c| is 336: its scale is 1.0 under pow2 and 0.75 under fp32 (an op reading the scale in
     another format sees other values); every other token has an all-zero tile (scale at the 1e-4 floor)."""
     fmt = declared(mla_op, "fp8_scale_format")
-    case = fp8_case(mla_op, LENS, mla_device, s_q=1, h_q=8)
+    case = oc.make_case(mla_op, lens=LENS, kv_formats=FP8, device=mla_device, s_q=1, h_q=8)
     spec = oc.Spec(case, LENS, seed=11, content="probe-336", scale_format=fmt)
-    inp = oc.build(spec)
-    stored = inp.tensor("kv_cache").cpu().reshape(-1, 656)[inp.slots[1][:2]][:, 512:528].contiguous().view(
-        torch.float32)
-    mla_figures.update(scale_format=fmt, probe_scale=float(stored[0, 0]), zero_tile_scale=float(stored[1, 3]))
-    expected = {"pow2": 1.0, "fp32": 0.75}[fmt]
-    zero = float(fp8_scales(torch.zeros(1, 512), fmt)[0, 0])
-    assert float(stored[0, 0]) == expected and float(stored[1, 3]) == zero, (
-        f"the suite's FP8 writer stored scales {stored.tolist()} for the probe, expected {expected} (amax 336, "
-        f"{fmt}) and {zero} (all-zero tile)")
+    expected = oc.check_fp8_probe_scales(oc.build(spec), fmt, mla_figures)
     oc.check_against_oracle(mla_op, spec, check=f"FP8 scale probe (amax 336: scale {expected} under declared {fmt})",
                             figures=mla_figures)
 
@@ -48,7 +34,7 @@ def test_fp8_scale_probe(mla_op, mla_device, mla_figures):
 @pytest.mark.mla_section("op-fp8")
 def test_fp8_all_zero_kv(mla_op, mla_device, mla_figures):
     """An all-zero cache gives out exactly 0 (and lse log(number of keys))."""
-    case = fp8_case(mla_op, LENS, mla_device, s_q=1, h_q=8)
+    case = oc.make_case(mla_op, lens=LENS, kv_formats=FP8, device=mla_device, s_q=1, h_q=8)
     spec = oc.Spec(case, LENS, seed=12, content="zeros", scale_format=declared(mla_op, "fp8_scale_format"))
     oc.check_against_oracle(mla_op, spec, check="FP8 all-zero KV gives all-zero out", figures=mla_figures)
 
@@ -58,7 +44,7 @@ def test_fp8_all_zero_kv(mla_op, mla_device, mla_figures):
 def test_fp8_magnitude_sweep(mla_op, magnitude, mla_device, mla_figures):
     """The latent scaled by 1/16 (nearly uniform softmax), 16 and 256 (peaky: logits of standard deviation ~440):
     scales far from 1 in both directions."""
-    case = fp8_case(mla_op, LENS, mla_device, s_q=1, h_q=8)
+    case = oc.make_case(mla_op, lens=LENS, kv_formats=FP8, device=mla_device, s_q=1, h_q=8)
     spec = oc.Spec(case, LENS, seed=13, magnitude=magnitude, scale_format=declared(mla_op, "fp8_scale_format"))
     mla_figures["magnitude"] = magnitude
     oc.check_against_oracle(mla_op, spec, check=f"FP8 magnitude x{magnitude:g}", figures=mla_figures)

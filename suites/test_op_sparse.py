@@ -9,29 +9,16 @@ import pytest
 from mla_conformance.checks import op as oc
 from mla_conformance.contract.op import declared
 
-LENS = (40, 70, 30)
+LENS = (40, 70, 30)  # every query of a sparse case keeps a valid index
 TOPK = 32
 FORMATS = ("latent", "fp8-e4m3-flashmla")
-
-
-def sparse_case(op, device, *, s_q=2, attn_sink=False, lens=LENS):  # every query keeps a valid index
-    return oc.make_case(op, lens=lens, s_q=s_q, h_q=8, topk=TOPK, attn_sink=attn_sink, kv_formats=FORMATS,
-                        device=device)
-
-
-def spec_of(op, case, **kw):
-    return oc.Spec(case, case_lens(case), scale_format=declared(op, "fp8_scale_format"), **kw)
-
-
-def case_lens(case):
-    return LENS if case.batch == len(LENS) else LENS[:case.batch]
 
 
 @pytest.mark.mla_section("op-sparse")
 def test_sparse_vs_oracle(mla_op, mla_device, mla_figures):
     """top-32 indices per query over any row's keys (block_table does not restrict them), 2 queries per row."""
-    case = sparse_case(mla_op, mla_device)
-    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=20), check="sparse decode vs oracle",
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, topk=TOPK, kv_formats=FORMATS, device=mla_device)
+    oc.check_against_oracle(mla_op, oc.declared_spec(mla_op, case, LENS, seed=20), check="sparse decode vs oracle",
                             figures=mla_figures)
 
 
@@ -41,25 +28,18 @@ def test_sparse_invalid_indices(mla_op, kind, mla_device, mla_figures):
     """A quarter of the entries invalid: -1 for every op; one past the cache (num_blocks * page_block_size) and
     INT_MAX only where the op declares invalid_index = "out-of-range" (FlashMLA's sparse prefill); under the
     default "minus-one" (FlashMLA's sparse decode) the suite hands the op no such index."""
-    case = sparse_case(mla_op, mla_device)
-    rule = declared(mla_op, "invalid_index")
-    if kind != "minus-one" and rule == "minus-one":
-        said = "declares" if getattr(mla_op, "invalid_index", None) is not None else "defaults to"
-        article = "an" if kind[0] in "aeiou" else "a"
-        pytest.skip(f"{mla_op.name}: {said} invalid_index = 'minus-one' (FlashMLA's sparse decode: only -1 is "
-                    f"invalid), so {article} {kind} index is never handed to it (declare invalid_index = "
-                    "'out-of-range', FlashMLA's sparse prefill rule: every index outside the cache is invalid, to "
-                    "have it tested)")
-    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=21, invalid=kind),
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, topk=TOPK, kv_formats=FORMATS, device=mla_device)
+    oc.require_invalid_kind(mla_op, kind)
+    oc.check_against_oracle(mla_op, oc.declared_spec(mla_op, case, LENS, seed=21, invalid=kind),
                             check=f"sparse invalid indices ({kind})", figures=mla_figures)
 
 
 @pytest.mark.mla_section("op-sparse")
 def test_sparse_topk_length(mla_op, mla_device, mla_figures):
     """topk_length[b] < topk: the entries past it hold valid indices, which must be ignored."""
-    case = sparse_case(mla_op, mla_device)
-    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=22, topk_length=True), check="sparse topk_length",
-                            figures=mla_figures)
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, topk=TOPK, kv_formats=FORMATS, device=mla_device)
+    oc.check_against_oracle(mla_op, oc.declared_spec(mla_op, case, LENS, seed=22, topk_length=True),
+                            check="sparse topk_length", figures=mla_figures)
 
 
 @pytest.mark.mla_section("op-sparse")
@@ -67,16 +47,17 @@ def test_sparse_all_invalid_rows(mla_op, mla_device, mla_figures):
     """A row whose every index is -1: out 0 and lse the declared empty_row infinity."""
     case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, topk=TOPK, kv_formats=FORMATS, device=mla_device,
                         rows_without_keys=True)
-    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=23, invalid="minus-one", all_invalid_rows=(1,)),
-                            check="sparse row with every index invalid", figures=mla_figures)
+    spec = oc.declared_spec(mla_op, case, LENS, seed=23, invalid="minus-one", all_invalid_rows=(1,))
+    oc.check_against_oracle(mla_op, spec, check="sparse row with every index invalid", figures=mla_figures)
 
 
 @pytest.mark.mla_section("op-sparse")
 def test_attn_sink(mla_op, mla_device, mla_figures):
     """attn_sink per head (0, 2, 4, +inf, -inf, 6, cycled): out scaled by exp(lse) / (exp(lse) + exp(sink)),
     0 for +inf, unchanged for -inf; lse unchanged."""
-    case = sparse_case(mla_op, mla_device, attn_sink=True)
-    oc.check_against_oracle(mla_op, spec_of(mla_op, case, seed=24), check="attn_sink (with +-inf)",
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, topk=TOPK, attn_sink=True, kv_formats=FORMATS,
+                        device=mla_device)
+    oc.check_against_oracle(mla_op, oc.declared_spec(mla_op, case, LENS, seed=24), check="attn_sink (with +-inf)",
                             figures=mla_figures)
 
 
@@ -84,8 +65,8 @@ def test_attn_sink(mla_op, mla_device, mla_figures):
 def test_sparse_equals_dense(mla_op, mla_device, mla_figures):
     """Sparse decode of one query per row equals dense decode over a cache holding exactly the keys it selects
     (copied byte for byte, in index order, into a new shuffled, poisoned paged cache)."""
-    case = sparse_case(mla_op, mla_device, s_q=1)
-    inp = oc.build(spec_of(mla_op, case, seed=25, invalid="minus-one"))
+    case = oc.make_case(mla_op, lens=LENS, s_q=1, h_q=8, topk=TOPK, kv_formats=FORMATS, device=mla_device)
+    inp = oc.build(oc.declared_spec(mla_op, case, LENS, seed=25, invalid="minus-one"))
     dense = oc.dense_of_selection(inp)
     oc.require(mla_op, dense.case)
     check = "sparse equals dense over the selected keys"

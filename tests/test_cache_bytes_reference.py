@@ -3,11 +3,8 @@ conformance suite, which keeps only tests that judge a backend."""
 
 import pytest
 
-from mla_conformance import MLAConfig
+from mla_conformance import MLAConfig, checks
 from mla_conformance.specs import get_backend
-from tests._suite_modules import suite_namespace
-
-globals().update(suite_namespace("test_cache_bytes"))
 
 
 def test_seed_figures_reproduced(mla_device, mla_figures):

@@ -6,10 +6,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from tests._suite_modules import suite_namespace
+from mla_conformance import checks
+from mla_conformance.checks.checkpoint import PROBE_SOURCES, probe_inputs, probe_source
+from mla_conformance.generation.generate import DEFAULT_MODEL
+from mla_conformance.model.probe import layer1_weights
 
-globals().update(suite_namespace("test_checkpoint"))
+
+@pytest.fixture(params=PROBE_SOURCES)
+def probe(request):
+    return probe_source(request)
 
 
 @pytest.mark.mla_section("checkpoint-naive-vs-absorbed")

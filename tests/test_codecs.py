@@ -1,11 +1,21 @@
 """The tool's own tests of suites/test_quantized_kv.py's machinery (no backend under test): moved out of the
 conformance suite, which keeps only tests that judge a backend."""
 
+import json
+import math
+import struct
+
 import pytest
+import torch
 
-from tests._suite_modules import suite_namespace
-
-globals().update(suite_namespace("test_quantized_kv"))
+from mla_conformance import checks
+from mla_conformance.checks.codecs import (INT8, MODEL_DIR, V2_LITE_BF16, check_bound, flashmla_fp8_bytes,
+                                           gaussian_latent_errors, rankings, reference_attention_errors, trained,
+                                           trained_errors, trained_or_skip)
+from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS, QUANT_STUDY_SCHEMES, get_codec
+from mla_conformance.model import reference as ref
+from mla_conformance.model.config import MLAConfig
+from mla_conformance.specs import get_backend
 
 
 def test_layout_formula_matches_storage():
@@ -99,7 +109,7 @@ def test_fp8_flashmla_layout_byte_exact(mla_device, mla_figures):
     checked = 0
     for b in range(scenario.batch):
         for t in range(scenario.total(b)):
-            want = _flashmla_bytes(c[b, t], k_pe[b, t])
+            want = flashmla_fp8_bytes(c[b, t], k_pe[b, t])
             got = kv[b, t].numpy().tobytes()
             assert got == want, (f"row {b} token {t}: first differing byte "
                                  f"{next(i for i in range(656) if got[i] != want[i])}")
@@ -112,7 +122,7 @@ def test_fp8_flashmla_layout_byte_exact(mla_device, mla_figures):
     k = torch.randn(64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     codec = get_codec("fp8-e4m3-flashmla")
     got = codec.encode(c[None], k[None], torch.bfloat16)["kv"][0]
-    assert got.numpy().tobytes() == _flashmla_bytes(c, k)
+    assert got.numpy().tobytes() == flashmla_fp8_bytes(c, k)
     scales = struct.unpack("<4f", got[512:528].numpy().tobytes())
     assert scales[0] == 2.0 ** -13 and all(math.frexp(s)[0] == 0.5 for s in scales)
     c_back, k_back = codec.decode({"kv": got[None]}, torch.bfloat16)
@@ -123,11 +133,11 @@ def test_fp8_flashmla_layout_byte_exact(mla_device, mla_figures):
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_latent_roundtrip_gaussian(codec, mla_figures):
     """decode(encode(c)) on N(0, 1) latents at V2-Lite dims within the codec's latent bound."""
-    e = _gaussian_latent_errors()[codec]
+    e = gaussian_latent_errors()[codec]
     bound = ERROR_BOUNDS[codec].latent
     mla_figures.update(latent=e["c"], k_pe=e["k_pe"], bound=bound, reason=ERROR_BOUNDS[codec].reason)
-    _check_bound(codec, "latent", e["c"], bound, "on N(0, 1) latents")
-    _check_bound(codec, "k_pe", e["k_pe"], bound, "on N(0, 1) rope keys")
+    check_bound(codec, "latent", e["c"], bound, "on N(0, 1) latents")
+    check_bound(codec, "k_pe", e["k_pe"], bound, "on N(0, 1) rope keys")
     if get_codec(codec).kpe.startswith("kept"):
         assert e["k_pe"]["max_abs"] == 0, f"{codec} keeps k_pe but changed it"
 
@@ -135,20 +145,20 @@ def test_latent_roundtrip_gaussian(codec, mla_figures):
 @pytest.mark.parametrize("codec", [n for n in CODECS if n != "fp8-e4m3-flashmla"])
 def test_trained_model_errors(codec, mla_figures):
     """Latent round trip and attention output on the tiny trained model's own latents, every layer."""
-    t = _trained_or_skip()
-    errs = _trained_errors(codec)
+    t = trained_or_skip()
+    errs = trained_errors(codec)
     b = ERROR_BOUNDS[codec]
     mla_figures.update(errs, latent_bound=b.latent, attention_bound=b.attention, layers=len(t["layers"]))
     for i in range(len(t["layers"])):
-        _check_bound(codec, "latent", errs[f"layer{i}_latent"], b.latent, f"tiny-mla layer {i}")
-        _check_bound(codec, "k_pe", errs[f"layer{i}_k_pe"], b.latent, f"tiny-mla layer {i}")
-        _check_bound(codec, "attention output", errs[f"layer{i}_attention"], b.attention, f"tiny-mla layer {i}")
+        check_bound(codec, "latent", errs[f"layer{i}_latent"], b.latent, f"tiny-mla layer {i}")
+        check_bound(codec, "k_pe", errs[f"layer{i}_k_pe"], b.latent, f"tiny-mla layer {i}")
+        check_bound(codec, "attention output", errs[f"layer{i}_attention"], b.attention, f"tiny-mla layer {i}")
         if codec.startswith("int2"):
             assert errs[f"layer{i}_attention"]["rel_fro"] > 5 * max(ERROR_BOUNDS[n].attention for n in INT8)
             assert errs[f"layer{i}_latent"]["rel_fro"] > 5 * max(ERROR_BOUNDS[n].latent for n in INT8)
 
 
-def test_latent_quantization_rankings(mla_device, mla_figures):
+def test_latent_quantizationrankings(mla_device, mla_figures):
     """The latent quantization study (the seed-001 experiment): its rankings, measured here, and the ones
     that hold by construction asserted.
 
@@ -159,18 +169,18 @@ def test_latent_quantization_rankings(mla_device, mla_figures):
     on V2-Lite attention outputs and the trained tiny model, next to the study's reported mean errors
     (per-tensor 27x worse than per-channel on real V2-Lite latents, whose outliers sit in channels;
     asymmetric INT4 30% better)."""
-    gauss = {n: e["c"]["rel_fro"] for n, e in _gaussian_latent_errors().items()}
-    attn = {n: e["rel_fro"] for n, e in _reference_attention_errors(mla_device).items()}
-    mla_figures["gaussian_latent"] = {"errors": gauss, **_rankings(gauss)}
-    mla_figures["v2_lite_attention"] = {"errors": attn, **_rankings(attn)}
+    gauss = {n: e["c"]["rel_fro"] for n, e in gaussian_latent_errors().items()}
+    attn = {n: e["rel_fro"] for n, e in reference_attention_errors(mla_device).items()}
+    mla_figures["gaussian_latent"] = {"errors": gauss, **rankings(gauss)}
+    mla_figures["v2_lite_attention"] = {"errors": attn, **rankings(attn)}
     mla_figures["quant_study_reported_mean_abs"] = {k: v["mean_err"] for k, v in QUANT_STUDY_SCHEMES.items()}
     if (MODEL_DIR / "config.json").is_file():
-        t = _trained()
+        t = trained()
         for i in range(len(t["layers"])):
-            lat = {n: _trained_errors(n)[f"layer{i}_latent"]["rel_fro"] for n in CODECS if n != "fp8-e4m3-flashmla"}
-            att = {n: _trained_errors(n)[f"layer{i}_attention"]["rel_fro"] for n in lat}
-            mla_figures[f"trained_layer{i}_latent"] = {"errors": lat, **_rankings(lat)}
-            mla_figures[f"trained_layer{i}_attention"] = {"errors": att, **_rankings(att)}
+            lat = {n: trained_errors(n)[f"layer{i}_latent"]["rel_fro"] for n in CODECS if n != "fp8-e4m3-flashmla"}
+            att = {n: trained_errors(n)[f"layer{i}_attention"]["rel_fro"] for n in lat}
+            mla_figures[f"trained_layer{i}_latent"] = {"errors": lat, **rankings(lat)}
+            mla_figures[f"trained_layer{i}_attention"] = {"errors": att, **rankings(att)}
     order = ["int8-g16", "int8-g32", "int8-token", "int8-tensor"]
     assert [gauss[n] for n in order] == sorted(gauss[n] for n in order), (
         f"INT8 latent errors on N(0, 1) do not grow with the scale's span: {[(n, gauss[n]) for n in order]}")

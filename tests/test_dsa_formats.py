@@ -150,7 +150,7 @@ def test_config_indexer_rope_layout():
     assert "indexer_rope_interleave" not in MLAConfig.preset("v3-mini").to_hf_dict()
     with pytest.raises(MLAInputError, match="indexer_rope_interleave"):
         MLAConfig(**{**MLAConfig.preset("v3-mini").to_hf_dict(), "indexer_rope_interleave": True})
-    w_half, w_glm = checks._weights("v3.2-mini", 0), checks._weights("glm-dsa-mini", 0)
+    w_half, w_glm = checks.master_weights("v3.2-mini", 0), checks.master_weights("glm-dsa-mini", 0)
     x = torch.randn(1, 20, v32.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     assert torch.equal(indexer_scores_f64(w_glm, x), indexer_scores_f64(w_half, x, rope_layout="interleaved"))
     assert not torch.equal(indexer_scores_f64(w_glm, x), indexer_scores_f64(w_half, x))

@@ -10,14 +10,19 @@ cpu-float32 when the fixture was built: tiny-short 0.1176, tiny-long 0.0745; the
 tokens -- the <eos> after a wrong value -- and 0 of the 4 recalled values.)
 """
 
+import pytest
 
 from mla_conformance import MLAConfig
+from mla_conformance.checks.golden import PROMPT_SETS, load_tiny_model, model_dtype
 from mla_conformance.generation import generate as G
-from mla_conformance.specs import get_backend
+from mla_conformance.generation.generate import DSA_MODEL
 from mla_conformance.model.weights import MLAWeights
-from tests._suite_modules import suite_namespace
+from mla_conformance.specs import get_backend
 
-globals().update(suite_namespace("test_generation_golden"))
+
+@pytest.fixture(scope="module")
+def tiny_dsa_model(mla_device):
+    return load_tiny_model(mla_device, dsa=True)
 
 
 def _accuracy(outputs) -> float:

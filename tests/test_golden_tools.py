@@ -4,10 +4,16 @@ conformance suite, which keeps only tests that judge a backend."""
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests._suite_modules import suite_namespace
+from mla_conformance.checks.golden import PROMPT_SETS, load_tiny_model, model_dtype
+from mla_conformance.generation.generate import DEFAULT_MODEL, numerics_class, run_generation
+from mla_conformance.generation.golden import golden_path, read_golden
 
-globals().update(suite_namespace("test_generation_golden"))
+
+@pytest.fixture(scope="module")
+def tiny_model(mla_device):
+    return load_tiny_model(mla_device)
 
 
 @pytest.mark.parametrize("prompt_set", PROMPT_SETS)

@@ -2,13 +2,31 @@
 conformance suite, which keeps only tests that judge a backend."""
 
 import math
+from pathlib import Path
 
 import pytest
+import torch
 
-from mla_conformance.kv.caches import LatentSlotCache, from_contiguous, to_flashmla_layout
-from tests._suite_modules import suite_namespace
+from mla_conformance import checks
+from mla_conformance.checks.paged import (CALLS, CAPACITY, PAGE_SIZES, TOTALS, Paged, drive, paged_inputs,
+                                          paged_weights, require_paging)
+from mla_conformance.kv.caches import LatentSlotCache, PagedLatentCache, from_contiguous, to_flashmla_layout
+from mla_conformance.specs import get_backend
 
-globals().update(suite_namespace("test_paged_cache"))
+ROOT = Path(__file__).resolve().parent.parent
+#: FlashMLA's FP8 (one uint8 buffer), a codec with a calibrated global scale, and one with packed int4 k_pe
+CODEC_CASES = [("fp8-e4m3-flashmla", "dims-576"), ("int8-tensor", "tiny"), ("int4-asym-g16-kpe-int4", "tiny")]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """reference-absorbed over CALLS at 576-wide latents, bf16: the contiguous cache and paged caches (16, 64)."""
+    ref = get_backend("reference-absorbed")
+    w = paged_weights("dims-576", torch.bfloat16)
+    x = paged_inputs(w.config)
+    _, contiguous = drive(ref, w, x, CALLS)
+    paged = {n: drive(Paged(ref, n), w, x, CALLS)[1] for n in PAGE_SIZES}
+    return contiguous, paged
 
 
 def test_base_contract_backend_skips_not_fails():
@@ -106,7 +124,7 @@ def test_masking_by_selection_is_what_keeps_nan_out():
 
     w = checks.weights_for("tiny", torch.float32)
     with pytest.raises(AssertionError, match="non-finite"):
-        drive(LeakyBackend(ref, 16), w, _inputs(w.config), CALLS)
+        drive(LeakyBackend(ref, 16), w, paged_inputs(w.config), CALLS)
 
 
 def test_page_arguments_are_checked():
@@ -132,9 +150,9 @@ def test_unknown_or_unavailable_codec_is_a_clear_error():
 def test_quantized_pages_equal_contiguous_codec(codec, preset, page_block_size):
     """A codec's buffers in pages (NaN / 0xFF until written): outputs == reference-absorbed's contiguous codec cache."""
     ref = get_backend("reference-absorbed")
-    w = _weights(preset, torch.bfloat16)
+    w = paged_weights(preset, torch.bfloat16)
     checks.require_support(ref, w.config, dtype=w.dtype, device="cpu", kv_codec=codec)
-    x = _inputs(w.config)
+    x = paged_inputs(w.config)
     contiguous, ccache = drive(ref, w, x, CALLS, kv_codec=codec)
     paged, cache = drive(Paged(ref, page_block_size), w, x, CALLS, kv_codec=codec)
     assert isinstance(cache, PagedLatentCache)

@@ -27,7 +27,8 @@ from mla_conformance.checks.bytes import (INDEXER_FORMATS, WrittenBytes, cache_b
 from mla_conformance.checks.driver import (SCENARIOS, NonFiniteOutput, Scenario, call_backend, check_output, diagnosis,
                                            inputs_for, master_weights, require_support, run_scenario,
                                            scenario_lengths, tensors_of_checked, weights_for)
-from mla_conformance.checks.layer_numerics import incremental_equals_prefill, likely_cause_message, numerics
+from mla_conformance.checks.layer_numerics import (NUMERICS_PRESETS, incremental_equals_prefill, likely_cause_message,
+                                                   numerics)
 from mla_conformance.checks.metrics import (DTYPES, NAN_FROM_POISON, NAN_HINT, NAN_OWN, dtype_name, error_metrics,
                                             format_metrics, margin, row_metrics)
 from mla_conformance.checks.tolerances import (ANCHOR_TOLERANCES, FP8_E4M3_PRODUCT_ERROR, OP_ACC_ROUNDINGS,
@@ -36,7 +37,7 @@ from mla_conformance.checks.tolerances import (ANCHOR_TOLERANCES, FP8_E4M3_PRODU
 
 __all__ = [
     "ANCHOR_TOLERANCES", "DTYPES", "FP8_E4M3_PRODUCT_ERROR", "INDEXER_FORMATS", "NAN_FROM_POISON", "NAN_HINT",
-    "NAN_OWN", "NonFiniteOutput", "OP_ACC_ROUNDINGS", "OP_DOT_ROUNDINGS", "OP_LSE_ROUNDING", "OP_TOLERANCES",
+    "NAN_OWN", "NUMERICS_PRESETS", "NonFiniteOutput", "OP_ACC_ROUNDINGS", "OP_DOT_ROUNDINGS", "OP_LSE_ROUNDING", "OP_TOLERANCES",
     "OpTolerance", "SCENARIOS", "Scenario", "TOLERANCES", "Tolerance", "WrittenBytes", "cache_bytes", "call_backend",
     "check_output", "default_indexer_format", "diagnosis", "dtype_name", "error_metrics", "format_bytes_per_token",
     "format_metrics", "incremental_equals_prefill", "indexer_bytes_per_token", "indexer_elements",

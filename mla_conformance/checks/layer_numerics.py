@@ -15,6 +15,8 @@ from mla_conformance.checks.metrics import dtype_name, error_metrics, margin, ro
 from mla_conformance.checks.tolerances import TOLERANCES, Tolerance, tolerance_figures
 from mla_conformance.model.reference import reference_attention_f64
 
+#: the presets the numerics tests run (suites/test_numerics.py's docstring says why these)
+NUMERICS_PRESETS = ["tiny", "deepseek-v2-lite", "v3-mini"]
 
 def numerics(backend, preset: str, scenario_name: str, dtype: torch.dtype, device="cpu",
              tolerance: Tolerance | None = None, figures: dict | None = None) -> dict[str, float]:
@@ -37,7 +39,8 @@ def numerics(backend, preset: str, scenario_name: str, dtype: torch.dtype, devic
     m = error_metrics(out[valid], ref[valid])
     tol = tolerance or TOLERANCES[dtype_name(dtype)]
     figures.update(m)
-    figures.update(tolerance_figures(tol), margin_rel_fro=margin(m["rel_fro"], tol.rel_fro) if m["rel_fro"] else None)
+    figures.update(tolerance_figures(tol),
+                   margin_rel_fro=margin(m["rel_fro"], tol.rel_fro) if m["rel_fro"] else None)
     where = f"{backend.name} {preset} {scenario_name} {dtype_name(dtype)}"
     # per-row check too, so a bug confined to one row cannot hide in the batch average
     for b in range(scenario.batch):

@@ -1,0 +1,267 @@
+"""Comparing an op's (out, lse) with the float64 op oracle (:func:`compare`, :func:`check_against_oracle`): lse
+converted from the op's declared ``lse_base``; a query with no keys must give out exactly 0 and the declared
+``empty_row`` infinity; NaN in a query with keys fails; every other element within its own bound, derived per
+element from the oracle's magnitudes (:func:`bounds`, :class:`~mla_conformance.checks.tolerances.OpTolerance`).
+
+Every failure message names the op, the case (:meth:`OpCase.describe`), the check and the measured numbers;
+``figures`` (the test's ``mla_figures``) is filled before anything is raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from mla_conformance.checks.metrics import OP_NAN_HINT as NAN_HINT
+from mla_conformance.checks.metrics import dtype_name
+from mla_conformance.checks.op_inputs import OpInputs, Spec, build, require, where
+from mla_conformance.checks.op_run import run_op
+from mla_conformance.checks.tolerances import OP_LSE_ROUNDING, OP_TOLERANCES, unit_roundoff
+from mla_conformance.contract.op import OpCase, declared
+from mla_conformance.impl.ops.reference import lse_to_natural, oracle
+
+
+def _oracle_inputs(inp: OpInputs) -> dict:
+    t = {n: b.view.detach().cpu() for n, b in inp.buffers.items()}
+    return dict(q=t["q"], kv_cache=t["kv_cache"], block_table=t["block_table"], cache_seqlens=t["cache_seqlens"],
+                softmax_scale=inp.softmax_scale, causal=inp.case.causal, indices=t.get("indices"),
+                topk_length=t.get("topk_length"), attn_sink=t.get("attn_sink"))
+
+
+@functools.lru_cache(maxsize=64)
+def oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The float64 oracle of a spec, computed once: (out [B, s_q, h_q, 512], natural lse [B, h_q, s_q] with
+    +inf for no keys, the magnitudes the error bounds scale with: see ``oracle(magnitudes=True)``)."""
+    return oracle(**_oracle_inputs(build(spec)), magnitudes=True)
+
+
+@functools.lru_cache(maxsize=16)
+def top_left_oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The oracle of a causal spec aligned top-left (query i sees keys 0..i): asked only once a causal check
+    has failed, to name the likely cause."""
+    return oracle(**_oracle_inputs(build(spec)), magnitudes=True, align="top-left")
+
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def tolerance_for(case: OpCase):
+    key = "fp8-e4m3-flashmla" if case.kv_format == "fp8-e4m3-flashmla" else dtype_name(case.dtype)
+    return key, OP_TOLERANCES[key]
+
+
+def bounds(tol, mags: dict, ref_out: torch.Tensor, ref_lse: torch.Tensor, out_dtype, *, merged: bool = False):
+    """Per-element bound on |out - oracle| [B, s_q, h, d] and per-query bound on |lse - oracle| [B, h, s_q]
+    (natural log) of one side of a comparison (:class:`mla_conformance.checks.OpTolerance` derives them).
+
+    ``out_dtype``: the dtype that side returned out in (its rounding: half a step of it). ``merged``: that side
+    is two partial calls merged by LSE: each part's out rounding is relative to the part's |out| (sum: u_out S,
+    not u_out |ref|), the parts' lse errors move their weights (2 x the lse bound x S), and their score terms
+    use A_max (T already does)."""
+    u_out = unit_roundoff(out_dtype)
+    abs_v, score_v = mags["abs_v"], mags["score_v"]
+    finite = torch.where(torch.isfinite(ref_lse), ref_lse.abs(), torch.zeros_like(ref_lse))
+    score = mags["score_max"] if merged else mags["score_abs"]
+    lse_b = tol.dot * score + (tol.acc + OP_LSE_ROUNDING) * (1.0 + finite + (1.0 if merged else 0.0))
+    per_q = lambda x: x.transpose(1, 2)[..., None]                                   # [B, h, s] -> [B, s, h, 1]
+    out_b = (tol.p_round + tol.acc) * abs_v + tol.dot * score_v + per_q(mags["sink_rel"] * lse_b) * ref_out.abs()
+    out_b = out_b + (u_out * abs_v + 2.0 * per_q(lse_b) * abs_v if merged else u_out * ref_out.abs())
+    return out_b, lse_b
+
+
+def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures: dict, oracle, lse_base=None,
+            empty_lse=None, merged: bool = False, out_dtype=None, ref_dtype=None,
+            against: str = "the float64 oracle") -> dict:
+    """out / lse of the op against a reference (out float64, lse natural float64 with +inf for no keys).
+
+    ``oracle``: (out, lse, magnitudes) of the float64 oracle of the case (what the bounds scale with; see
+    :func:`bounds`). The reference is the oracle itself, or another result of the op (``ref_dtype``: the dtype
+    of its out; its own bound is added) -- ``merged``: ``out`` / ``lse`` are two partial calls merged by LSE
+    (``out_dtype``: the dtype the parts returned out in; default: ``out``'s).
+    ``lse`` is converted from ``lse_base`` (default: the op's declaration); None (an op that declares
+    ``returns_lse = False``) compares out only. A query with no keys must return out exactly 0 and lse
+    ``empty_lse`` (default: the op's ``empty_row``). Fills ``figures`` first, then raises AssertionError
+    naming the op, case, check, the measured error, its bound and where."""
+    __tracebackhide__ = True
+    key, tol = tolerance_for(case)
+    base = declared(op, "lse_base") if lse_base is None else lse_base
+    if empty_lse is None:
+        empty_lse = math.inf if declared(op, "empty_row") == "+inf" else -math.inf
+    w = where(op, case, check)
+    o_out, o_lse, mags = oracle
+    out_dtype = out.dtype if out_dtype is None else out_dtype
+    out_b, lse_b = bounds(tol, mags, o_out, o_lse, out_dtype, merged=merged)
+    if ref_dtype is not None:
+        ref_out_b, ref_lse_b = bounds(tol, mags, o_out, o_lse, ref_dtype)
+        out_b, lse_b = out_b + ref_out_b, lse_b + ref_lse_b
+    out = out.detach().cpu().to(torch.float64)
+    ref_out = ref_out.to(torch.float64)
+    ref_lse = None if ref_lse is None else ref_lse.to(torch.float64)
+    if ref_lse is None:
+        lse = None
+    empty = torch.isinf(o_lse) & (o_lse > 0)                      # [B, h, s_q]: the oracle says no keys
+    has_keys = ~empty
+    empty_q = empty.transpose(1, 2)                                # [B, s_q, h]
+    valid_out = ~empty_q[..., None].expand_as(out)
+    ref_valid = ref_out[valid_out]
+    err = (out - ref_out).abs()
+    err = torch.where(valid_out, err, torch.zeros_like(err))
+    ratio = torch.where(valid_out, err / out_b.clamp_min(1e-300), torch.zeros_like(err)).nan_to_num(nan=math.inf)
+    figures.update({
+        "case": case.describe(), "check": check, "op": op.name,
+        "out_max_abs": float(torch.nan_to_num(err, nan=math.inf).max()) if err.numel() else 0.0,
+        "out_rel_fro": float((torch.nan_to_num(out, nan=0.0)[valid_out] - ref_valid).norm() / ref_valid.norm())
+        if ref_valid.numel() and float(ref_valid.norm()) else 0.0,
+        "out_error_over_bound": float(ratio.max()) if ratio.numel() else 0.0,
+        "queries": int(empty.numel()), "queries_without_keys": int(empty.sum()),
+        "tolerance": key, "tolerance_p_round": tol.p_round, "tolerance_dot": tol.dot, "tolerance_acc": tol.acc,
+        "tolerance_u_out": torch.finfo(out_dtype).eps / 2, "lse_base": base, "lse_compared": lse is not None,
+    })
+    # NaN / inf in a query that has keys
+    bad = ~torch.isfinite(out) & valid_out
+    if bool(bad.any()):
+        b, s, h, d = (int(i) for i in bad.nonzero()[0])
+        kind = "NaN" if math.isnan(float(out[b, s, h, d])) else "inf"
+        raise AssertionError(f"{w}: out has {int(bad.sum())} non-finite value(s) in queries with keys: {kind} at "
+                             f"(b, s, h, d) = ({b}, {s}, {h}, {d}) (cache_seqlens[{b}] of the case: keys exist); "
+                             f"{NAN_HINT}")
+    if lse is not None:
+        raw_lse = lse.detach().cpu().to(torch.float64)
+        nat = lse_to_natural(raw_lse, base)
+        lse_err = torch.where(has_keys, (nat - ref_lse).abs(), torch.zeros_like(nat))
+        figures["lse_max_abs"] = float(torch.nan_to_num(lse_err, nan=math.inf).max()) if lse_err.numel() else 0.0
+        bad = ~torch.isfinite(raw_lse) & has_keys
+        if bool(bad.any()):
+            b, h, s = (int(i) for i in bad.nonzero()[0])
+            raise AssertionError(f"{w}: lse has {int(bad.sum())} non-finite value(s) in queries with keys: "
+                                 f"{float(raw_lse[b, h, s])} at (b, h, s) = ({b}, {h}, {s}), expected "
+                                 f"{float(ref_lse[b, h, s]):.6g} (natural log); {NAN_HINT}")
+    # queries with no keys: out exactly 0, lse the declared infinity
+    if bool(empty.any()):
+        nonzero = (out != 0) & ~valid_out
+        if bool(nonzero.any()):
+            b, s, h, d = (int(i) for i in nonzero.nonzero()[0])
+            raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys, so out must be exactly 0; got "
+                                 f"{float(out[b, s, h, d])} at head {h}, channel {d} ({int(nonzero.sum())} value(s) "
+                                 "not 0)")
+        wrong = ((raw_lse != empty_lse) & empty) if lse is not None else torch.zeros_like(empty)
+        if bool(wrong.any()):
+            b, h, s = (int(i) for i in wrong.nonzero()[0])
+            got = float(raw_lse[b, h, s])
+            said = ("declared" if getattr(op, "empty_row", None) is not None else
+                    "the op contract's default: the op declares no empty_row")
+            other = {math.inf: "+inf", -math.inf: "-inf"}.get(got)
+            hint = (f"; if {other} is the op's convention for a query with no keys, declare empty_row = {other!r}"
+                    if other and other != declared(op, "empty_row") else "")
+            raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys: lse must be {empty_lse} (empty_row = "
+                                 f"{declared(op, 'empty_row')!r}, {said}), got {got} at head {h} "
+                                 f"({int(wrong.sum())} such value(s)){hint}")
+    # lse of queries with keys
+    if lse is not None:
+        over = lse_err > lse_b
+        if bool(over.any()):
+            b, h, s = _unravel(int((lse_err / lse_b).nan_to_num(nan=math.inf).flatten().argmax()), lse_err.shape)
+            got, exp = float(nat[b, h, s]), float(ref_lse[b, h, s])
+            hint = ""
+            if exp and abs(float(raw_lse[b, h, s]) * math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)) and base == "e":
+                hint = "; the lse matches base 2 (lse x ln 2 equals the oracle): declare lse_base = '2'"
+            elif exp and abs(float(raw_lse[b, h, s]) / math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)) and base == "2":
+                hint = "; the lse matches the natural log: declare lse_base = 'e' (or return base 2)"
+            raise AssertionError(
+                f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log) at (b, h, s) "
+                f"= ({b}, {h}, {s}): got {got:.6g} (raw {float(raw_lse[b, h, s]):.6g}, declared base {base}), expected "
+                f"{exp:.6g}; bound {float(lse_b[b, h, s]):.3e} ({key}: dot {tol.dot:.3g} x Abar "
+                f"{float(mags['score_abs'][b, h, s]):.3g} + ({tol.acc:.3g} + 2^-24) x (1 + |lse|)); {int(over.sum())} "
+                f"of {int(has_keys.sum())} queries over{hint}")
+    # out of queries with keys
+    over = (err > out_b) & valid_out
+    if bool(over.any()):
+        b, s, h, d = _unravel(int(ratio.flatten().argmax()), err.shape)
+        at = (b, s, h, d)
+        raise AssertionError(
+            f"{w}: out differs from {against}: max abs error {float(err.max()):.3e}; worst against its bound at "
+            f"(b, s, h, d) = {at}: got {float(out[at]):.6g}, expected {float(ref_out[at]):.6g}, error "
+            f"{float(err[at]):.3e} = {float(ratio[at]):.3g} x the bound {float(out_b[at]):.3e} ({key}: u_out "
+            f"{figures['tolerance_u_out']:.3g} x |ref| + "
+            f"(p_round {tol.p_round:.3g} + acc {tol.acc:.3g}) x S {float(mags['abs_v'][at]):.3g} + dot {tol.dot:.3g} "
+            f"x T {float(mags['score_v'][at]):.3g}; S = softmax @ |V|, T = sum_t p_t (A_t + A_max) |v_t| from the "
+            f"float64 oracle{'; both sides bounded' if ref_dtype is not None else ''}); {int(over.sum())} of "
+            f"{int(valid_out.sum())} values over, rel_fro {figures['out_rel_fro']:.3e}")
+    return figures
+
+
+def _unravel(flat: int, shape) -> tuple[int, ...]:
+    out = []
+    for n in reversed(tuple(shape)):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+def check_against_oracle(op, spec: Spec, *, check: str, figures: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Build (cached), run, compare with the oracle (cached); returns the op's (out, lse). A causal case that
+    fails is compared once more with the oracle aligned top-left, to name that as the likely cause."""
+    __tracebackhide__ = True
+    require(op, spec.case)
+    figures.update(case=spec.case.describe(), check=check, op=op.name)
+    inp = build(spec)
+    out, lse = run_op(op, inp, check)
+    ref = oracle_of(spec)
+    try:
+        compare(op, spec.case, out, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref)
+    except AssertionError as exc:
+        hint = _top_left_hint(op, spec, out, lse)
+        if hint:
+            figures["likely_cause"] = "top-left causal alignment"
+            raise AssertionError(f"{exc}{hint}") from None
+        raise
+    return out, lse
+
+
+def _top_left_hint(op, spec: Spec, out, lse) -> str:
+    """'; likely cause: top-left causal alignment ...' when a failing causal multi-token case matches the
+    oracle aligned top-left within the bounds."""
+    case = spec.case
+    if not case.causal or case.s_q < 2 or case.sparse:
+        return ""
+    tl = top_left_oracle_of(spec)
+    try:
+        compare(op, case, out, lse, tl[0], tl[1], check="top-left", figures={}, oracle=tl)
+    except AssertionError:
+        return ""
+    return ("; likely cause: top-left causal alignment -- the op matches the oracle in which query i sees keys 0..i; "
+            "the contract aligns multi-token decode bottom-right (the s_q queries are the row's last s_q tokens: "
+            "query i attends keys < cache_seqlens[b] - s_q + i + 1)")
+
+
+def bitwise_equal(op, case: OpCase, a, b, *, check: str, what: str, figures: dict) -> None:
+    """Two (out, lse) pairs bitwise equal (NaN equal to NaN of the same bits)."""
+    __tracebackhide__ = True
+    figures.setdefault("check", check)
+    figures.setdefault("case", case.describe())
+    for name, x, y in (("out", a[0], b[0]), ("lse", a[1], b[1])):
+        if x is None or y is None:  # an op that declares returns_lse = False
+            continue
+        x, y = x.detach().cpu(), y.detach().cpu()
+        same = x.shape == y.shape and x.dtype == y.dtype and torch.equal(
+            x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        if not same:
+            diff = (x.to(torch.float64) - y.to(torch.float64)).abs()
+            n = int((x != y).sum()) if x.shape == y.shape else -1
+            figures.update({f"{name}_differing_values": n, f"{name}_max_abs_difference": float(diff.max())})
+            raise AssertionError(f"{where(op, case, check)}: {what}: {name} is not bitwise the same: {n} of {x.numel()} "
+                                 f"values differ, max abs difference {float(diff.max()):.3e}")
+    figures.update({"out_differing_values": 0, "lse_differing_values": 0})
+
+
+
+def as_reference(out: torch.Tensor, lse: torch.Tensor | None, base: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An op's (out, lse) as a comparison reference: float64 out, natural lse with +inf for no keys."""
+    if lse is None:
+        return out.detach().cpu().to(torch.float64), None
+    nat = lse_to_natural(lse.detach().cpu().to(torch.float64), base)
+    nat = torch.where(torch.isinf(nat), torch.full_like(nat, math.inf), nat)
+    return out.detach().cpu().to(torch.float64), nat
