@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, arch, checks
-from mla_conformance.specs import get_backend
+from mla_conformance.contract.op import METHODS, declarations, methods_of
+from mla_conformance.specs import get_backend, get_op
 from mla_conformance.errors import BackendSpecError
 from mla_conformance.impl.ops.layer import OpBackend
 from mla_conformance.impl.ops.reference import ReferenceOp
@@ -171,3 +172,54 @@ def test_declared_head_dims_let_the_tiny_model_through():
     out = backend.attend(w, x, torch.arange(3)[None], cache)
     assert out.shape == x.shape and torch.isfinite(out).all()
     assert seen == [(tiny.kv_lora_rank + tiny.qk_rope_head_dim, tiny.kv_lora_rank)]
+
+
+# --------------------------------------------------------------------------- ops with other methods than decode
+
+
+def _op_file(tmp_path, body: str) -> str:
+    path = tmp_path / "ops.py"
+    path.write_text(textwrap.dedent(body), encoding="utf-8")
+    return str(path)
+
+
+def test_an_op_needs_one_method_not_decode(tmp_path):
+    """An op with only merge resolves (every method is optional); one with none of the methods is refused naming
+    them; a merge-only op behind the layer contract is refused naming decode; a method's declaration outside
+    its allowed values is a bad spec naming the attribute."""
+    path = _op_file(tmp_path, """
+        class MergeOnly:
+            name = "merge-only"
+            merge_empty_row = "-inf"
+            def unsupported_reason(self, case):
+                return None
+            def merge(self, out_a, lse_a, out_b, lse_b):
+                return out_a, lse_a
+
+        class Nothing:
+            name = "nothing"
+            def unsupported_reason(self, case):
+                return None
+
+        class BadBase(MergeOnly):
+            name = "bad-base"
+            merge_lse_base = "10"
+        """)
+    op = get_op(f"{path}:MergeOnly")
+    assert methods_of(op) == ("merge",)
+    assert declarations(op) == {"merge_lse_base": "e", "merge_empty_row": "-inf"}
+    with pytest.raises(BackendSpecError, match="it has none of the methods decode, prefill, sparse_prefill, merge, "
+                                               "write"):
+        get_op(f"{path}:Nothing")
+    with pytest.raises(BackendSpecError, match=r"merge_lse_base = '10' is not one of 'e', '2'"):
+        get_op(f"{path}:BadBase")
+    with pytest.raises(BackendSpecError, match=r"backend spec 'op:.*MergeOnly'.*has no decode\(\)"):
+        get_backend(f"op:{path}:MergeOnly")
+
+
+def test_reference_op_declares_every_method():
+    op = ReferenceOp()
+    assert methods_of(op) == METHODS
+    decl = declarations(op)
+    assert decl["write_kv_formats"] == ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
+    assert decl["sparse_prefill_head_dims"] == ((576, 512), (512, 512)) and decl["prefill_head_dims"] == "any"
