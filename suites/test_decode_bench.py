@@ -19,7 +19,7 @@ fraction of the memory bandwidth measured in the same run.
 No timing without correctness: ``perf.step.prepare`` checks the decode step of the exact configuration it then
 times (backend, dtype, preset, context, batch, page size, kv codec) against the float64 oracle with the suite's
 bounds (:mod:`mla_conformance.perf.gate`), and a test whose step fails it fails with "not timed: wrong output
-(<measured> vs <bound>, <where>)" before anything is timed; ``correctness`` in its figures says which
+(<measured> vs <bound>, <where>)" before anything is timed; ``correctness`` in its ``extra_info`` says which
 configuration was checked and the outcome. Past that gate, timings are figures, not verdicts:
 ``test_decode_step`` records median, GB/s and FLOPs and asserts only properties of the measurement that a
 broken cache or backend breaks: the timed step saw exactly ``context`` cached tokens per row (the cache was
@@ -52,10 +52,11 @@ pytestmark = pytest.mark.benchmark
 __all__ = ["CLAIM_FLOOR"]  # perf.cases' constant, re-exported: the README still names this file for it
 
 
-def _gated(prepared, figures: dict):
-    """The prepared step, after recording its correctness check; fails "not timed: wrong output (...)" if it failed."""
+def _gated(prepared, benchmark):
+    """The prepared step, after recording its correctness check (pytest-benchmark's ``extra_info``: the
+    configuration checked, the bound, what was measured); fails "not timed: wrong output (...)" if it failed."""
     __tracebackhide__ = True
-    figures.setdefault("correctness", {})[prepared.backend.name] = prepared.correctness.record()
+    benchmark.extra_info.setdefault("correctness", {})[prepared.backend.name] = prepared.correctness.record()
     if not prepared.correctness.passed:
         pytest.fail(prepared.correctness.refusal(), pytrace=False)
     return prepared
@@ -70,7 +71,7 @@ def test_decode_step(benchmark, mla_backend, kv_codec, context, batch, mla_devic
     checks.require_support(mla_backend, config, dtype=DTYPE, device=mla_device, kv_codec=kv_codec)
     rounds = ROUNDS[context]
     prepared = _gated(prepare(mla_backend, PRESET, DTYPE, context, batch, mla_device, kv_codec,
-                              steps=rounds + WARMUP + 1), mla_figures)
+                              steps=rounds + WARMUP + 1), benchmark)
     benchmark.group = f"decode {PRESET} bf16 {ctx_id(context)} batch {batch}"
     benchmark.pedantic(prepared.step, setup=prepared.setup, rounds=rounds, warmup_rounds=WARMUP, iterations=1)
     stats = getattr(benchmark, "stats", None)
@@ -110,9 +111,9 @@ def test_sparse_decode_step(benchmark, mla_backend, context, mla_device, mla_fig
     config = MLAConfig.preset(SPARSE_PRESET)
     checks.require_support(mla_backend, config, dtype=DTYPE, device=mla_device)
     sparse = _gated(prepare(mla_backend, SPARSE_PRESET, DTYPE, context, 1, mla_device,
-                            steps=SPARSE_ROUNDS + WARMUP + 1), mla_figures)
+                            steps=SPARSE_ROUNDS + WARMUP + 1), benchmark)
     dense = _gated(prepare(get_backend("reference-absorbed"), DENSE_PRESET, DTYPE, context, 1, mla_device,
-                           steps=SPARSE_ROUNDS + WARMUP + 1), mla_figures)
+                           steps=SPARSE_ROUNDS + WARMUP + 1), benchmark)
     t_sparse, t_dense = time_interleaved([sparse, dense], SPARSE_ROUNDS, WARMUP)
     model = sparse_decode_bytes(SPARSE_PRESET, [context], forms=(("bfloat16", "none"),))
     row = model["forms"]["bfloat16"]["contexts"][0]
