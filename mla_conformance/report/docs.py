@@ -9,7 +9,8 @@ Each file keeps its prose by hand; its tables are written between marker comment
 and rewritten in place by ``mla-conformance docs`` (:func:`update`) from the pytest options the plugin registers
 (:func:`mla_conformance.pytest_plugin.pytest_addoption`), :data:`mla_conformance.checks.TOLERANCES` and
 ``OP_TOLERANCES``, :data:`mla_conformance.kv.codecs.CODECS` (bytes per token at DeepSeek-V2-Lite dims in BF16)
-with :data:`mla_conformance.kv.codecs.ERROR_BOUNDS`, :data:`mla_conformance.arch.MATRIX`, and the op suite's
+with :data:`mla_conformance.kv.codecs.ERROR_BOUNDS`, :data:`mla_conformance.arch.MATRIX`, the presets
+(:data:`mla_conformance.model.config.PRESETS`), the op contract's methods and declarations, and the op suite's
 sections (the ``mla_section("op-...")`` markers of ``suites/test_op_*.py``, read from the source). :data:`FILES`
 says which file holds which section. ``mla-conformance docs --check`` changes nothing and exits 1 naming the
 files and sections that differ.
@@ -38,6 +39,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "docs/tolerances.md": ("tolerances", "op_tolerances"),
     "docs/codecs.md": ("kv_codecs",),
     "docs/cli.md": ("presets",),
+    "docs/op-contract.md": ("op_methods",),
 }
 
 REGENERATE = "mla-conformance docs"
@@ -212,6 +214,19 @@ def support_matrix_table() -> str:
                    "mode, head dims K/V", "confidence"), ("l",) * 7, rows)
 
 
+def op_methods_table() -> str:
+    """The op contract's methods: signature and declarations with their defaults (contract/op.py)."""
+    from mla_conformance.contract import op
+
+    def value(v: Any) -> str:
+        return repr(v).replace("'", '"')
+
+    rows = [(f"`{m}`", f"`{op.SIGNATURES[m]}`",
+             ", ".join(f"`{k}` = `{value(op.DECLARATIONS[k])}`" for k in op.METHOD_DECLARATIONS.get(m, ())) or "-")
+            for m in op.METHODS]
+    return _table(("method", "signature", "declarations (defaults)"), ("l", "l", "l"), rows)
+
+
 def presets_table() -> str:
     """Every MLAConfig preset's dimensions, read from the configs."""
     from mla_conformance.model.config import PRESETS, MLAConfig
@@ -239,6 +254,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "op_tolerances": op_tolerances_table,
     "kv_codecs": codecs_table,
     "presets": presets_table,
+    "op_methods": op_methods_table,
 }
 
 

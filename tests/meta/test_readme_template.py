@@ -1,26 +1,172 @@
-"""The README's backend is the frozen base-contract backend, character for character, so the verdict the kill
-matrix holds tests/meta/frozen_base_backend.py to (CONFORMS with explicit skips) is the README template's."""
+"""README.md is a front page whose code runs: its minimal backend and its minimal op, pasted into files, CONFORM
+(the default suite runs on both in one pytest subprocess, as a user runs it, and nothing fails or errors); the
+verdict and the failure it shows are what the commands print; it has at most 200 lines; every relative link of
+README.md, markers.md and docs/*.md resolves.
 
+The subprocess (about 20 s of one core) starts in the background when the session has collected this module
+(tests/meta/background.py), on the core a serial session leaves idle. tests/meta/frozen_base_backend.py and
+frozen_base_op.py, the base contract frozen forever, are held to their verdicts by the kill matrix and the op meta
+tests; the README's blocks may be shorter than they are.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.meta
+from . import background
+
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_readme_template")]  # module fixtures once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
+README = ROOT / "README.md"
+MAX_LINES = 200
+BACKEND_SECTION, OP_SECTION = "## Check your own backend", "## Check your own kernel"
+#: The failure the README shows: its backend without YaRN's mscale^2 (the `scale *=` line of `yarn`), this test.
+FAILURE_TEST = "suites/test_numerics.py::test_against_float64[my-mla-float32-prefill-deepseek-v2-lite]"
+MSCALE_LINE = re.compile(r"^ +scale \*= .*\n", re.M)
 
 
-def _code(text: str) -> str:
-    """A module's code without its docstring."""
-    return re.sub(r'\A"""(?:.|\n)*?"""\n+', "", text)
+def _block(section: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    assert section in text, f"README.md has no section {section!r}"
+    block = re.search(r"```python\n(.*?)```", text[text.index(section):], re.S)
+    assert block, f"README.md's {section!r} has no python block"
+    return block.group(1)
 
 
-def test_readme_backend_is_the_frozen_backend():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## Check your own backend"):]
-    block = re.search(r"```python\n(.*?)```", section, re.S)
-    assert block, "README's 'Check your own backend' has no python block"
-    frozen = (ROOT / "tests/meta/frozen_base_backend.py").read_text(encoding="utf-8")
-    assert block.group(1) == _code(frozen), (
-        "README's backend differs from tests/meta/frozen_base_backend.py: the README shows the frozen file's code "
-        "(which never changes); fix the README, not the frozen file")
+def _pytest(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           "-p", "no:randomly", "-q", "-o", "addopts=", "--rootdir", str(ROOT), "--mla-device", "cpu",
+                           "--mla-threads", "1", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def _readme_run() -> dict:
+    """The README's backend and op written to files, the default suite run on both (one pytest process); then the
+    README's failing variant on FAILURE_TEST. Returns {"tests": [...], "failure": the E line, "log": ...}."""
+    tmp = background.scratch("mla-readme-")
+    (tmp / "my_backend.py").write_text(_block(BACKEND_SECTION), encoding="utf-8")
+    (tmp / "my_op.py").write_text(_block(OP_SECTION), encoding="utf-8")
+    results = tmp / "results.json"
+    proc = _pytest([str(ROOT / "suites"), "--mla-results", str(results), "--mla-backend",
+                    f"{tmp / 'my_backend.py'}:MyBackend", "--mla-op", f"{tmp / 'my_op.py'}:MyOp"], tmp)
+    log = proc.stdout + proc.stderr
+    assert results.is_file(), f"the README blocks' run wrote no results (exit {proc.returncode}):\n{log[-4000:]}"
+    mutant, n = MSCALE_LINE.subn("", _block(BACKEND_SECTION))
+    assert n == 1, f"README's backend has {n} `scale *=` lines; the failure it shows removes exactly one"
+    (tmp / "broken.py").write_text(mutant, encoding="utf-8")
+    node = str(ROOT / FAILURE_TEST.split("::")[0]) + "::" + FAILURE_TEST.split("::")[1]
+    broken = _pytest([node, "--mla-backend", f"{tmp / 'broken.py'}:MyBackend"], tmp)
+    failure = [line for line in broken.stdout.splitlines() if line.startswith("E   AssertionError: ")]
+    return {"tests": json.loads(results.read_text())["tests"], "exit": proc.returncode, "log": log[-4000:],
+            "failure": failure[0] if failure else broken.stdout[-3000:]}
+
+
+#: started when the session has collected this module, on the core the serial session leaves idle
+BACKGROUND = {"readme-blocks": ("readme_run", None, _readme_run)}
+
+
+@pytest.fixture(scope="module")
+def readme_run() -> dict:
+    return background.result("readme-blocks", _readme_run)
+
+
+def _outcomes(run: dict, kind: str, name: str) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for t in run["tests"]:
+        if t.get("params", {}).get(kind) == name:
+            by.setdefault(t["outcome"], []).append(t)
+    return by
+
+
+@pytest.mark.parametrize("kind, name", [("backend", "my-mla"), ("op", "my-op")])
+def test_readme_block_conforms(readme_run, kind, name):
+    """CONFORMS: no test of it failed or errored, some passed, every skip says why."""
+    got = _outcomes(readme_run, kind, name)
+    bad = [f"{t['nodeid']}: {t['outcome']}: {t.get('reason', '')[:300]}" for o in ("failed", "error")
+           for t in got.get(o, [])]
+    assert not bad, f"README's {kind} {name!r} does not conform ({len(bad)} failed or errored):\n" + "\n".join(bad)
+    assert got.get("passed"), f"README's {kind} {name!r} passed no test (exit {readme_run['exit']}):\n{readme_run['log']}"
+    assert all(t.get("reason") for t in got.get("skipped", [])), "a skip of the README's block gives no reason"
+
+
+def test_readme_verdict_is_the_runs(readme_run):
+    """The verdict line README.md shows carries the counts the suite gives its backend today."""
+    got = _outcomes(readme_run, "backend", "my-mla")
+    line = (f"  my-mla: CONFORMS ({len(got.get('passed', []))} passed, 0 failed, 0 errors, "
+            f"{len(got.get('skipped', []))} skipped)")
+    assert f"\n{line}\n" in README.read_text(encoding="utf-8"), (
+        f"README.md's verdict excerpt is not what `mla-conformance run --backend my_backend.py:MyBackend` prints "
+        f"for its backend now; replace it with:\n{line}")
+
+
+def _numbers(text: str) -> tuple[list[str], list[float]]:
+    number = r"\d+(?:\.\d+)?(?:e[+-]?\d+)?"
+    return re.split(number, text), [float(x) for x in re.findall(number, text)]
+
+
+def test_readme_failure_is_what_the_command_prints(readme_run):
+    """The failure README.md shows is the one its backend without the `scale *=` line gets: the same words, the
+    same figures to their printed precision (the float32 residuals within 5%)."""
+    text = README.read_text(encoding="utf-8")
+    shown = [line for line in text.splitlines() if line.startswith("E   AssertionError: ")]
+    assert len(shown) == 1, "README.md shows one failure line ('E   AssertionError: ...')"
+    (words, figures), (got_words, got_figures) = _numbers(shown[0]), _numbers(readme_run["failure"])
+    assert words == got_words and len(figures) == len(got_figures) and all(
+        abs(a - b) <= 0.05 * max(abs(a), abs(b)) for a, b in zip(figures, got_figures)), (
+        f"README.md's failure excerpt differs from what {FAILURE_TEST} prints for its backend without the "
+        f"`scale *=` line; replace it with:\n{readme_run['failure']}")
+
+
+def test_readme_op_takes_head_dim_v_as_the_contract_passes_it():
+    """The README's op has the op contract's decode signature (the frozen base op's) plus head_dim_v=512 (d_v)."""
+    from mla_conformance.contract.op import D_V
+
+    ns: dict = {}
+    exec(compile(_block(OP_SECTION), "README.md:op", "exec"), ns)  # noqa: S102 (the README's own block)
+    sig = inspect.signature(ns["MyOp"].decode)
+    assert sig.parameters["head_dim_v"].default == D_V and sig.parameters["head_dim_v"].kind.name == "KEYWORD_ONLY"
+    frozen = ast.parse((ROOT / "tests/meta/frozen_base_op.py").read_text(encoding="utf-8"))
+    (decode,) = [n for n in ast.walk(frozen) if isinstance(n, ast.FunctionDef) and n.name == "decode"]
+    base = [a.arg for a in decode.args.args + decode.args.kwonlyargs]
+    assert [p for p in sig.parameters if p != "head_dim_v"] == base
+
+
+def test_readme_is_a_front_page():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines (at most {MAX_LINES}): move reference to docs/"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.*)$", text, re.M)}
+
+
+DOCS = [README, ROOT / "markers.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_relative_links_resolve(doc):
+    text = re.sub(r"```.*?```", "", doc.read_text(encoding="utf-8"), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.is_file():
+            broken.append(f"{target}: no file {dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, f"{doc.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
