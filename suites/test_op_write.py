@@ -73,10 +73,11 @@ def test_write_model1(mla_op, mla_device, mla_figures):
 
 
 @pytest.mark.mla_section("op_write")
-@pytest.mark.parametrize("kv_format", ["latent", FP8])
+@pytest.mark.parametrize("kv_format", ["latent", FP8, MODEL1])
 def test_write_then_decode(mla_op, kv_format, mla_device, mla_figures):
-    """Rows of 37 and 20 tokens written, then decoded (where the op has decode and reads the format): out and lse
-    equal the float64 oracle over the encoded cache, within the decode bounds."""
+    """Rows of 37 and 20 tokens written, then decoded (where the op has decode and reads the format; MODEL1 by
+    sparse decode over 32 of the written slots, 8 of them -1): out and lse equal the float64 oracle over the
+    encoded cache, within the decode bounds."""
     spec = spec_for(mla_op, mla_device, kv_format=kv_format, layout="rows", seed=7)
     wc.check_round_trip(mla_op, spec, h_q=8, check=f"decode over a {kv_format} cache the op wrote",
                         figures=mla_figures)

@@ -390,28 +390,46 @@ __all__ = ["WriteSpec", "WriteInputs", "build", "run", "check_write", "expected_
 # --------------------------------------------------------------------------- the round trip through decode
 
 
-def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict):
+def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict, topk: int = 32):
     """Write rows (layout "rows"), check the bytes (:func:`check_write`), then ``decode`` over what the op wrote
     against the float64 decode oracle over those encoded values (mla_conformance.impl.ops.reference.oracle; the
-    decode bounds): write and decode agree on the layout."""
+    decode bounds): write and decode agree on the layout. MODEL1 is read by sparse decode (FlashMLA's): top-``topk``
+    indices over the written slots, a quarter of them -1."""
     __tracebackhide__ = True
     om.require_method(op, METHOD, "decode")
     assert spec.layout == "rows", spec
     dt = getattr(torch, spec.dtype)
+    sparse = spec.kv_format == model1.NAME
     dcase = OpCase(batch=len(spec.rows), s_q=1, h_q=h_q, page_block_size=spec.page, dtype=dt,
-                   kv_format=spec.kv_format, device=spec.device)
+                   kv_format=spec.kv_format, topk=topk if sparse else None, device=spec.device)
     oc.require(op, dcase)
     inp = check_write(op, spec, check=check + " (the write)", figures=figures)
     g = torch.Generator().manual_seed(6500 + spec.seed)
-    q = torch.randn(len(spec.rows), 1, h_q, sum(spec.widths), generator=g, dtype=torch.float64).to(dt)
+    d_qk = sum(spec.widths)
+    q = torch.randn(len(spec.rows), 1, h_q, d_qk, generator=g, dtype=torch.float64).to(dt)
     lens = torch.tensor(spec.rows, dtype=torch.int32)
-    written = inp.cache_view.detach().clone()
-    bufs = {n: oc.Buffer(n, t, device=spec.device) for n, t in
-            (("q", q), ("kv_cache", written), ("block_table", inp.block_table), ("cache_seqlens", lens))}
-    dinp = oc.OpInputs(oc.Spec(dcase, spec.rows), bufs, oc.SOFTMAX_SCALE, [], [], written.shape[0])
+    cache = oc.Buffer("kv_cache", inp.blocks.detach().clone(), device=spec.device)  # the block memory as written
+    if spec.kv_format == "latent":
+        cache.view = cache.view.view(dt).view(inp.cache_view.shape)
+    elif spec.kv_format == FP8_656:
+        cache.view = cache.view.view(inp.cache_view.shape)
+    else:
+        cache.view = model1.cache_view(cache.view, spec.page)
+    written = cache.view
+    bufs = {"q": oc.Buffer("q", q, device=spec.device), "kv_cache": cache,
+            "block_table": oc.Buffer("block_table", inp.block_table, device=spec.device),
+            "cache_seqlens": oc.Buffer("cache_seqlens", lens, device=spec.device)}
+    if sparse:
+        valid = inp.slots[inp.slots >= 0]
+        idx = torch.stack([valid[torch.randperm(valid.numel(), generator=g)[:topk]] for _ in spec.rows])
+        idx[:, ::4] = -1
+        bufs["indices"] = oc.Buffer("indices", idx[:, None, :].to(torch.int32), device=spec.device)
+    dinp = oc.OpInputs(oc.Spec(dcase, spec.rows), bufs, oc.SOFTMAX_SCALE, [], [], inp.blocks.shape[0])
     out, lse = oc.run_op(op, dinp, check + " (decode over the written cache)")
     # the encoding check_write accepted (the oracle's bytes, up to the fp32-scale allowances) is what decode reads
-    ref = oracle(q, written, inp.block_table, lens, softmax_scale=oc.SOFTMAX_SCALE, causal=False, magnitudes=True)
+    ref = oracle(q, written.detach().cpu(), inp.block_table, lens, softmax_scale=oc.SOFTMAX_SCALE, causal=False,
+                 indices=bufs["indices"].view.cpu() if sparse else None, head_dim_v=d_qk if sparse else None,
+                 magnitudes=True)
     oc.compare(op, dcase, out, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref,
                against="the float64 oracle over the encoded cache")
     return out, lse

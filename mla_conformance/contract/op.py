@@ -77,6 +77,9 @@ declares nothing gets an explicit skip naming the declaration that would opt it 
 * ``empty_row``: the lse a query with no keys returns, ``"+inf"`` (default) or ``"-inf"``; out is 0 either way;
 * ``page_block_sizes``: the page sizes the op reads (default ``(64,)``);
 * ``kv_formats``: ``("latent",)`` by default; ``"fp8-e4m3-flashmla"`` for the 656-byte layout;
+  ``"fp8-e4m3-model1"`` for FlashMLA's MODEL1 layout (uint8 [num_blocks, page, 1, 584], the view of each block's
+  memory as mla_conformance.kv.model1 lays it out; d_qk = d_v = 512: q [..., 512], out [..., 512]; sparse decode
+  only, as FlashMLA reads it);
 * ``fp8_scale_format``: how the op's FP8 caches are quantized: ``"pow2"`` (tile scale amax/448 rounded up
   to a power of two: DeepSeek's ue8m0, default) or ``"fp32"`` (amax/448 as is). The suite writes the
   caches it hands the op in the declared format;
@@ -207,9 +210,10 @@ D_V = 512
 D_ROPE = 64
 FP8_ROW_BYTES = 656
 
-KV_FORMATS = ("latent", "fp8-e4m3-flashmla")
-#: What ``write`` may write: decode's formats and FlashMLA's MODEL1 layout (584 B/token, mla_conformance.kv.model1).
-WRITE_KV_FORMATS = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
+#: What ``decode`` reads and ``write`` writes; "fp8-e4m3-model1" is FlashMLA's MODEL1 layout (584 B/token,
+#: mla_conformance.kv.model1), read by sparse decode only.
+KV_FORMATS = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
+WRITE_KV_FORMATS = KV_FORMATS
 #: DeepSeek-V3's prefill head dims in "MHA mode": q / k 128 nope + 64 rope, v 128.
 PREFILL_D_QK = 192
 PREFILL_D_V = 128

@@ -71,14 +71,16 @@ class IndependentMethodsOp:
     write_kv_formats = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
     write_fp8_scale_format = "fp32"
     write_page_block_sizes = (16, 64)
-    # decode: dense only, for the round trip through what write wrote
+    # decode: dense over latent and 656-byte caches, sparse over MODEL1 (for the round trip through write)
     page_block_sizes = (16, 64)
-    kv_formats = ("latent", "fp8-e4m3-flashmla")
+    kv_formats = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
     fp8_scale_format = "fp32"
+    sparse_decode = True
 
     def unsupported_reason(self, case):
-        if getattr(case, "method", "decode") == "decode" and (case.topk is not None or case.attn_sink):
-            return "decodes dense only, without an attention sink"
+        if getattr(case, "method", "decode") == "decode":
+            if case.attn_sink or (case.topk is not None) != (case.kv_format == "fp8-e4m3-model1"):
+                return "decodes latent and 656-byte caches dense, MODEL1 caches sparse, without an attention sink"
         return None
 
     # ------------------------------------------------------------------ prefill
@@ -181,6 +183,8 @@ class IndependentMethodsOp:
         page = kv_cache.shape[1]
         out = torch.zeros(B, s_q, h, 512)
         lse = torch.full((B, h, s_q), math.inf)
+        if indices is not None:                                               # MODEL1, sparse
+            return self._decode_model1(q, kv_cache, indices, softmax_scale)
         for b in range(B):
             n = int(cache_seqlens[b])
             pos = torch.arange(n)
@@ -197,6 +201,32 @@ class IndependentMethodsOp:
                 allowed = (torch.arange(n) < seen)[None, :].expand(h, n)
                 o, l2 = _online_softmax(q[b, i], keys[:, None].expand(n, h, keys.shape[-1]),
                                         keys[:, None, :512].expand(n, h, 512), allowed, softmax_scale, q.dtype)
+                out[b, i] = o
+                lse[b, :, i] = torch.where(torch.isinf(l2), math.inf, l2 * LN2)
+        return out.to(q.dtype), lse
+
+
+    def _decode_model1(self, q, kv_cache, indices, scale):
+        """MODEL1 blocks dequantized (e4m3 x 2^(e8m0 - 127), bf16 rope), the valid indexed tokens attended; the
+        value is the whole 512-wide key."""
+        nb, page = kv_cache.shape[:2]
+        mem = torch.as_strided(kv_cache, (nb, page * 584), (kv_cache.stride(0), 1), kv_cache.storage_offset())
+        part = mem[:, :page * 576].reshape(nb * page, 576)
+        exps = mem[:, page * 576:].reshape(nb * page, 8)[:, :7].float() - 127
+        nope = part[:, :448].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, 7, 64)
+        keys = torch.cat([(nope * torch.exp2(exps)[:, :, None]).reshape(-1, 448),
+                          part[:, 448:].contiguous().view(torch.bfloat16).float()], dim=1)   # [slots, 512]
+        B, s_q, h, _ = q.shape
+        out = torch.zeros(B, s_q, h, 512)
+        lse = torch.full((B, h, s_q), math.inf)
+        for b in range(B):
+            for i in range(s_q):
+                row = indices[b, i].long()
+                row = row[(row >= 0) & (row < nb * page)]
+                k = keys[row]
+                allowed = torch.ones(h, row.numel(), dtype=torch.bool)
+                o, l2 = _online_softmax(q[b, i], k[:, None].expand(-1, h, 512), k[:, None].expand(-1, h, 512),
+                                        allowed, scale, q.dtype)
                 out[b, i] = o
                 lse[b, :, i] = torch.where(torch.isinf(l2), math.inf, l2 * LN2)
         return out.to(q.dtype), lse

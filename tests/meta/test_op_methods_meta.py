@@ -80,7 +80,8 @@ BROKEN_OPS = {
                          ["test_op_write.py::test_write_kpe_unscaled[]",
                           "test_op_write.py::test_write_then_decode[-fp8-e4m3-flashmla]"], "k_pe divided by"),
     "write-model1-per-token": (f"{BROKEN}:Model1PerTokenRows", "broken-write-model1-per-token",
-                               ["test_op_write.py::test_write_model1[]"], "584-byte rows"),
+                               ["test_op_write.py::test_write_model1[]",
+                                "test_op_write.py::test_write_then_decode[-fp8-e4m3-model1]"], "584-byte rows"),
 }
 #: the composition names the step that failed
 STEP_TEXT = {"merge-both-empty-nan": "composition step 5: merge(", "prefill-nan-empty": "composition step 1: prefill("}

@@ -20,7 +20,7 @@ import torch
 
 from mla_conformance.kv import model1
 from mla_conformance.kv.codecs import decode_flashmla_fp8, encode_flashmla_fp8, flashmla_fp8_scales
-from mla_conformance.contract.op import D_QK, D_V, FP8_ROW_BYTES, declared
+from mla_conformance.contract.op import D_QK, D_V, declared
 
 
 # --------------------------------------------------------------------------- FP8 656-byte rows
@@ -43,8 +43,16 @@ def decode_fp8_656(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     return torch.cat(decode_flashmla_fp8(rows, dtype), dim=-1)
 
 
+def is_model1(kv_cache: torch.Tensor) -> bool:
+    """A MODEL1 cache: the uint8 [num_blocks, page, 1, 584] view of its block memory (mla_conformance.kv.model1)."""
+    return kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4 and kv_cache.shape[-1] == model1.TOKEN_BYTES
+
+
 def dequantize_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The cache as [num_blocks, page, 1, 576] in ``dtype`` (decoding the 656-byte layout)."""
+    """The cache as [num_blocks, page, 1, 576] in ``dtype`` (decoding the 656-byte layout), or [..., 512] for a
+    whole MODEL1 cache (its tokens' bytes are spread over each block: it decodes whole blocks only)."""
+    if is_model1(kv_cache):
+        return model1.decode(kv_cache, dtype)
     if kv_cache.dtype == torch.uint8:
         return decode_fp8_656(kv_cache, dtype)
     return kv_cache.to(dtype)
@@ -180,7 +188,7 @@ class ReferenceOp:
     invalid_index = "out-of-range"   # it ignores -1 and every index outside the cache
     attn_sink = True
     page_block_sizes = (1, 16, 64)
-    kv_formats = ("latent", "fp8-e4m3-flashmla")
+    kv_formats = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
     fp8_scale_format = "pow2"
     deterministic = True
     batch_invariant = True
@@ -212,16 +220,24 @@ class ReferenceOp:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         B, s_q, h_q, d_qk = q.shape
         d_v = D_V if head_dim_v is None else int(head_dim_v)
-        width = FP8_ROW_BYTES if kv_cache.dtype == torch.uint8 else kv_cache.shape[-1]
-        if (kv_cache.dtype == torch.uint8 and (d_qk, d_v) != (D_QK, D_V)) or \
-                (kv_cache.dtype != torch.uint8 and width != d_qk) or not 0 < d_v <= d_qk:
+        if kv_cache.dtype == torch.uint8:  # the FP8 layouts fix their dims (MODEL1: d_v = d_qk = 512)
+            fits = (d_qk, d_v) == ((model1.D_QK, model1.D_QK) if is_model1(kv_cache) else (D_QK, D_V))
+        else:
+            fits = kv_cache.shape[-1] == d_qk
+        if not fits or not 0 < d_v <= d_qk:
             raise ValueError(f"{self.name}: q [..., {d_qk}], head_dim_v {d_v} and a kv_cache of rows "
                              f"{kv_cache.dtype} [..., {kv_cache.shape[-1]}] do not fit together")
         num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
-        flat = kv_cache.reshape(num_blocks * page, kv_cache.shape[-1])
+        if is_model1(kv_cache):  # its tokens' bytes lie apart in each block: decode the blocks, then gather
+            if indices is None:
+                raise ValueError(f"{self.name}: the MODEL1 layout is read by sparse decode only (FlashMLA's)")
+            decoded = model1.decode(kv_cache, acc).reshape(num_blocks * page, model1.D_QK)
+            rows = decoded.__getitem__
+        else:
+            flat = kv_cache.reshape(num_blocks * page, kv_cache.shape[-1])
 
-        def rows(slots):  # gather first, then decode only the rows read (never the whole pool)
-            return dequantize_cache(flat[slots], acc)
+            def rows(slots):  # gather first, then decode only the rows read (never the whole pool)
+                return dequantize_cache(flat[slots], acc)
 
         qf = q.to(acc)
         dev = q.device
