@@ -3,23 +3,20 @@ tests/meta/broken_op_methods.py must come out *failed* (an AssertionError verdic
 an error, a skip or a pass) in the method tests named for it; the ops written independently of reference-op
 (tests/meta/independent_op_methods.py) pass every method test they have the method for, and an op with only
 decode (tests/meta/frozen_base_op.py, never edited) skips every one, naming the method it lacks. All of it in
-one in-process pytest session through the plugin (--mla-op, --mla-results) over the method suites only
-(mla_conformance.checks.op_methods.METHOD_SUITES), as a user runs it."""
+one in-process run of the suite (tests/meta/harness.py: the plugin, --mla-op, --mla-results, as a user runs
+it) over the method suites only (mla_conformance.checks.op_methods.METHOD_SUITES)."""
 
 import ast
-import contextlib
-import io
-import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from mla_conformance.checks.op_methods import METHOD_SUITES
 from mla_conformance.contract.op import METHOD_DECLARATIONS, SIGNATURES
 
+from . import harness
+
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_methods_meta")]
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = harness.ROOT
 SUITES = ROOT / "suites"
 BROKEN = "tests/meta/broken_op_methods.py"
 INDEPENDENT = "tests/meta/independent_op_methods.py"
@@ -133,29 +130,18 @@ class _Select:
         items[:] = kept
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
+def _methods_run(pytester) -> harness.SuiteRun:
     """One pytest session, in this process, over the method suites with every op of the tables."""
-    results = tmp_path_factory.mktemp("op-methods-meta") / "results.json"
-    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:unraisableexception", "-q", "-o", "addopts=",
-            "--rootdir", str(ROOT), "--mla-results", str(results), "--mla-device", "cpu",
-            *(str(SUITES / name) for name in METHOD_SUITES)]
-    for spec, *_ in [*BROKEN_OPS.values(), *CORRECT_OPS.values()]:
-        path, attr = spec.split(":")
-        args += ["--mla-op", f"{ROOT / path}:{attr}"]
-    log = io.StringIO()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors: one intra-op thread
-    try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            code = pytest.main(args, plugins=[_Select({n for _, _, n in CELLS}, {n for _, n in CORRECT_OPS.values()})])
-    finally:
-        torch.set_num_threads(threads)
-    assert results.is_file(), f"the method meta run wrote no results (exit {code}):\n{log.getvalue()[-4000:]}"
-    assert code == 1, f"expected exit 1 (test failures), got {code}:\n{log.getvalue()[-4000:]}"
-    payload = json.loads(results.read_text())
-    payload["by_id"] = {t["nodeid"]: t for t in payload["tests"]}
-    return payload
+    return harness.run_inprocess(pytester, [str(SUITES / name) for name in METHOD_SUITES],
+                                 ops=[spec for spec, *_ in [*BROKEN_OPS.values(), *CORRECT_OPS.values()]],
+                                 extra=["-p", "no:unraisableexception"],
+                                 plugins=[_Select({n for _, _, n in CELLS}, {n for _, n in CORRECT_OPS.values()})],
+                                 expect=1)
+
+
+@pytest.fixture
+def run(suite_run) -> harness.SuiteRun:
+    return suite_run("op-methods", _methods_run)
 
 
 def test_every_method_test_is_failed_by_a_broken_op():
@@ -167,11 +153,9 @@ def test_every_method_test_is_failed_by_a_broken_op():
 
 @pytest.mark.parametrize("key,test,nodeid", CELLS, ids=[f"{t.split('::')[1].split('[')[0]}<-{k}" for k, t, _ in CELLS])
 def test_broken_method_fails_its_check(run, key, test, nodeid):
-    got = run["by_id"].get(nodeid)
-    assert got is not None, f"{nodeid} did not run"
     _, name, _, text = BROKEN_OPS[key]
-    assert got["outcome"] == "failed", f"{nodeid}: expected a failure of {name}, got {got['outcome']}: {got.get('reason', '')}"
-    reason = got.get("reason", "")
+    reason = run.assert_failed(nodeid, name)
+    got = run.result(nodeid)
     assert reason.startswith(f"{name} ["), f"{nodeid}: the failure does not name the op and the case: {reason}"
     assert got.get("figures", {}).get("case"), f"{nodeid}: no case figure recorded: {got}"
     expected = STEP_TEXT.get(key, "") if "composition" in test else text
@@ -179,15 +163,15 @@ def test_broken_method_fails_its_check(run, key, test, nodeid):
 
 
 def test_the_independent_op_passes_every_method_test(run):
-    rows = [t for t in run["tests"] if t.get("params", {}).get("op") == CORRECT_OPS["independent"][1]]
-    assert len(rows) == len([t for t in run["tests"] if t.get("params", {}).get("op") == "frozen-base-op"]) > 30
+    rows = [t for t in run.tests if t.get("params", {}).get("op") == CORRECT_OPS["independent"][1]]
+    assert len(rows) == len([t for t in run.tests if t.get("params", {}).get("op") == "frozen-base-op"]) > 30
     bad = [f"{t['nodeid']}: {t['outcome']} {t.get('reason', '')}" for t in rows if t["outcome"] != "passed"]
     assert not bad, "independent-methods-op does not pass:\n" + "\n".join(bad)
 
 
 def test_the_decode_only_op_skips_every_method_test_by_name(run):
     """The frozen decode-only op: every method test skips, saying the method it lacks and its signature."""
-    rows = [t for t in run["tests"] if t.get("params", {}).get("op") == "frozen-base-op"]
+    rows = [t for t in run.tests if t.get("params", {}).get("op") == "frozen-base-op"]
     assert rows
     for t in rows:
         method = SUITE_METHOD[t["nodeid"].split("::")[0].removeprefix("suites/")]
@@ -200,7 +184,7 @@ def test_the_decode_only_op_skips_every_method_test_by_name(run):
 
 def test_an_op_with_only_merge_is_an_op(run):
     """merge-only-op passes every merge test and skips the rest naming the method it lacks."""
-    rows = [t for t in run["tests"] if t.get("params", {}).get("op") == "merge-only-op"]
+    rows = [t for t in run.tests if t.get("params", {}).get("op") == "merge-only-op"]
     merge = [t for t in rows if "test_op_merge.py" in t["nodeid"]]
     assert merge and all(t["outcome"] == "passed" for t in merge), [(t["nodeid"], t["outcome"]) for t in merge]
     for t in rows:
@@ -215,7 +199,7 @@ def test_bounds_are_not_loose_for_the_kernel_style_op(run):
     """The independent op rounds P to bfloat16 before P.V (prefill) and to q's dtype (sparse prefill): it uses a
     real share of the derived bound, so the bound is not slack by orders of magnitude."""
     def worst(test):
-        return max(float(t.get("figures", {}).get("out_error_over_bound", 0.0)) for t in run["tests"]
+        return max(float(t.get("figures", {}).get("out_error_over_bound", 0.0)) for t in run.tests
                    if t.get("params", {}).get("op") == "independent-methods-op" and test in t["nodeid"])
     assert 0.05 < worst("test_prefill_varlen[independent-methods-op-bfloat16]") <= 1.0
     assert 0.05 < worst("test_sparse_prefill_vs_oracle") <= 1.0
