@@ -3,7 +3,7 @@
 The suite's options, markers, backend parametrisation and report header come from the installed plugin
 (``mla_conformance.pytest_plugin``, entry point ``pytest11``), so they work from any directory; this file only
 holds what is specific to this checkout: where the fixtures and goldens live, ``pytester`` for the tests that
-run the suite inside a test (tests/meta/harness.py), and xdist's grouping.
+run the suite inside a test (tests/meta/harness.py), and xdist's grouping of their tests.
 """
 
 from pathlib import Path
@@ -17,11 +17,21 @@ ROOT = Path(__file__).resolve().parent
 
 
 def pytest_configure(config):
-    """Under xdist (``-n N``), tests marked ``xdist_group`` go to one worker: a meta module's run of the suite
-    (the kill matrix, the op meta session) then happens once per session, not once per worker. ``--dist
-    loadgroup`` is ``load`` for every unmarked test."""
+    """Under xdist (``-n N``), tests marked ``xdist_group`` go to one worker (``--dist loadgroup`` is ``load``
+    for every unmarked test), so the tests of a meta module's run of the suite do not wait on the worker making
+    it (the run is made once either way: tests/meta/harness.py SuiteRuns). The controller schedules by group;
+    a worker, which parses only the command line, is told to name its tests by group. With pytest 9.2 and
+    xdist 3.8 the naming has no effect (pytest-dev/pytest-xdist#1386) until xdist's fix is released."""
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
+    if getattr(config, "workerinput", {}).get("loadgroup"):
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    if node.config.getoption("dist") == "loadgroup":
+        node.workerinput["loadgroup"] = True
 
 
 @pytest.fixture(scope="session")

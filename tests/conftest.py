@@ -60,14 +60,17 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture(scope="session")
-def _suite_runs():
+def suite_runs(request, tmp_path_factory):
+    """The session's inner runs of the suite (tests/meta/harness.py), shared by the xdist workers through the
+    session's base temp (each worker's is a directory of it)."""
     from tests.meta.harness import SuiteRuns
 
-    return SuiteRuns()
+    worker = hasattr(request.config, "workerinput")
+    return SuiteRuns(tmp_path_factory.getbasetemp().parent / "mla-suite-runs" if worker else None)
 
 
 @pytest.fixture
-def suite_run(request, _suite_runs):
+def suite_run(request, suite_runs):
     """``suite_run(key, build)``: the session's inner run of the suite named ``key``, made once by
     ``build(pytester)`` for the first test that asks (tests/meta/harness.py); every later test gets it as made."""
-    return lambda key, build: _suite_runs.get(key, lambda: build(request.getfixturevalue("pytester")))
+    return lambda key, build: suite_runs.get(key, lambda: build(request.getfixturevalue("pytester")))

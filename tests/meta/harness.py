@@ -3,7 +3,7 @@
 
 * :func:`run_inprocess`: through ``pytester`` in this process (torch, transformers and the suite's modules are
   imported once); the ``suite_run`` fixture (tests/conftest.py) makes one such run per session for all the
-  tests of a module, whichever asks first, and under xdist the module's ``xdist_group`` keeps them on one worker;
+  tests of a module, whichever asks first, once even under xdist (:class:`SuiteRuns`);
 * :func:`run_subprocess`: the same command line as a real pytest process, for the jobs that run on the
   background thread (tests/meta/background.py: pytest is not thread-safe, a subprocess is);
 * :func:`pytest_inprocess`: pytester's run of any other command line (a usage error, an expectation file).
@@ -141,19 +141,44 @@ def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[
 
 
 class SuiteRuns:
-    """The session's inner runs by name (the ``suite_run`` fixture): each made once, by the first test that
-    asks; a run that raised raises again for every later test (as a failing module fixture does)."""
+    """The session's inner runs (or any result a module's tests share) by name: each made once, by the first
+    test that asks; a run that raised raises again for every later test (as a failing module fixture does).
 
-    def __init__(self):
+    Under xdist the workers share them through ``shared`` (a directory of the session's base temp): the first
+    worker to ask makes the run under a lock and writes it there, the others wait for it and read it. (The meta
+    modules' ``xdist_group`` marks would keep a run's tests on one worker, but with pytest 9.2 xdist 3.8's
+    ``--dist loadgroup`` groups nothing: pytest-dev/pytest-xdist#1386.)"""
+
+    def __init__(self, shared: Path | None = None):
+        self.shared = shared
         self._runs: dict[str, tuple[bool, object]] = {}
 
-    def get(self, key: str, build: Callable[[], SuiteRun]) -> SuiteRun:
+    def get(self, key: str, build: Callable[[], object]):
         if key not in self._runs:
-            try:
-                self._runs[key] = (True, build())
-            except Exception as exc:  # noqa: BLE001 - kept and raised to every test of the run
-                self._runs[key] = (False, exc)
+            self._runs[key] = self._made(key, build) if self.shared is None else self._shared(key, build)
         ok, value = self._runs[key]
         if not ok:
             raise value
         return value
+
+    @staticmethod
+    def _made(key: str, build: Callable[[], object]) -> tuple[bool, object]:
+        try:
+            return True, build()
+        except Exception as exc:  # noqa: BLE001 - kept and raised to every test of the run
+            return False, exc
+
+    def _shared(self, key: str, build: Callable[[], object]) -> tuple[bool, object]:
+        import fcntl
+        import pickle
+
+        self.shared.mkdir(parents=True, exist_ok=True)
+        done = self.shared / f"{key}.pickle"
+        with open(self.shared / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker makes the run; the others wait here
+            if not done.is_file():
+                ok, value = self._made(key, build)
+                done.write_bytes(pickle.dumps((True, value) if ok else (False, f"{type(value).__name__}: {value}")))
+                return ok, value
+        ok, value = pickle.loads(done.read_bytes())
+        return (True, value) if ok else (False, AssertionError(f"the {key} run failed in another xdist worker: {value}"))

@@ -86,8 +86,9 @@ BACKGROUND = {**{f"faulty-{mode}": ("faulty_run", mode, lambda mode=mode: _fault
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))
-def faulty_run(request):
-    return background.result(f"faulty-{request.param}", lambda: _faulty_run(request.param))
+def faulty_run(request, suite_runs):
+    key = f"faulty-{request.param}"
+    return suite_runs.get(key, lambda: background.result(key, lambda: _faulty_run(request.param)))
 
 
 def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(faulty_run):
@@ -168,15 +169,17 @@ def _sigterm_run() -> dict:
         return {"started": False, "stderr": proc.communicate()[1][-2000:]}
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=30)
-    return {"started": True, "returncode": proc.returncode, "stderr": stderr, "hung": hung, "out": out,
+    partial = R.partial_results_path(out)  # read here: under xdist another worker may read this result
+    return {"started": True, "returncode": proc.returncode, "stderr": stderr, "hung": hung, "partial_path": partial,
+            "partial": partial.read_text() if partial.is_file() else None,
             "before": before, "after": {p.name: p.read_bytes() for p in out.iterdir()},
             "tmp_left": [p.name for p in tmpdir.iterdir() if p.name != f"pytest-of-{_user()}"],
             "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(suite))]}
 
 
 @pytest.fixture(scope="module")
-def sigterm_run() -> dict:
-    return background.result("sigterm", _sigterm_run)
+def sigterm_run(suite_runs) -> dict:
+    return suite_runs.get("sigterm", lambda: background.result("sigterm", _sigterm_run))
 
 
 def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm_run):
@@ -184,12 +187,11 @@ def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm
     kept beside --out, the previous report untouched, no temporary file and no process left."""
     got = sigterm_run
     assert got["started"], "the hanging test never started: " + got["stderr"]
-    stderr, hung, out = got["stderr"], got["hung"], got["out"]
+    stderr, hung, partial = got["stderr"], got["hung"], got["partial_path"]
     assert got["returncode"] == 128 + signal.SIGTERM, stderr
     assert "interrupted by SIGTERM while running" in stderr and hung in stderr, stderr
-    partial = R.partial_results_path(out)
-    assert str(partial) in stderr and "untouched" in stderr
-    data = json.loads(partial.read_text())
+    assert str(partial) in stderr and "untouched" in stderr and got["partial"] is not None
+    data = json.loads(got["partial"])
     assert data["schema"] == R.PARTIAL_SCHEMA and data["running"] == [f"suite/test_cache_bytes.py::{hung}"]
     assert [t["outcome"] for t in data["tests"]] == ["passed"], "the test finished before the signal is kept"
     assert got["after"] == got["before"], "the previous report is untouched"

@@ -42,8 +42,8 @@ BACKGROUND = {"kill-matrix": ("run", None, _kill_matrix_run)}
 
 
 @pytest.fixture(scope="module")
-def run() -> harness.SuiteRun:
-    return background.result("kill-matrix", _kill_matrix_run)
+def run(suite_runs) -> harness.SuiteRun:
+    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", _kill_matrix_run))
 
 
 @pytest.fixture(scope="module")
