@@ -5,7 +5,9 @@ pass -- and the correct implementations, written independently of the reference,
 * layer: every test function of suites/ that takes the ``mla_backend`` fixture; a broken backend per cell
   (:data:`KILL_MATRIX`), the correct backends (:data:`CORRECT`), crashes that must be errors (:data:`ERROR_CELLS`);
 * op: every test of suites/test_op_*.py (it takes ``mla_op``); a broken op and the op tests it must fail
-  (:data:`BROKEN_OPS`), the correct ops (:data:`CORRECT_OPS`), crashing ops (:data:`ERROR_OPS`).
+  (:data:`BROKEN_OPS`), the correct ops (:data:`CORRECT_OPS`), crashing ops (:data:`ERROR_OPS`);
+* the suite files whose broken implementations another meta module runs (:data:`ELSEWHERE`): the
+  generated-case properties and the op methods beyond decode.
 
 Data only. Both run through tests/meta/harness.py as a user runs the suite: the layer matrix in one pytest
 process started in the background (tests/meta/test_kill_matrix.py), the op matrix in one in-process session
@@ -13,6 +15,8 @@ process started in the background (tests/meta/test_kill_matrix.py), the op matri
 """
 
 import pytest
+
+from mla_conformance.checks.op_methods import METHOD_SUITES
 
 HERE = "tests/meta"
 
@@ -99,6 +103,14 @@ ERROR_CELLS = [
 EXEMPT = {
     "suites/test_decode_bench.py::test_decode_step": "a timing (benchmark marker): figures, not a verdict",
     "suites/test_decode_bench.py::test_sparse_decode_step": "a timing (benchmark marker): figures, not a verdict",
+}
+
+#: suite files whose broken implementations another meta module runs -> that module: the generated-case
+#: properties (their broken backends and ops are shapes nobody listed) and the op methods beyond decode
+ELSEWHERE = {
+    "suites/test_layer_generated.py": f"{HERE}/test_generated_meta.py",
+    "suites/test_op_generated.py": f"{HERE}/test_generated_meta.py",
+    **{f"suites/{name}": f"{HERE}/test_op_methods_meta.py" for name in METHOD_SUITES},
 }
 
 

@@ -6,11 +6,13 @@ subprocess (started in the background when the session has collected this module
 through the plugin as a user runs it (tests/meta/harness.py); and every conformance test of suites/ has a cell."""
 
 import ast
+from pathlib import Path
 
 import pytest
 
 from . import background, harness
-from .kill_matrix import BROKEN, CORRECT, CORRECT_TESTS, ERROR_CELLS, EXEMPT, KILL_MATRIX, correct_node_ids, node_ids
+from .kill_matrix import (BROKEN, CORRECT, CORRECT_TESTS, ELSEWHERE, ERROR_CELLS, EXEMPT, KILL_MATRIX, correct_node_ids,
+                          node_ids)
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_kill_matrix")]  # its one run of the suite, once under -n
 ROOT = harness.ROOT
@@ -19,9 +21,12 @@ PASSING = correct_node_ids()
 
 
 def conformance_tests() -> set[str]:
-    """file::function of every test function in suites/test_*.py that takes the ``mla_backend`` fixture."""
+    """file::function of every test function in suites/test_*.py that takes the ``mla_backend`` fixture (but the
+    files another meta module kills: kill_matrix.ELSEWHERE)."""
     found = set()
     for path in sorted((ROOT / "suites").glob("test_*.py")):
+        if f"suites/{path.name}" in ELSEWHERE:
+            continue
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and \
                     "mla_backend" in [a.arg for a in node.args.args]:
@@ -49,6 +54,13 @@ def run(suite_runs) -> harness.SuiteRun:
 @pytest.fixture(scope="module")
 def outcomes(run) -> dict[str, dict]:
     return run.by_id
+
+
+@pytest.mark.parametrize("suite,module", sorted(ELSEWHERE.items()))
+def test_suites_killed_elsewhere_are_killed_there(suite, module):
+    """A suite file left out of this matrix is one another meta module runs its broken implementations on."""
+    assert (ROOT / suite).is_file(), f"{suite} does not exist (kill_matrix.ELSEWHERE)"
+    assert Path(suite).name in (ROOT / module).read_text(encoding="utf-8"), f"{module} does not run {suite}"
 
 
 def test_every_conformance_test_has_a_cell():
