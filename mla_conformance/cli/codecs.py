@@ -26,7 +26,8 @@ def add_cli(sub: Any) -> None:
 
 
 def format_table(table: dict[str, Any], preset: str) -> str:
-    """The table as text: one row per codec, then seed 001's sizes with and without scales."""
+    """The table as text: one row per codec, the kernel FP8 layouts (656-byte V3.2 row, 584-byte MODEL1: bytes
+    per token, those a write sets, page block size and bytes), then seed 001's sizes with and without scales."""
     out = [f"KV codecs at {preset} ({table['layers']} layers), cache dtype {table['dtype']}: bytes per token "
            f"per layer (measured == formula); plain latent {table['latent_bytes_per_token_layer']:,} B, "
            f"expanded {table['expanded_bytes_per_token_layer']:,} B",
@@ -39,6 +40,14 @@ def format_table(table: dict[str, Any], preset: str) -> str:
         out.append(f"{r['name']:24} {r['payload']:>8,} {r['metadata']:>6,} {r['total']:>6,} "
                    f"{r['model_bytes_per_token']:>12,} {r['ratio_vs_latent']:>9.2f} {r['ratio_vs_expanded']:>10.2f}  "
                    f"{r['kpe']}")
+    layouts = table.get("kernel_layouts") or []
+    if layouts:
+        out.append("\nkernel FP8 layouts (the op contract's write/decode, at their own dims whatever the preset):")
+        out.append(f"  {'layout':20} {'dims':20} {'payload':>7} {'meta':>5} {'total':>6} {'written':>8} "
+                   f"{'blk tok':>7} {'block B':>8}")
+        for r in layouts:
+            out.append(f"  {r['name']:20} {r['dims']:20} {r['payload']:>7,} {r['metadata']:>5,} {r['total']:>6,} "
+                       f"{r['written_bytes_per_token']:>8,} {r['page_block_size']:>7,} {r['block_bytes']:>8,}")
     seed = table["quant_study"]
     if seed.get("schemes"):
         out.append(f"\nseed 001 (no scale/zero-point bytes counted; base {seed['expanded_bytes_per_token']:,} "
