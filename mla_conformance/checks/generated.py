@@ -19,12 +19,16 @@ the command that replays exactly it (``--mla-case``), and the test's figures car
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import configuration, errors, given, reject
 
 from mla_conformance.checks import op as oc
 from mla_conformance.checks.driver import inputs_for, require_support, run_scenario, scenario_lengths
@@ -254,9 +258,34 @@ def _run_strata(name: str, prop: str, strata: list[Stratum], generation, figures
     """Run each stratum's examples (hypothesis, the profile's settings); on the first failing stratum, re-raise
     the shrunk case's failure with its case line and replay command appended."""
     __tracebackhide__ = True
-    from hypothesis import errors, given, reject  # the plugin keeps hypothesis out of runs that generate nothing
-
     tally = _Tally()
+    with _hypothesis_storage():
+        _run_each(name, prop, strata, generation, figures, tally, declined=declined, check=check)
+    figures.update(generated_property=prop, generated_examples=tally.examples,
+                   generated_examples_per_stratum=tally.per_stratum,
+                   generated_declined=sum(tally.declined.values()), generated_profile=generation.profile)
+    if tally.worst_case is not None:
+        figures.update(generated_worst_case=tally.worst_case, generated_worst_error_over_bound=tally.worst)
+    if not tally.examples:
+        pytest.skip(f"{name}: declines every generated {prop} case: {'; '.join(tally.declined)}")
+
+
+@contextlib.contextmanager
+def _hypothesis_storage():
+    """Hypothesis caches the constants it finds in local modules under its home directory, ``.hypothesis/`` in
+    the working directory by default, even without an example database: during the generated cases its home is a
+    directory of the system's temporary directory instead (the user's working directory is left as it was), and
+    whatever it was before afterwards."""
+    before = getattr(configuration, "__hypothesis_home_directory", None)  # module-level: not name-mangled
+    configuration.set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "mla-conformance-hypothesis")
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(before)
+
+
+def _run_each(name, prop, strata, generation, figures, tally, *, declined, check) -> None:
+    __tracebackhide__ = True
     for stratum in strata:
         last: dict = {}
         count = {"n": 0}
@@ -275,13 +304,6 @@ def _run_strata(name: str, prop: str, strata: list[Stratum], generation, figures
             raise _with_case(exc, figures) from None
         tally.examples += count["n"]
         tally.per_stratum[stratum.name] = count["n"]
-    figures.update(generated_property=prop, generated_examples=tally.examples,
-                   generated_examples_per_stratum=tally.per_stratum,
-                   generated_declined=sum(tally.declined.values()), generated_profile=generation.profile)
-    if tally.worst_case is not None:
-        figures.update(generated_worst_case=tally.worst_case, generated_worst_error_over_bound=tally.worst)
-    if not tally.examples:
-        pytest.skip(f"{name}: declines every generated {prop} case: {'; '.join(tally.declined)}")
 
 
 def _example(tally: _Tally, last: dict, count: dict, declined, check, reject):

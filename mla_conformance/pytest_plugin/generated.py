@@ -97,13 +97,7 @@ class Generation:
 
     def settings(self, share: float = 1.0):
         """The profile's hypothesis settings with ``share`` of its examples (at least one)."""
-        from hypothesis import HealthCheck, Phase, Verbosity, settings
-
-        base = PROFILES[self.profile]
-        return settings(max_examples=max(1, round(base["max_examples"] * share)), derandomize=base["derandomize"],
-                        database=base["database"], deadline=None, report_multiple_bugs=False, print_blob=False,
-                        verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck),
-                        phases=(Phase.explicit, Phase.generate, Phase.shrink))
+        return hypothesis_settings(self.profile, share)
 
     def command(self, case: str) -> str:
         """``pytest FILE::TEST --mla-op SPEC --mla-device DEV --mla-case '<case>'`` (``--mla-backend`` for a
@@ -122,6 +116,20 @@ class Generation:
         spec = _spec_of(config, option, obj)
         return (f"pytest {shlex.quote(f'{shown}::{node.originalname}')} {option} {shlex.quote(spec)} "
                 f"--mla-device {shlex.quote(self._device)} --mla-case {shlex.quote(case)}")
+
+
+def hypothesis_settings(profile: str, share: float = 1.0):
+    """A profile of :data:`PROFILES` as hypothesis settings, with ``share`` of its examples (at least one): no
+    deadline (an op's first call may compile), one bug reported (the first stratum's, shrunk), no explain phase
+    (it reruns cases), quiet (the failure message carries the case), every health check off (a declined case is
+    rejected by design; a 1,024-row case is large by design)."""
+    from hypothesis import HealthCheck, Phase, Verbosity, settings
+
+    base = PROFILES[profile]
+    return settings(max_examples=max(1, round(base["max_examples"] * share)), derandomize=base["derandomize"],
+                    database=base["database"], deadline=None, report_multiple_bugs=False, print_blob=False,
+                    verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck),
+                    phases=(Phase.explicit, Phase.generate, Phase.shrink))
 
 
 def _spec_of(config, option: str, obj) -> str:

@@ -156,3 +156,28 @@ def test_printed_command_replays_exactly_the_case(run, replays, key):
     assert got["figures"]["generated_examples"] == 1, f"{command}: ran {got['figures']['generated_examples']} cases"
     assert got["figures"]["generated_case"] == failed["figures"]["generated_case"], (command, got["figures"])
     assert got["reason"] == failed["reason"].split("\n")[0], (command, got["reason"], failed["reason"])
+
+
+def test_the_default_profile_draws_the_same_cases_in_every_run():
+    """Deterministic: the default profile draws the same cases twice (and the thorough one, random, others)."""
+    from hypothesis import given
+
+    from mla_conformance.checks.strategies import OpSupport, layer_strata, op_strata
+    from mla_conformance.pytest_plugin.generated import hypothesis_settings
+
+    support = OpSupport(pages=(64, 16, 1, 48), formats=(("latent", "float32"), ("latent", "bfloat16")),
+                        sparse_formats=(("latent", "float32"),), invalid=("minus-one", "past-end"), sink=True)
+    strata = [s for p in ("heads", "pages", "mtp", "batch", "sparse", "mixed") for s in op_strata(p, support)]
+    strata += layer_strata((("tiny", None), ("tiny-dsa", 16)))
+
+    def draw(profile, strata, share=1.0):
+        seen = []
+        for stratum in strata:
+            hypothesis_settings(profile, stratum.share * share)(given(stratum.strategy)(
+                lambda case: seen.append(str(case))))()
+        return seen
+
+    first = draw("mla-conformance", strata)
+    assert first == draw("mla-conformance", strata) and len(first) >= len(strata)
+    # the thorough profile is random: two runs of 3 cases of each of two strata differ
+    assert draw("mla-conformance-thorough", strata[:2], 0.05) != draw("mla-conformance-thorough", strata[:2], 0.05)
