@@ -248,6 +248,11 @@ class HFTransformers:
             from transformers.models.deepseek_v2 import modeling_deepseek_v2  # noqa: F401
         except ImportError as exc:
             return f"this transformers has no DeepseekV2 model ({exc}); transformers >= 4.57 is needed"
+        try:  # transformers validates its config (e.g. hidden_size divisible by the heads): a decline, not a crash
+            _hf_v32_config(config) if config.dsa else _hf_config(config)
+        except Exception as exc:
+            first = " ".join(str(exc).split()) or type(exc).__name__
+            return f"transformers' {'DeepseekV32Config' if config.dsa else 'DeepseekV2Config'} rejects this config: {first}"
         return None
 
     def _module(self, weights):
