@@ -6,12 +6,13 @@ the summary section) is imported or printed for it. A run of the shipped suites 
 nothing into that directory. Skips are listed once; a figure the report's schema does not declare is refused."""
 
 import json
+import subprocess
 import sys
 import tomllib
 
 import pytest
 
-from . import harness
+from . import background, harness
 
 pytestmark = pytest.mark.meta
 
@@ -43,14 +44,29 @@ print(f"POLITE exit={int(code)} torch={'torch' in sys.modules} "
 '''
 
 
-def test_foreign_project_with_its_own_backend_fixture(pytester):
-    pytester.makepyfile(test_foreign=FOREIGN_TESTS)
-    pytester.makeini("[pytest]\n")  # its own rootdir and configuration, not this repository's
-    result = pytester.run(sys.executable, "-c", RUN, timeout=120)
-    out = "\n".join(result.outlines + result.errlines)
+def _foreign_run() -> tuple[int, str]:
+    """The foreign project run in a fresh interpreter (torch must not be imported there): (exit code, output)."""
+    project = background.scratch("mla-foreign-")
+    (project / "test_foreign.py").write_text(FOREIGN_TESTS, encoding="utf-8")
+    (project / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")  # its own rootdir and configuration
+    proc = subprocess.run([sys.executable, "-c", RUN], cwd=project, capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+#: started when the session has collected this module, on the core the serial session leaves idle
+#: (tests/meta/background.py)
+BACKGROUND = {"foreign-project": ("foreign_run", None, _foreign_run)}
+
+
+@pytest.fixture(scope="module")
+def foreign_run(suite_runs) -> tuple[int, str]:
+    return suite_runs.get("foreign-project", lambda: background.result("foreign-project", _foreign_run))
+
+
+def test_foreign_project_with_its_own_backend_fixture(foreign_run):
+    _, out = foreign_run
     assert "POLITE exit=0 torch=False plugin=True" in out, out[-3000:]
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("passed") == 3 and "deselected" not in outcomes, out[-3000:]
+    assert "3 passed" in out and "deselected" not in out, out[-3000:]
     assert "test_backend[1]" in out and "test_backend[2]" in out, out[-3000:]
     # no header lines, no summary section: only pytest's own "plugins:" line names the plugin
     assert not [line for line in out.splitlines() if "mla-conformance" in line and not line.startswith("plugins:")], \
@@ -64,12 +80,12 @@ PYARGS = ("--pyargs", "mla_conformance.suites.test_cache_bytes", "-k", "test_see
 def test_pyargs_from_anywhere_writes_nothing_there(pytester, monkeypatch):
     """`pytest --pyargs mla_conformance.suites...` in a directory of the user's (no pytest configuration
     there: pytest's rootdir and cache directory are that directory) runs under --strict-markers and leaves the
-    directory as it was: no .pytest_cache (the cache plugin is not loaded for it), no .benchmarks."""
+    directory as it was: no .pytest_cache (the cache plugin is not loaded for it), no .benchmarks. In this
+    process (pytest configures a fresh session from the command line as a new process would)."""
     user = pytester.mkdir("my-project")
     (user / "notes.txt").write_text("mine\n", encoding="utf-8")
     monkeypatch.chdir(user)
-    result = pytester.run(sys.executable, "-m", "pytest", *PYARGS, "--strict-markers", "--mla-device", "cpu",
-                          "-p", "no:xdist", timeout=300)
+    result = harness.pytest_inprocess(pytester, *PYARGS, "--strict-markers", "--mla-device", "cpu", "-p", "no:xdist")
     out = "\n".join(result.outlines + result.errlines)
     assert result.ret == 0 and result.parseoutcomes().get("passed") == 1, out[-3000:]
     assert f"rootdir: {user}" in out, out[-3000:]  # the case of the bug: pytest rooted in the user's directory
