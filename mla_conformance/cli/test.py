@@ -114,7 +114,7 @@ def pytest_command(args: Any, suites: Path, tmpdir: str | Path, here: Path) -> t
     """(the pytest command, the directory it runs in: the suites' parent, its environment) for ``args``."""
     ids, extra = pytest_args_from(list(args.pytest_args or []), suites, here)
     cmd = [sys.executable, "-m", "pytest", *(ids or [suites.name]), *pytest_location_args(suites, tmpdir),
-           "-p", "no:cacheprovider", "-ra"]
+           "-p", "no:cacheprovider", "-rfE"]
     if importlib.util.find_spec("pytest_benchmark"):  # its storage would land in the suites' directory
         cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
     for spec in args.backend or []:

@@ -13,24 +13,3 @@
 
 The commands' options are in :mod:`mla_conformance.cli.run` and :mod:`mla_conformance.cli.merge`.
 """
-
-from __future__ import annotations
-
-import importlib
-
-
-#: Transitional: the names callers imported from the one-file report, and the module that owns each now.
-#: Goes when tests/meta/test_isolation.py and tests/test_readme_figures.py import from the owners.
-_MOVED = {
-    "MARKER": "outdir", "check_out_dir": "outdir", "check_out_file": "outdir", "write_file_atomically": "outdir",
-    "build_report": "build", "render_markdown": "markdown", "find_suites": "suites",
-    "partial_results_path": "run", "PARTIAL_SCHEMA": "run", "results_from_journal": "run",
-    "MAX_WORKER_RESTARTS": "run", "isolation_args": "run", "tempfile": "outdir", "os": "outdir",
-}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        return getattr(importlib.import_module(f"mla_conformance.report.{_MOVED[name]}"), name)
-    raise AttributeError(f"module 'mla_conformance.report' has no attribute {name!r} (the report is a package: "
-                         "import from its modules, e.g. mla_conformance.report.run)")

@@ -94,7 +94,7 @@ def run_command(args) -> int:
     with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
         results_path = Path(tmpdir) / "results.json"
         cmd = [sys.executable, "-m", "pytest", str(suites), *pytest_location_args(suites, tmpdir), "-p", "no:cacheprovider",
-               "--mla-results", str(results_path), "-ra"]
+               "--mla-results", str(results_path), "-rfE"]
         if importlib.util.find_spec("pytest_benchmark"):  # its storage, or an empty .benchmarks/ lands in the cwd
             cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
         for spec in args.backend or []:

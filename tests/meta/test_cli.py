@@ -124,7 +124,7 @@ def test_run_writes_its_report_and_replaces_only_its_own(tmp_path, capsys, fake_
     assert rc == 0 and (out / "conformance.json").exists() and (out / MARKER).exists()
     assert (out.stat().st_mode & 0o777) == 0o775 and ((out / "conformance.md").stat().st_mode & 0o777) == 0o664
     cmd = fake_pytest["calls"][0]
-    assert "-ra" in cmd and "-rs" not in cmd
+    assert "-rfE" in cmd and "-rs" not in cmd and "-ra" not in cmd
     storage = cmd[cmd.index("--benchmark-storage") + 1]  # no stray .benchmarks/ in the cwd
     assert storage.startswith("file://") and "mla-conformance-run-" in storage
     first = (out / "conformance.json").read_bytes()
