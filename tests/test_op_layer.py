@@ -74,12 +74,15 @@ def test_bad_op_specs_say_what_is_wrong(spec, needles):
 
 
 class _SingleTokenOp(ReferenceOp):
-    """An op that decodes one query per row only (XQA-like): the wrapper needs multi-token causal decode."""
+    """An op that decodes one query per row only (XQA-like) and has no prefill: the wrapper needs multi-token
+    causal decode."""
 
     name = "single-token"
+    prefill = None
 
     def unsupported_reason(self, case):
-        return f"{self.name} decodes one query per row, not s_q {case.s_q}" if case.s_q > 1 else None
+        s_q = getattr(case, "s_q", 1)
+        return f"{self.name} decodes one query per row, not s_q {s_q}" if s_q > 1 else None
 
 
 class _DefaultDimsOp(ReferenceOp):
@@ -121,6 +124,7 @@ def test_the_ops_own_sentences_pass_through():
 def test_a_bad_op_output_is_named():
     class WrongShape(ReferenceOp):
         name = "wrong-shape"
+        prefill = None  # every call through decode
 
         def decode(self, q, *args, **kwargs):
             out, lse = super().decode(q, *args, **kwargs)
@@ -168,9 +172,10 @@ def test_declared_head_dims_let_the_tiny_model_through():
     backend = OpBackend(Recording())
     w = MLAWeights.random(tiny, dtype=torch.float32, seed=0)
     cache = backend.new_cache(tiny, batch_size=1, capacity=8, dtype=torch.float32, device="cpu")
-    x = torch.randn(1, 3, tiny.hidden_size)
-    out = backend.attend(w, x, torch.arange(3)[None], cache)
-    assert out.shape == x.shape and torch.isfinite(out).all()
+    x = torch.randn(1, 4, tiny.hidden_size)
+    out = backend.attend(w, x[:, :3], torch.arange(3)[None], cache)  # prefill: op.prefill (192 / 128 -> any)
+    out = backend.attend(w, x[:, 3:], torch.arange(3, 4)[None], cache)  # one decode step
+    assert out.shape == (1, 1, tiny.hidden_size) and torch.isfinite(out).all()
     assert seen == [(tiny.kv_lora_rank + tiny.qk_rope_head_dim, tiny.kv_lora_rank)]
 
 
@@ -223,3 +228,108 @@ def test_reference_op_declares_every_method():
     decl = declarations(op)
     assert decl["write_kv_formats"] == ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
     assert decl["sparse_prefill_head_dims"] == ((576, 512), (512, 512)) and decl["prefill_head_dims"] == "any"
+
+
+# --------------------------------------------------------------------------- prefill, merge and write behind op:
+
+#: a row joins while another continues a chunked prefill: call 1 has row 0 at 30 cached tokens (context chunks of
+#: 24 and 6) and row 1 fresh (kv_len 0 in both chunks: its first chunk merge has two empty sides); then a decode step
+JOIN_CALLS = [(30, 0), (5, 6), (1, 1)]
+
+
+class _Recording(ReferenceOp):
+    name = "recording-methods"
+
+    def __init__(self):
+        self.calls = []
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+        self.calls.append(("prefill", kw["causal"], cu_seqlens_k.tolist(), v.is_contiguous()))
+        return super().prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
+
+    def merge(self, *args):
+        self.calls.append(("merge",))
+        return super().merge(*args)
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, **kw):
+        self.calls.append(("write", kw["kv_format"], int((slot_mapping < 0).sum())))
+        return super().write(kv_c, k_pe, kv_cache, slot_mapping, **kw)
+
+    def decode(self, q, *args, **kw):
+        self.calls.append(("decode", q.shape[1]))
+        return super().decode(q, *args, **kw)
+
+
+def _join_run(op, dtype=torch.float32):
+    from mla_conformance.checks.paged import drive, paged_weights
+    from mla_conformance.model.reference import reference_attention_f64
+
+    w = paged_weights("tiny", dtype)
+    totals = [sum(c[b] for c in JOIN_CALLS) for b in range(2)]
+    x = torch.randn(2, max(totals), w.config.hidden_size, generator=torch.Generator().manual_seed(3),
+                    dtype=torch.float64)
+    out, _ = drive(OpBackend(op, page_block_size=16), w, x, JOIN_CALLS)
+    oracle = reference_attention_f64(paged_weights("tiny", torch.float64), x.to(dtype).to(torch.float64),
+                                     torch.tensor(totals))
+    return out, oracle, totals
+
+
+def test_prefill_rows_run_the_ops_prefill_merge_and_write():
+    """op:reference-op: one write per call (the padding tokens' slots -1), the context in chunks of 24 through
+    prefill(causal=False) (v a strided view of the kv_b_proj output), the new tokens through prefill(causal=True),
+    merged pairwise; one-token rows through decode; every row equals the float64 reference."""
+    op = _Recording()
+    out, oracle, totals = _join_run(op)
+    assert op.calls == [
+        ("write", "latent", 30), ("prefill", True, [0, 30], False),                        # call 0: no context
+        ("write", "latent", 1), ("prefill", False, [0, 24, 24], False), ("prefill", False, [0, 6, 6], False),
+        ("merge",), ("prefill", True, [0, 5, 11], False), ("merge",),                      # call 1
+        ("write", "latent", 0), ("decode", 1)]                                             # call 2
+    tol = checks.TOLERANCES["float32"]
+    for b, n in enumerate(totals):
+        m = checks.error_metrics(out[b, :n], oracle[b, :n])
+        assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, (b, m)
+    backend = OpBackend(ReferenceOp())
+    routes = backend.routes(V3_MINI, dtype=BF16, device="cpu", kv_codec="fp8-e4m3-flashmla")
+    assert routes == {"prefill": "op.prefill + op.merge (MHA mode, context chunks of 24 tokens)", "write": "op.write"}
+
+
+def test_a_merge_giving_nan_on_two_empty_sides_fails_behind_op():
+    """The broken merge of tests/meta/broken_op_methods.py behind op:, on the joining row (two empty sides)."""
+    from tests.meta.broken_op_methods import MergeBothEmptyNaN
+
+    with pytest.raises(AssertionError, match="non-finite"):
+        _join_run(MergeBothEmptyNaN())
+
+
+def test_routes_say_why_not():
+    """Without prefill / merge, with undeclared prefill dims, or a write the layer cannot use, that part runs the
+    decode path or the suite's cache fill, and routes() names why; the decode-only frozen op declines nothing new."""
+    from tests.meta.frozen_base_op import FrozenBaseOp
+
+    frozen = OpBackend(FrozenBaseOp()).routes(V3_MINI, dtype=BF16, device="cpu")
+    assert frozen["prefill"].endswith("has no prefill() and no merge()") and "has no write()" in frozen["write"]
+    v3_dims = type("V3Dims", (ReferenceOp,), {"name": "v3-dims", "prefill_head_dims": ((192, 128),)})()
+    r = OpBackend(v3_dims).routes(MLAConfig.preset("tiny"), dtype=torch.float32, device="cpu")
+    assert "declares prefill_head_dims ((192, 128),), not this config's" in r["prefill"], r
+    fp32 = type("Fp32Writer", (ReferenceOp,), {"name": "fp32-writer", "write_fp8_scale_format": "fp32"})()
+    r = OpBackend(fp32).routes(V3_MINI, dtype=BF16, device="cpu", kv_codec="fp8-e4m3-flashmla")
+    assert r["write"].startswith("the suite: op fp32-writer writes fp32 tile scales"), r
+    r = OpBackend(fp32).routes(V3_MINI, dtype=BF16, device="cpu", kv_codec="none", page_block_size=1)
+    assert r["write"] == "op.write", r
+
+
+def test_a_bad_prefill_output_is_named():
+    class HalfHeads(ReferenceOp):
+        name = "half-heads"
+
+        def prefill(self, q, *args, **kwargs):
+            out, lse = super().prefill(q, *args, **kwargs)
+            return out[:, :1], lse
+
+    backend = OpBackend(HalfHeads())
+    w = checks.weights_for("v3-mini", torch.float32)
+    cache = backend.new_cache(w.config, batch_size=1, capacity=4, dtype=torch.float32, device="cpu")
+    x = torch.randn(1, 2, w.config.hidden_size)
+    with pytest.raises(ValueError, match=r"op half-heads: prefill\(\) returned out \(2, 1, 128\), expected \(2, 2, 128\)"):
+        backend.attend(w, x, torch.arange(2)[None], cache)

@@ -1,4 +1,4 @@
-"""Any op behind the layer contract: projections, RoPE and both absorptions in torch, attention in the op.
+"""Any op behind the layer contract: projections, RoPE and both absorptions in torch, attention in the op's kernels.
 
 :class:`OpBackend` turns an op (:mod:`mla_conformance.contract.op`) into a layer backend
 (:mod:`mla_conformance.contract.layer`), so one op implementation is checked by both suites: ``pytest suites
@@ -6,13 +6,22 @@
 op spec ``--mla-op`` takes (a built-in op name, ``package.module:attr``, ``path/to/file.py:attr``)::
 
     q_nope, q_pe, c, k_pe = project(weights, x, positions)        (mla_conformance.model.reference)
-    cache <- [c | k_pe]                                            PagedLatentCache, page = the op's
-    q     = [q_nope W_UK | q_pe]                    [B, S, H, 576]  (the query absorbs W_UK)
-    o_lat = op.decode(q, kv_pages, block_table, seq_lens, causal=True)[0]     [B, S, H, 512]
-    out   = o_proj(o_lat W_UV^T)                                    (the output absorbs W_UV)
+    cache <- [c | k_pe]                                            op.write where it has one, else the suite
+    decode rows (one new token):
+      q     = [q_nope W_UK | q_pe]                  [B, S, H, 576]  (the query absorbs W_UK)
+      o_lat = op.decode(q, kv_pages, block_table, seq_lens, causal=True)[0]     [B, S, H, 512]
+      o     = o_lat W_UV^T                                          (the output absorbs W_UV)
+    prefill rows (more than one new token), when the op has prefill and merge:
+      o     = MHA-mode chunked prefill (mla_conformance.impl.ops.chunked_prefill): the cached context
+              up-projected per head in chunks of 24 tokens, prefill(causal=False) per chunk, prefill(causal=True)
+              over the new tokens, merged pairwise with merge
+    out   = o_proj(o)
 
-Every call, prefill chunks (S > 1) included, goes through ``op.decode`` with ``causal=True``: the contract's
-causal multi-token decode aligns the S queries with the *last* S keys of the row (query i sees keys
+So an op with prefill, merge and write has its whole kernel set exercised by the layer numerics, byte tests and
+goldens. :meth:`OpBackend.routes` says, per config, which way prefill and the cache fill go and why.
+
+Without the prefill route every call goes through ``op.decode`` with ``causal=True``: the contract's causal
+multi-token decode aligns the S queries with the *last* S keys of the row (query i sees keys
 < cache_seqlens - S + i + 1), which is exactly query i at position seq_lens + i when the row appended S
 tokens. Rows of a padded batch appended fewer tokens, so rows are grouped by how many they appended and
 each group is one ``decode`` call with that many queries; rows that appended nothing are left out.
@@ -22,8 +31,10 @@ Attention configs (the wrapper drives dense decode); head dims other than kv_lor
 64 (the op contract's 576 / 512) unless the op declares them in ``head_dims`` (reference-op takes any: the
 embedded tiny model's golden generations then run through it, with ``head_dim_v`` passed); a kv_codec that is not ``"none"`` (the op's ``"latent"`` format) or
 ``"fp8-e4m3-flashmla"`` (the op's 656-byte format, when the op lists it in ``kv_formats``); then whatever
-the op itself declines for the cases the layer hands it (s_q 1 and s_q > 1, causal, the layer's head
-count, the page size, the dtype), asked through ``op.unsupported_reason(OpCase(...))``.
+the op itself declines for the cases the layer hands it (s_q 1, and s_q > 1 unless prefill goes through the
+op's prefill; causal, the layer's head count, the page size, the dtype), asked through
+``op.unsupported_reason(OpCase(...))``. What the op declines for prefill, merge or write
+(``MethodCase``) is not a refusal: that part then runs the decode path, or the suite's cache fill.
 
 The cache is always paged (``supports_paging``; the op's ``page_block_sizes``). ``paged_bit_exact`` is False:
 another page size is another call of the op, which may split its reductions differently; paged runs are
@@ -37,6 +48,7 @@ import torch
 from mla_conformance.model import reference as ref
 from mla_conformance.kv.caches import PagedLatentCache, to_flashmla_layout
 from mla_conformance.contract.op import D_QK, D_ROPE, D_V, OpCase, declared, takes_head_dims
+from mla_conformance.impl.ops import chunked_prefill as cp
 
 FP8_CODEC = "fp8-e4m3-flashmla"
 #: layer kv_codec -> the op's kv format
@@ -63,13 +75,15 @@ def dims_reason(name: str, config, op=None) -> str | None:
 
 
 class OpBackend:
-    """A layer backend made of torch projections and an op's ``decode`` (the op contract)."""
+    """A layer backend made of torch projections and an op's kernels: ``decode``, and ``prefill`` / ``merge`` /
+    ``write`` where the op has them (the op contract). ``context_chunk``: context tokens per chunk of the
+    MHA-mode prefill (default mla_conformance.impl.ops.chunked_prefill.CONTEXT_CHUNK)."""
 
     cache_format = "latent"
     supports_paging = True
     paged_bit_exact = False
 
-    def __init__(self, op, page_block_size: int | None = None):
+    def __init__(self, op, page_block_size: int | None = None, context_chunk: int | None = None):
         for attr in ("unsupported_reason", "decode"):
             if not callable(getattr(op, attr, None)):
                 raise TypeError(f"OpBackend needs an op (name, unsupported_reason, decode); "
@@ -89,6 +103,9 @@ class OpBackend:
         self.page_block_size = int(page_block_size)
         formats = declared(op, "kv_formats")
         self.kv_codecs = tuple(codec for codec, fmt in CODEC_FORMATS.items() if fmt in formats)
+        self.context_chunk = cp.CONTEXT_CHUNK if context_chunk is None else int(context_chunk)
+        if self.context_chunk <= 0:
+            raise ValueError(f"{self.name}: context_chunk must be a positive number of tokens, got {context_chunk}")
 
     # ------------------------------------------------------------------ gating
     def request_reason(self, config, *, dtype, device, kv_codec="none") -> str | None:
@@ -117,12 +134,35 @@ class OpBackend:
             return f"{self.name} needs a floating-point dtype, got {dtype}"
         return None
 
+    def prefill_route_reason(self, config, *, dtype, device) -> str | None:
+        """Why prefill rows go through ``op.decode`` rather than the op's prefill and merge (None: they do not)."""
+        return cp.prefill_reason(self.op, config, dtype=dtype, device=device)
+
+    def write_route_reason(self, config, *, dtype, device, kv_codec="none", page_block_size=None) -> str | None:
+        """Why the suite fills the cache rather than ``op.write`` (None: the op writes it)."""
+        page = self.page_block_size if page_block_size is None else int(page_block_size)
+        return cp.write_reason(self.op, config, dtype=dtype, device=device,
+                               kv_format=CODEC_FORMATS.get(kv_codec, kv_codec), page_block_size=page)
+
+    def routes(self, config, *, dtype, device, kv_codec="none", page_block_size=None) -> dict[str, str]:
+        """Which of the op's kernels run the layer's prefill and cache fill for this config, and why not."""
+        p = self.prefill_route_reason(config, dtype=dtype, device=device)
+        w = self.write_route_reason(config, dtype=dtype, device=device, kv_codec=kv_codec,
+                                    page_block_size=page_block_size)
+        return {"prefill": (f"op.prefill + op.merge (MHA mode, context chunks of {self.context_chunk} tokens)"
+                            if p is None else f"op.decode (causal multi-token): {p}"),
+                "write": "op.write" if w is None else f"the suite: {w}"}
+
     def op_cases(self, config, *, dtype, device, kv_codec="none") -> list[OpCase]:
-        """The cases a layer run hands the op: one-token decode and multi-token causal decode."""
+        """The decode cases a layer run hands the op: one-token decode, and multi-token causal decode unless
+        prefill rows go through the op's prefill."""
         fmt = CODEC_FORMATS.get(kv_codec, kv_codec)
         common = dict(h_q=int(config.num_attention_heads), page_block_size=self.page_block_size, dtype=dtype,
                       kv_format=fmt, causal=True, device=str(device))
-        return [OpCase(batch=1, s_q=1, **common), OpCase(batch=1, s_q=MULTI_TOKEN_S_Q, **common)]
+        cases = [OpCase(batch=1, s_q=1, **common)]
+        if self.prefill_route_reason(config, dtype=dtype, device=device) is not None:
+            cases.append(OpCase(batch=1, s_q=MULTI_TOKEN_S_Q, **common))
+        return cases
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
         reason = self.request_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
@@ -167,24 +207,56 @@ class OpBackend:
         if not isinstance(cache, PagedLatentCache):
             raise TypeError(f"{self.name}: expected the PagedLatentCache of new_cache(), got {type(cache).__name__}")
         cfg = weights.config
+        dt, dev = hidden_states.dtype, hidden_states.device
         lengths, new_lens = cache.write_plan(positions, lengths)
         q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
-        cache.write_latent(c, k_pe, lengths)
+        context_lens = cache.seq_lens.clone()
+        if self.write_route_reason(cfg, dtype=dt, device=dev, kv_codec=cache.kv_codec,
+                                   page_block_size=cache.page_block_size) is None:
+            cp.write_latent(self.op, cache, c, k_pe, lengths, CODEC_FORMATS[cache.kv_codec])
+        else:
+            cache.write_latent(c, k_pe, lengths)
+        via_prefill = self.prefill_route_reason(cfg, dtype=dt, device=dev) is None
+        multi = (lengths > 1) if via_prefill else torch.zeros_like(lengths, dtype=torch.bool)
         w_uk, w_uv = ref.split_kv_b(weights)
         q = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_pe], dim=-1)  # [B, S, H, 576]
         kv_cache, block_table, cache_seqlens = to_flashmla_layout(cache, new_lens)
 
         B, S, H = q.shape[:3]
         o_lat = torch.zeros(B, S, H, cfg.kv_lora_rank, dtype=q.dtype, device=q.device)
-        for n in sorted({int(v) for v in lengths.tolist()} - {0}):
-            rows = (lengths == n).nonzero().flatten().to(q.device)
+        decode_lens = torch.where(multi, torch.zeros_like(lengths), lengths)
+        for n in sorted({int(v) for v in decode_lens.tolist()} - {0}):
+            rows = (decode_lens == n).nonzero().flatten().to(q.device)
             o_lat[rows, :n] = self.decode(q[rows, :n].contiguous(), kv_cache, block_table[rows].contiguous(),
                                           cache_seqlens[rows].contiguous(), cfg.softmax_scale,
                                           cfg.kv_lora_rank).to(q.dtype)
         o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)
+        if bool(multi.any()):
+            o = self._prefill_rows(weights, cache, o, q_nope, q_pe, c, k_pe, lengths, context_lens, multi)
         out = o.flatten(-2) @ weights["o_proj.weight"].T
         cache.commit(new_lens)
         return out.to(hidden_states.dtype)
+
+    def _prefill_rows(self, weights, cache, o, q_nope, q_pe, c, k_pe, lengths, context_lens, multi):
+        """The rows that appended more than one token, through the op's prefill and merge (MHA mode)."""
+        rows = multi.nonzero().flatten().tolist()
+        n = [int(lengths[b]) for b in rows]
+        C = [int(context_lens[b]) for b in rows]
+        q = torch.cat([torch.cat([q_nope[b, :m], q_pe[b, :m]], dim=-1) for b, m in zip(rows, n)])
+        new_c = torch.cat([c[b, :m] for b, m in zip(rows, n)])
+        new_kpe = torch.cat([k_pe[b, :m] for b, m in zip(rows, n)])
+        ctx_c = ctx_kpe = None
+        if max(C) > 0:  # the context as the cache holds it (written by op.write or the suite), dequantized
+            ctx_c, ctx_kpe = cache.read_latent(max(C))
+        out = cp.mha_prefill(self.op, weights, q, new_c, new_kpe, n,
+                             lambda r, a, e: (ctx_c[rows[r], a:e], ctx_kpe[rows[r], a:e]), C,
+                             chunk=self.context_chunk)
+        o = o.clone()
+        start = 0
+        for b, m in zip(rows, n):
+            o[b, :m] = out[start:start + m].to(o.dtype)
+            start += m
+        return o
 
 
 __all__ = ["OpBackend", "dims_reason", "head_dims_of"]
