@@ -454,8 +454,8 @@ BACKGROUND = {"test-command": ("command_run", None, _test_command_run)}
 
 
 @pytest.fixture(scope="module")
-def command_run():
-    return background.result("test-command", _test_command_run)
+def command_run(suite_runs):
+    return suite_runs.get("test-command", lambda: background.result("test-command", _test_command_run))
 
 
 def test_test_command_takes_and_prints_checkout_ids(command_run):

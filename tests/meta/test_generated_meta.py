@@ -5,21 +5,19 @@ generated test, with a shrunk case that shows the class, and the command the fai
 that case; the correct wide-declaring op and the independent backend pass every generated test. One in-process
 pytest session through the plugin (--mla-op, --mla-backend, --mla-results), then one per printed command."""
 
-import contextlib
-import io
 import json
 import math
 import shlex
 from pathlib import Path
 
 import pytest
-import torch
 
 from mla_conformance.checks.strategies import parse_case
+from tests.meta import harness
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_generated_meta")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
-SUITES = [ROOT / "suites" / "test_op_generated.py", ROOT / "suites" / "test_layer_generated.py"]
+SUITES = ["suites/test_op_generated.py", "suites/test_layer_generated.py"]
 OPS = ROOT / "tests" / "meta" / "geometry_ops.py"
 
 
@@ -78,40 +76,22 @@ class _Select:
         items[:] = [item for item in items if keep(item)]
 
 
-def _pytest(args: list[str], results: Path, plugins=()) -> tuple[int, dict, str]:
-    """pytest in this process (one intra-op thread), its exit code, --mla-results payload and output."""
-    log = io.StringIO()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors: one intra-op thread, not spinning threads fighting a busy host
-    try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            code = pytest.main(["-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:unraisableexception", "-q",
-                                "-o", "addopts=", "--rootdir", str(ROOT), "--mla-results", str(results), *args],
-                               plugins=list(plugins))
-    finally:
-        torch.set_num_threads(threads)
-    payload = json.loads(results.read_text()) if results.is_file() else {}
-    payload["by_id"] = {t["nodeid"]: t for t in payload.get("tests", [])}
-    return int(code), payload, log.getvalue()
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    """One default-profile session over both generated suites with every implementation of the tables."""
-    args = ["--mla-device", "cpu", *map(str, SUITES)]
-    for option, spec, *_ in [*BROKEN.values(), *CORRECT.values()]:
-        args += [option, str(ROOT / spec) if not Path(spec).is_absolute() else spec]
-    results = tmp_path_factory.mktemp("generated-meta") / "results.json"
-    code, payload, log = _pytest(args, results, [_Select(set(CELLS.values()), set(CORRECT))])
-    assert payload.get("tests"), f"the generated meta run wrote no results (exit {code}):\n{log[-4000:]}"
-    assert code == 1, f"expected exit 1 (test failures), got {code}:\n{log[-4000:]}"
-    return payload
+@pytest.fixture
+def run(suite_run) -> harness.SuiteRun:
+    """One default-profile session over both generated suites with every implementation of the tables (made once
+    per session, tests/meta/harness.py)."""
+    def build(pytester):
+        specs = [*BROKEN.values(), *CORRECT.values()]
+        return harness.run_inprocess(pytester, SUITES, backends=[s for o, s, *_ in specs if o == "--mla-backend"],
+                                     ops=[s for o, s, *_ in specs if o == "--mla-op"],
+                                     plugins=[_Select(set(CELLS.values()), set(CORRECT))], expect=1)
+    return suite_run("generated-meta", build)
 
 
 @pytest.mark.parametrize("key", list(BROKEN))
 def test_broken_geometry_is_failed_with_a_shrunk_case_showing_it(run, key):
     _, _, name, _, shows, words = BROKEN[key]
-    got = run["by_id"].get(CELLS[key])
+    got = run.by_id.get(CELLS[key])
     assert got is not None, f"{CELLS[key]} did not run"
     assert got["outcome"] == "failed", f"{CELLS[key]}: expected a failure of {name}, got {got['outcome']}: " \
                                        f"{got.get('reason', '')}"
@@ -133,17 +113,23 @@ def test_correct_implementation_passes_every_generated_test(run, name):
     assert not empty, f"{name}: a stratum ran no case in {empty}"
 
 
-@pytest.fixture(scope="module")
-def replays(run, tmp_path_factory) -> dict:
-    """Each broken implementation's printed command, run as printed (one session each)."""
-    out = {}
-    for key, nodeid in CELLS.items():
-        command = run["by_id"][nodeid]["figures"]["reproducer"]
-        words = shlex.split(command)
-        assert words[0] == "pytest", command
-        results = tmp_path_factory.mktemp(f"replay-{key}") / "results.json"
-        out[key] = (command,) + _pytest(words[1:], results)
-    return out
+@pytest.fixture
+def replays(run, suite_run) -> dict:
+    """Each broken implementation's printed command, run as printed (from the checkout's root, as a user types
+    it there), one in-process session each."""
+    def build(pytester):
+        out = {}
+        for key, nodeid in CELLS.items():
+            command = run.by_id[nodeid]["figures"]["reproducer"]
+            words = shlex.split(command)
+            assert words[0] == "pytest", command
+            results = pytester.path / f"replay-{key}.json"
+            got = harness.pytest_inprocess(pytester, *harness.BASE, "--rootdir", str(ROOT), "--mla-results",
+                                           str(results), *map(harness.here, words[1:]))
+            payload = json.loads(results.read_text()) if results.is_file() else {}
+            out[key] = (command, int(got.ret), payload, "\n".join(got.outlines + got.errlines))
+        return out
+    return suite_run("generated-replays", build)
 
 
 @pytest.mark.parametrize("key", list(BROKEN))
@@ -151,7 +137,7 @@ def test_printed_command_replays_exactly_the_case(run, replays, key):
     command, code, payload, log = replays[key]
     tests = payload.get("tests", [])
     assert code == 1 and len(tests) == 1, f"{command}: exit {code}, {len(tests)} test(s) ran:\n{log[-3000:]}"
-    got, failed = tests[0], run["by_id"][CELLS[key]]
+    got, failed = tests[0], run.by_id[CELLS[key]]
     assert got["outcome"] == "failed" and got["nodeid"] == CELLS[key], (command, got)
     assert got["figures"]["generated_examples"] == 1, f"{command}: ran {got['figures']['generated_examples']} cases"
     assert got["figures"]["generated_case"] == failed["figures"]["generated_case"], (command, got["figures"])

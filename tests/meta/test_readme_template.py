@@ -73,8 +73,8 @@ BACKGROUND = {"readme-blocks": ("readme_run", None, _readme_run)}
 
 
 @pytest.fixture(scope="module")
-def readme_run() -> dict:
-    return background.result("readme-blocks", _readme_run)
+def readme_run(suite_runs) -> dict:
+    return suite_runs.get("readme-blocks", lambda: background.result("readme-blocks", _readme_run))
 
 
 def _outcomes(run: dict, kind: str, name: str) -> dict[str, list[dict]]:
