@@ -49,6 +49,7 @@ from mla_conformance.errors import BackendOutputError
 from mla_conformance.impl.ops.layer import CODEC_FORMATS, OpBackend, head_dims_of
 from mla_conformance.kv.codecs import ERROR_BOUNDS
 from mla_conformance.model import reference as ref
+from mla_conformance.perf import score_rounding as sr
 from mla_conformance.perf.fill import chunk_starts, hidden_chunk
 
 ORACLE = "float64 oracle of the decode step (reference.project + absorbed_scores_and_mix, float64 master weights)"
@@ -157,8 +158,22 @@ def selection_of(p) -> torch.Tensor | None:
     return None
 
 
-def decode_oracle(p, own_selection: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-    """(float64 [B, 1, hidden] output of the decode step at position ``context``, which keys it attends over)."""
+@dataclasses.dataclass
+class Oracle:
+    """The float64 decode step: its output and the projections it was computed from (what score_rounding reads)."""
+
+    out: torch.Tensor          # [B, 1, hidden]
+    keys: str                  # which keys it attends over
+    weights: Any               # the float64 master weights
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    c: torch.Tensor
+    k_pe: torch.Tensor
+    allowed: torch.Tensor      # [B, 1, context + 1]
+
+
+def oracle_step(p, own_selection: torch.Tensor | None = None) -> Oracle:
+    """The float64 decode step at position ``context`` (see the module docstring), with its projections."""
     on_cpu = torch.device(p.device).type == "cpu"
     w64 = master_weights(p.preset, p.seed) if on_cpu else weights_for(p.preset, torch.float64, p.device, seed=p.seed)
     cfg = w64.config
@@ -182,10 +197,47 @@ def decode_oracle(p, own_selection: torch.Tensor | None = None) -> tuple[torch.T
                     f"the float64 indexer's top-{cfg.index_topk} (the backend exposes no last_topk_indices)"
             allowed = ref.selection_mask(sel, N)
         out = ref.absorbed_scores_and_mix(w64, q_nope, q_pe, c, k_pe, allowed)
-    return out, keys
+    return Oracle(out, keys, w64, q_nope, q_pe, c, k_pe, allowed)
+
+
+def decode_oracle(p, own_selection: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+    """(float64 [B, 1, hidden] output of the decode step at position ``context``, which keys it attends over)."""
+    o = oracle_step(p, own_selection)
+    return o.out, o.keys
+
+
+_TERMS: dict[tuple, tuple[torch.Tensor, str, list[dict]]] = {}
+
+
+def oracle_and_score_rounding(p, own_selection: torch.Tensor | None = None) -> tuple[torch.Tensor, str, list[dict]]:
+    """The oracle's output, its keys and the score-rounding term of each row (perf.score_rounding), kept for the
+    next backend of the same configuration (a benchmark session times several at one context)."""
+    sel = None if own_selection is None else tuple(own_selection.flatten().tolist())
+    key = (p.preset, p.seed, p.dtype, p.context, p.batch, str(p.device), sel)
+    if key not in _TERMS:
+        o = oracle_step(p, own_selection)
+        rows = sr.score_rounding(o.weights, o.q_nope, o.q_pe, o.c, o.k_pe, o.allowed, o.out, p.dtype,
+                                 weights_key=(p.preset, p.seed, str(p.device)))
+        while len(_TERMS) >= 8:
+            _TERMS.pop(next(iter(_TERMS)))
+        _TERMS[key] = (o.out, o.keys, rows)
+    return _TERMS[key]
 
 
 # --------------------------------------------------------------------------- the checks
+
+
+def row_bounds(bound: dict[str, Any], dtype: torch.dtype, kv_codec: str, terms: list[dict]) -> list[dict[str, Any]]:
+    """The bound of each row: the suite's (``bound_for``) plus that row's score-rounding term (perf.score_rounding),
+    in rel_fro through the same triangle inequality as the codec's bound (tol -> tol + term)."""
+    rows = []
+    for t in terms:
+        if kv_codec == "none":
+            rows.append({"rel_fro": bound["rel_fro"] + t["rel_fro"], "max_rel": bound["max_rel"] + t["max_rel"]})
+            continue
+        tol, attention = TOLERANCES[dtype_name(dtype)].rel_fro, ERROR_BOUNDS[kv_codec].attention
+        rows.append({"rel_fro": tol + t["rel_fro"] + attention * (1 + tol + t["rel_fro"]), "max_rel": None})
+    return rows
 
 
 def check_step(p, out) -> Correctness:
@@ -202,18 +254,19 @@ def check_step(p, out) -> Correctness:
         return failed(f"{what} vs a finite output, {at}")
     except BackendOutputError as exc:
         return failed(f"{str(exc).removeprefix(f'{p.backend.name}: ').removesuffix(f' ({at})')}, {at}")
-    ref_out, keys = decode_oracle(p, selection_of(p) if p.config.dsa else None)
+    ref_out, keys, terms = oracle_and_score_rounding(p, selection_of(p) if p.config.dsa else None)
+    bound["score_rounding"] = {**sr.describe(p.dtype), "rows": terms}
+    bound["rows"] = row_bounds(bound, p.dtype, p.kv_codec, terms)
     rows = [row_metrics(out[b].to(torch.float64), ref_out[b]) for b in range(p.batch)]
     measured = {"rel_fro": max(r["rel_fro"] for r in rows), "max_rel": max(r["max_rel"] for r in rows),
                 "rows": [{"rel_fro": r["rel_fro"], "max_rel": r["max_rel"]} for r in rows], "keys": keys}
     checked["oracle_keys"] = keys
-    for b, r in enumerate(rows):
-        if not r["rel_fro"] <= bound["rel_fro"]:
-            return failed(f"rel_fro {r['rel_fro']:.3e} vs {bound['rel_fro']:.3g} ({bound['source']}), row {b} of "
-                          f"{at} against the float64 oracle over {keys}", measured)
-        if bound["max_rel"] is not None and not r["max_rel"] <= bound["max_rel"]:
-            return failed(f"max_abs/rms {r['max_rel']:.3e} vs {bound['max_rel']:.3g} ({bound['source']}), row {b} of "
-                          f"{at} against the float64 oracle over {keys}", measured)
+    for b, (r, lim, t) in enumerate(zip(rows, bound["rows"], terms)):
+        for name, shown in (("rel_fro", "rel_fro"), ("max_rel", "max_abs/rms")):
+            if lim[name] is not None and not r[name] <= lim[name]:
+                return failed(f"{shown} {r[name]:.3e} vs {lim[name]:.3g} ({bound['source']}, + score rounding "
+                              f"{t[name]:.3g}: perf.score_rounding), row {b} of {at} against the float64 oracle over "
+                              f"{keys}", measured)
     result = Correctness(True, checked, bound, measured)
     if isinstance(p.backend, OpBackend):
         result.op = check_op(p)

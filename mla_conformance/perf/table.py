@@ -8,14 +8,16 @@ from mla_conformance.arch.device import device_line
 
 
 def _checked(r: dict[str, Any]) -> str:
-    """The gate's worst error as a fraction of its bound (rel_fro, and max_abs/rms where bounded)."""
+    """The gate's worst error as a fraction of its bound, over the rows (rel_fro, and max_abs/rms where bounded)."""
     c = r.get("correctness") or {}
     m, b = c.get("measured") or {}, c.get("bound") or {}
-    if not m or not b:
+    if not m.get("rows") or not b.get("rows"):
         return "?"
-    used = m["rel_fro"] / b["rel_fro"]
-    if b.get("max_rel"):
-        used = max(used, m["max_rel"] / b["max_rel"])
+    used = 0.0
+    for got, lim in zip(m["rows"], b["rows"]):
+        for name in ("rel_fro", "max_rel"):
+            if lim.get(name):
+                used = max(used, got[name] / lim[name])
     return f"{used:.2f}"
 
 
