@@ -36,6 +36,10 @@ from pathlib import Path
 
 import pytest
 
+# the checks assert with bare `assert`s: rewritten wherever the package is installed from (a wheel, an editable
+# install run from outside the checkout), so their failures show the compared values
+pytest.register_assert_rewrite("mla_conformance.checks")
+
 from mla_conformance.pytest_plugin import footprint, isolation, selection, terminal
 from mla_conformance.pytest_plugin.session import ResultsSession, is_failure, new_figures, sync_figures
 
