@@ -23,13 +23,16 @@ from typing import Any
 
 import torch
 
+from mla_conformance.checks.driver import call_backend, check_output
 from mla_conformance.contract.layer import support_reason
+from mla_conformance.model import reference as ref
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.errors import CheckpointError, MLAInputError
 from mla_conformance.resources import fixtures_dir, prompts_file, tiny_model_dir
 from mla_conformance.model.config import expected_shapes
 from mla_conformance.model.weights import MLAWeights
+from mla_conformance.specs import get_backend
 
 #: the embedded tiny model and its prompts (package data; the checkout's fixtures/ in an editable install)
 DEFAULT_MODEL = tiny_model_dir()
@@ -112,8 +115,6 @@ class Generation:
 def greedy_generate(model, backend, prompts: list[list[int]], max_new_tokens: list[int] | int, *,
                     kv_codec: str = "none", device: str = "cpu") -> Generation:
     """Greedy decoding of a batch of prompts; attention of every layer goes through ``backend``."""
-    from mla_conformance.checks import call_backend, check_output
-
     config = MLAConfig.from_hf(model.config.to_dict())
     dtype = next(model.parameters()).dtype
     reason = support_reason(backend, config, dtype=dtype, device=device, kv_codec=kv_codec)
@@ -291,8 +292,6 @@ def _dense_attention_targets(model, config: MLAConfig, ids: torch.Tensor, length
     """Per layer: (layer input x [B, T, hidden], the dense model's attention distribution averaged over heads
     [B, T, T]) of right-padded token ids, from transformers' forward (hidden states) and the reference
     projections (the layer's own weights)."""
-    from mla_conformance.model import reference as ref
-
     B, T = ids.shape
     t = torch.arange(T)
     allowed = (t[None, None, :] <= t[None, :, None]) & (t[None, None, :] < lengths[:, None, None])
@@ -326,8 +325,6 @@ def make_dsa_variant(src: str | Path, dst: str | Path, *, index_n_heads: int = 4
     import shutil
 
     from safetensors.torch import load_file, save_file
-
-    from mla_conformance.model import reference as ref
 
     src, dst = Path(src), Path(dst)
     cfg_json = json.loads((src / "config.json").read_text(encoding="utf-8"))
