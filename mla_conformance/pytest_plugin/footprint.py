@@ -14,6 +14,7 @@ Another project's run is left alone.
 from __future__ import annotations
 
 from mla_conformance.pytest_plugin import selection
+from mla_conformance.resources import source_checkout
 
 #: the destinations of cacheprovider's and stepwise's options: a run giving one wants the cache
 CACHE_OPTIONS = ("lf", "failedfirst", "newfirst", "stepwise", "stepwise_skip", "cacheshow", "cacheclear")
@@ -23,8 +24,6 @@ _BENCHMARK_PREFIX = "mla-conformance-benchmarks-"
 
 def _in_checkout(rootpath) -> bool:
     """pytest's rootdir is this package's source checkout (whose pyproject.toml configures the run)."""
-    from mla_conformance.resources import source_checkout
-
     root = source_checkout()
     return root is not None and root.resolve() == rootpath.resolve()
 

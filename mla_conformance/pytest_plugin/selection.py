@@ -15,6 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from mla_conformance.arch import kernel_skip_reason
+from mla_conformance.contract.layer import DEFAULT_BACKENDS
+from mla_conformance.contract.op import DEFAULT_OPS, declarations
+from mla_conformance.errors import MLAInputError
+from mla_conformance.model.checkpoint import validate_checkpoint
+from mla_conformance.resources import check_goldens_writable, suites_dir
+
 #: the plugin's fixtures: a test requesting any of them is a test of this suite
 FIXTURES = ("mla_backend", "mla_op", "mla_figures", "mla_device", "mla_checkpoint")
 #: the options that make a run one of this suite's, whatever its paths
@@ -35,9 +42,6 @@ def options_given(config) -> bool:
 
 
 def suite_dirs() -> list[Path]:
-    from mla_conformance.errors import MLAInputError
-    from mla_conformance.resources import suites_dir
-
     try:
         return [suites_dir().resolve()]
     except MLAInputError:
@@ -94,8 +98,6 @@ def _resolved(config, key, option: str, kind: str, defaults, resolve) -> list:
     objs = config.stash.get(key, None)
     if objs is not None:
         return objs
-    from mla_conformance.errors import MLAInputError
-
     objs = []
     try:
         for spec in config.getoption(option) or list(defaults):
@@ -113,24 +115,20 @@ def _resolved(config, key, option: str, kind: str, defaults, resolve) -> list:
 def backends(config) -> list:
     """The backends under test (--mla-backend, else DEFAULT_BACKENDS), resolved once per session (and only
     when something needs them)."""
-    from mla_conformance.contract.layer import DEFAULT_BACKENDS
-    from mla_conformance.specs import get_backend
+    from mla_conformance.specs import get_backend  # imports torch: the plugin loads in every pytest run
 
     return _resolved(config, _BACKENDS_KEY, "--mla-backend", "backend", DEFAULT_BACKENDS, get_backend)
 
 
 def ops(config) -> list:
     """The ops under test (--mla-op, else DEFAULT_OPS), resolved once per session."""
-    from mla_conformance.contract.op import DEFAULT_OPS
-    from mla_conformance.specs import get_op
+    from mla_conformance.specs import get_op  # imports torch: the plugin loads in every pytest run
 
     return _resolved(config, _OPS_KEY, "--mla-op", "op", DEFAULT_OPS, get_op)
 
 
 def op_declarations(op) -> dict:
     """The op's declarations, JSON-able (tuples as lists)."""
-    from mla_conformance.contract.op import declarations
-
     return {k: list(v) if isinstance(v, tuple) else v for k, v in declarations(op).items()}
 
 
@@ -205,9 +203,6 @@ def check_options(config) -> None:
         raise pytest.UsageError(f"--mla-threads {threads}: expected an integer >= 1")
     ckpt = config.getoption("--mla-checkpoint")
     if ckpt:
-        from mla_conformance.errors import MLAInputError
-        from mla_conformance.model.checkpoint import validate_checkpoint
-
         try:
             validate_checkpoint(ckpt)
         except MLAInputError as exc:
@@ -294,9 +289,6 @@ def select(config, items: list) -> None:
             suite = [item for item in suite if id(item) not in gone]
             state["kind_deselected"] = (kind, len(out))
     if getattr(config.option, "update_snapshots", False):  # syrupy's --snapshot-update: goldens of a checkout only
-        from mla_conformance.errors import MLAInputError
-        from mla_conformance.resources import check_goldens_writable
-
         try:
             check_goldens_writable()
         except MLAInputError as exc:
@@ -314,8 +306,6 @@ def gate(item) -> None:
     none was given for (``needs_checkpoint``), with the sentence saying why."""
     marker = item.get_closest_marker("requires_kernel")
     if marker is not None:
-        from mla_conformance.arch import kernel_skip_reason
-
         kernel = marker.args[0] if marker.args else marker.kwargs["kernel_id"]
         reason = kernel_skip_reason(kernel, device_of(item.config))
         if reason:

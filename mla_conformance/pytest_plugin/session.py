@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.pytest_plugin import isolation, selection
+from mla_conformance.errors import BackendError
+from mla_conformance.report.schema import Figures
 
 _KEY = pytest.StashKey["ResultsSession"]()
 _FIGURES_KEY = pytest.StashKey[dict]()
@@ -32,16 +34,12 @@ PARAM_NAMES = {"mla_backend": "backend", "mla_op": "op"}
 def is_failure(excinfo) -> bool:
     """A check's verdict (AssertionError: the backend ran and is wrong) -- as opposed to an error (the
     backend raised or broke the contract's types: mla_conformance.errors.BackendError, or anything else)."""
-    from mla_conformance.errors import BackendError
-
     return excinfo is not None and isinstance(excinfo.value, AssertionError) and not isinstance(excinfo.value, BackendError)
 
 
 def new_figures(item):
     """The ``mla_figures`` of a test: a :class:`mla_conformance.report.schema.Figures` (it refuses a key the
     schema does not declare), kept with the test; :func:`sync_figures` copies it into the reports."""
-    from mla_conformance.report.schema import Figures
-
     figures = item.stash[_FIGURES_KEY] = Figures()
     return figures
 

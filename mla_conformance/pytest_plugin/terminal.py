@@ -13,6 +13,7 @@ import os
 import platform
 
 from mla_conformance.pytest_plugin import selection
+from mla_conformance import __version__
 
 #: how to run the decode benchmarks the default run deselects
 BENCHMARK_HINT = "pytest -m benchmark --benchmark-only -p no:xdist"
@@ -24,8 +25,6 @@ REASON_CHARS = 200
 
 def header_lines(config) -> list[str]:
     import torch
-
-    from mla_conformance import __version__
 
     kind = selection.deselected_kind(config)
     parts = []
