@@ -16,6 +16,8 @@ import torch
 from mla_conformance.kv.codecs import (CODECS, QUANT_STUDY_EXPANDED_BYTES, QUANT_STUDY_LAYERS, QUANT_STUDY_SCHEMES, _elem,
                                     get_codec)
 from mla_conformance.model.config import MLAConfig
+from mla_conformance.kv import cache_write, model1
+from mla_conformance.kv.caches import QuantizedLatentCache
 
 # --------------------------------------------------------------------------- measured bytes
 
@@ -23,8 +25,6 @@ from mla_conformance.model.config import MLAConfig
 def measure_bytes(codec_name: str, config: MLAConfig, dtype: torch.dtype, *, batch: int = 2, tokens: int = 5,
                   device="cpu", seed: int = 0) -> dict[str, int]:
     """Write ``tokens`` random latents per row into reference-absorbed's cache; bytes per token per layer."""
-    from mla_conformance.kv.caches import QuantizedLatentCache
-
     cache = QuantizedLatentCache(config, batch_size=batch, capacity=tokens + 3, dtype=dtype, device=device,
                                  kv_codec=codec_name)
     gen = torch.Generator().manual_seed(seed)
@@ -69,8 +69,6 @@ def kernel_layouts() -> list[dict[str, Any]]:
     """The FP8 layouts the op contract's ``write`` and ``decode`` take, at their own dims, whatever the preset:
     FlashMLA's 656-byte V3.2 row (the ``fp8-e4m3-flashmla`` codec) and its 584-byte MODEL1 layout; per token the
     layout's bytes and those a write sets (mla_conformance.kv.cache_write's spans), per page block its size."""
-    from mla_conformance.kv import cache_write, model1
-
     v32 = get_codec("fp8-e4m3-flashmla")
     v32_row = {"name": v32.name, "description": v32.description, "dims": "d_qk 576 = 512 + 64",
                **v32.bytes_per_token(MLAConfig.preset("deepseek-v3"), torch.bfloat16),

@@ -25,7 +25,14 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable
 
-from mla_conformance.resources import source_checkout
+from mla_conformance.resources import source_checkout, suites_dir
+from mla_conformance import checks
+from mla_conformance import pytest_plugin as plugin
+from mla_conformance.arch import MATRIX
+from mla_conformance.checks import TOLERANCES
+from mla_conformance.contract import op
+from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS
+from mla_conformance.model.config import PRESETS, MLAConfig
 
 #: The source checkout; None for an installed wheel (markers.md and docs/ are not shipped: pass a path)
 CHECKOUT = source_checkout()
@@ -104,8 +111,6 @@ class _OptionRecorder:
 
 
 def options_table() -> str:
-    from mla_conformance import pytest_plugin as plugin
-
     rec = _OptionRecorder()
     plugin.pytest_addoption(rec)
     rows = []
@@ -118,15 +123,11 @@ def options_table() -> str:
 
 
 def tolerances_table() -> str:
-    from mla_conformance.checks import TOLERANCES
-
     rows = [(dtype, num(t.rel_fro), num(t.max_rel), t.reason) for dtype, t in TOLERANCES.items()]
     return _table(("dtype", "rel_fro", "max_rel", "reason"), ("l", "r", "r", "l"), rows)
 
 
 def op_tolerances_table() -> str:
-    from mla_conformance import checks
-
     table = getattr(checks, "OP_TOLERANCES", None)
     if table is None:
         return "*(no `OP_TOLERANCES` table in `mla_conformance/checks.py` yet)*\n"
@@ -156,8 +157,6 @@ def _sections_of(path: Path) -> list[tuple[str, str]]:
 
 
 def op_sections_table() -> str:
-    from mla_conformance.resources import suites_dir
-
     sections: dict[str, list[str]] = {}
     for path in sorted(suites_dir().glob("test_op_*.py")):
         for section, test in _sections_of(path):
@@ -171,8 +170,6 @@ def op_sections_table() -> str:
 def codecs_table() -> str:
     import torch
 
-    from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS
-    from mla_conformance.model.config import MLAConfig
 
     config = MLAConfig.preset(CODEC_PRESET)
     dtype = getattr(torch, CODEC_DTYPE)
@@ -200,8 +197,6 @@ def _min_cuda(targets) -> str:
 
 
 def support_matrix_table() -> str:
-    from mla_conformance.arch import MATRIX
-
     rows = []
     for row in MATRIX:
         runs_on = ", ".join(f"{t.name} ({', '.join(f'{c[0]}.{c[1]}' for c in t.capabilities)})"
@@ -216,8 +211,6 @@ def support_matrix_table() -> str:
 
 def op_methods_table() -> str:
     """The op contract's methods: signature and declarations with their defaults (contract/op.py)."""
-    from mla_conformance.contract import op
-
     def value(v: Any) -> str:
         return repr(v).replace("'", '"')
 
@@ -229,8 +222,6 @@ def op_methods_table() -> str:
 
 def presets_table() -> str:
     """Every MLAConfig preset's dimensions, read from the configs."""
-    from mla_conformance.model.config import PRESETS, MLAConfig
-
     rows = []
     for name in PRESETS:
         c = MLAConfig.preset(name)
