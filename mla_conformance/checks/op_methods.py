@@ -28,6 +28,7 @@ from mla_conformance.checks import op as oc
 from mla_conformance.contract.op import SIGNATURES, declared, has_method
 from mla_conformance.errors import BackendError, BackendOutputError
 from mla_conformance.model.attention_oracles import to_natural
+from mla_conformance.dtypes import dtype_name
 
 #: The suite files of the optional methods (the decode op meta test, tests/meta/test_op_meta.py, covers the
 #: others; tests/meta/test_op_methods_meta.py covers these).
@@ -179,7 +180,7 @@ def tensor_out(op, case, check: str, method: str, what: str, value, shape: tuple
     w = where(op, case, check)
     if not isinstance(value, torch.Tensor):
         raise BackendOutputError(f"{w}: {method}() returned {type(value).__name__} as {what}, not a Tensor")
-    want = str(dtype).removeprefix("torch.") if dtype is not None else "floating"
+    want = dtype_name(dtype) if dtype is not None else "floating"
     if tuple(value.shape) != tuple(shape) or not value.is_floating_point() or (dtype is not None and value.dtype != dtype):
         extra = ""
         if dtype == torch.float32 and value.is_floating_point() and value.dtype != dtype:

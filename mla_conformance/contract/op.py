@@ -176,6 +176,7 @@ import dataclasses
 from typing import Any
 
 from mla_conformance.errors import BackendSpecError
+from mla_conformance.dtypes import dtype_name
 
 #: Built-in ops: name -> "module:attr".
 BUILTIN_OPS: dict[str, str] = {
@@ -311,7 +312,7 @@ class OpCase:
         return self.topk is not None
 
     def describe(self) -> str:
-        dt = str(self.dtype).removeprefix("torch.")
+        dt = dtype_name(self.dtype)
         parts = [f"B={self.batch}", f"s_q={self.s_q}", f"h_q={self.h_q}", f"page={self.page_block_size}", dt,
                  self.kv_format, "causal" if self.causal else "non-causal"]
         if self.topk is not None:
@@ -358,7 +359,7 @@ class MethodCase:
     device: str = "cpu"
 
     def describe(self) -> str:
-        dt = str(self.dtype).removeprefix("torch.")
+        dt = dtype_name(self.dtype)
         parts = [self.method]
         if self.method == "prefill":
             parts += [f"B={self.batch}", f"total_q={self.tokens}", f"h_q={self.h_q}", f"h_k={self.h_k}",

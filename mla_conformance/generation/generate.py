@@ -33,6 +33,7 @@ from mla_conformance.resources import fixtures_dir, prompts_file, tiny_model_dir
 from mla_conformance.model.config import expected_shapes
 from mla_conformance.model.weights import MLAWeights
 from mla_conformance.specs import get_backend
+from mla_conformance.dtypes import dtype_name
 
 #: the embedded tiny model and its prompts (package data; the checkout's fixtures/ in an editable install)
 DEFAULT_MODEL = tiny_model_dir()
@@ -214,7 +215,7 @@ def run_generation(model_dir, backend, *, kv_codec="none", prompt_sets=None, max
         if tok is not None:
             item["text"] = tok.decode(toks)
         outputs.append(item)
-    return {"model": str(model_dir), "backend": backend.name, "kv_codec": kv_codec, "dtype": str(dtype).removeprefix("torch."),
+    return {"model": str(model_dir), "backend": backend.name, "kv_codec": kv_codec, "dtype": dtype_name(dtype),
             "device": device, "accuracy": accuracy(gen.tokens, [ep["expected"]["token_ids"] for ep in eps]),
             "cache_active_nbytes": gen.cache_active_nbytes, "cache_allocated_nbytes": gen.cache_allocated_nbytes,
             "outputs": outputs}
@@ -231,7 +232,7 @@ def _tokenizer(model_dir):
 
 def numerics_class(device: str, dtype: torch.dtype) -> str:
     """e.g. cpu-float32, cuda-sm90-bfloat16: goldens of one class are never compared with another's."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     if device.startswith("cuda"):
         cap = torch.cuda.get_device_capability(torch.device(device).index or 0)
         return f"cuda-sm{cap[0]}{cap[1]}-{name}"

@@ -18,6 +18,7 @@ from mla_conformance.kv.codecs import (CODECS, QUANT_STUDY_EXPANDED_BYTES, QUANT
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.kv import cache_write, model1
 from mla_conformance.kv.caches import QuantizedLatentCache
+from mla_conformance.dtypes import dtype_name
 
 # --------------------------------------------------------------------------- measured bytes
 
@@ -104,7 +105,7 @@ def codec_table(preset: str, dtype: torch.dtype, device="cpu") -> dict[str, Any]
                    model_bytes_per_token=total * config.num_hidden_layers,
                    ratio_vs_latent=round(latent / total, 4), ratio_vs_expanded=round(expanded / total, 4))
         rows.append(row)
-    out = {"preset": preset, "dtype": str(dtype).removeprefix("torch."), "layers": config.num_hidden_layers,
+    out = {"preset": preset, "dtype": dtype_name(dtype), "layers": config.num_hidden_layers,
            "latent_bytes_per_token_layer": latent, "expanded_bytes_per_token_layer": expanded, "codecs": rows,
            "kernel_layouts": kernel_layouts()}
     if preset == "deepseek-v2-lite":
