@@ -1,7 +1,9 @@
 """``mla-conformance bench`` times no wrong kernel: a broken backend, a broken op behind the layer contract (its
 layer output wrong) and a broken op whose layer output is right but whose lse is wrong (caught by the op-level
 check) each get "not timed: wrong output (...)" and no figure, the command exits 1, and the correct backend next
-to them is timed."""
+to them is timed. At a long row (1016 cached tokens), where the gate's bound carries the score-rounding term
+(mla_conformance.perf.score_rounding), the references that TOLERANCES' bf16 bound alone would refuse are timed and a
+backend wrong by a few times that bound (tests/meta/broken_bench_backends.py) is not."""
 
 import contextlib
 import io
@@ -9,6 +11,7 @@ import json
 
 import pytest
 
+from mla_conformance.checks.tolerances import TOLERANCES
 from mla_conformance.cli import main
 from mla_conformance.perf import timing
 from mla_conformance.perf.table import format_table
@@ -18,14 +21,12 @@ BROKEN = {"tests/meta/broken_backends.py:WrongSoftmaxScale": ("broken-softmax-sc
           "op:tests/meta/broken_ops.py:Base2DeclaredE": ("op:broken-lse-base2-as-e", "OP_TOLERANCES")}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One ``bench`` run (v3-mini, 70 cached tokens: a 64-token page and its tail) of the three broken kernels and
-    reference-absorbed; the copy bandwidth read from 8 MiB instead of 256 (a figure no test here reads)."""
+def bench(tmp_path_factory, specs, *extra):
+    """One ``bench`` run on v3-mini of ``specs`` (rc, the JSON printed, stderr, the JSON written); the copy bandwidth
+    read from 8 MiB instead of 256 (a figure no test here reads)."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    argv = ["bench", "--preset", "v3-mini", "--context", "70", "--rounds", "1", "--warmup", "0", "--json",
-            "--out", str(out)]
-    for spec in [*BROKEN, "reference-absorbed"]:
+    argv = ["bench", "--preset", "v3-mini", *extra, "--rounds", "1", "--warmup", "0", "--json", "--out", str(out)]
+    for spec in specs:
         argv += ["--backend", spec]
     stdout, stderr = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
@@ -33,6 +34,23 @@ def run(tmp_path_factory):
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             rc = main(argv)
     return rc, json.loads(stdout.getvalue()), stderr.getvalue(), json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The three broken kernels and reference-absorbed at 70 cached tokens (a 64-token page and its tail)."""
+    return bench(tmp_path_factory, [*BROKEN, "reference-absorbed"], "--context", "70")
+
+
+LONG_BROKEN = "tests/meta/broken_bench_backends.py:MscaleOnce"
+CORRECT = ("reference-naive",)  # reference-absorbed at this row: tests/test_bench_gate.py
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    """broken-mscale-once and reference-naive at 1016 cached tokens, 2 rows (row 1: TOLERANCES' bf16 rel_fro is
+    exceeded by the references' score rounding alone, tests/test_bench_gate.py)."""
+    return bench(tmp_path_factory, [LONG_BROKEN, *CORRECT], "--context", "1016", "--batch", "2")
 
 
 def test_exit_status_says_something_was_not_timed(run):
@@ -59,5 +77,28 @@ def test_the_correct_backend_is_timed(run):
     row = next(r for r in report["results"] if r["backend"] == "reference-absorbed")
     assert row["gb_per_s"] > 0 and "not_timed" not in row
     c = row["correctness"]
-    assert c["outcome"] == "pass" and c["measured"]["rel_fro"] <= c["bound"]["rel_fro"]
+    assert c["outcome"] == "pass" and all(m["rel_fro"] <= b["rel_fro"] and m["max_rel"] <= b["max_rel"]
+                                          for m, b in zip(c["measured"]["rows"], c["bound"]["rows"]))
     assert c["checked"]["kv_codec"] == "none" and c["checked"]["batch"] == 1
+
+
+@pytest.mark.parametrize("name", CORRECT)
+def test_correct_references_at_a_long_row_are_timed(long_run, name):
+    """Over TOLERANCES' bf16 rel_fro on a row, within the suite's bound plus the row's score-rounding term."""
+    _, report, _, _ = long_run
+    row = next(r for r in report["results"] if r["backend"] == name)
+    assert row["gb_per_s"] > 0 and "not_timed" not in row, row.get("not_timed")
+    measured, bounds = row["correctness"]["measured"]["rows"], row["correctness"]["bound"]["rows"]
+    assert max(m["rel_fro"] for m in measured) > TOLERANCES["bfloat16"].rel_fro, measured
+    assert all(m["rel_fro"] <= b["rel_fro"] for m, b in zip(measured, bounds)), (measured, bounds)
+
+
+def test_a_kernel_wrong_by_a_few_times_the_long_row_bound_is_not_timed(long_run):
+    """broken-mscale-once: every row over its bound (suite + score rounding) by at least 1.5x, refused, exit
+    status 1."""
+    rc, report, err, _ = long_run
+    row = next(r for r in report["results"] if r["backend"] == "broken-mscale-once")
+    assert rc == 1 and row["gb_per_s"] is None and "score rounding" in row["not_timed"], row.get("not_timed")
+    measured, bounds = row["correctness"]["measured"]["rows"], row["correctness"]["bound"]["rows"]
+    assert all(m["rel_fro"] >= 1.5 * b["rel_fro"] for m, b in zip(measured, bounds)), (measured, bounds)
+    assert f"broken-mscale-once context 1016: {row['not_timed']}" in err
