@@ -15,7 +15,6 @@ from mla_conformance.contract.op import BUILTIN_OPS, DECLARATIONS as OP_DECLARAT
 from mla_conformance.contract.op import METHODS as OP_METHODS, REQUIRED_METHODS as OP_REQUIRED
 from mla_conformance.contract.op import declared as op_declared, methods_of
 from mla_conformance.errors import BackendSpecError
-from mla_conformance.impl.ops.layer import OpBackend
 
 #: ``op:SPEC``: an op (mla_conformance.contract.op) behind the layer contract
 OP_PREFIX = "op:"
@@ -27,6 +26,8 @@ def _op_backend(spec: str):
     if not op_spec:
         raise BackendSpecError(f"backend spec {spec!r}: 'op:' needs an op spec after it: a built-in op "
                                f"({', '.join(BUILTIN_OPS)}), package.module:attr or path/to/file.py:attr")
+    from mla_conformance.impl.ops.layer import OpBackend  # imports torch: naming a spec (spec_name) must not
+
     try:
         op = get_op(op_spec)
         return OpBackend(op)
@@ -136,3 +137,16 @@ def get_op(spec: str):
     for key in OP_DECLARATIONS:
         op_declared(obj, key)  # a bad declaration is a bad spec, said now
     return obj
+
+
+def spec_name(spec: str, kind: str) -> str:
+    """The name the backend (``kind`` "backend") or op of ``spec`` reports, resolving the spec only when it is not
+    a built-in: a built-in's name is its key (tests/meta/test_backend_spec.py holds this), so checking and naming
+    built-ins imports no torch (``mla-conformance run`` and ``test`` check every spec in their own process before
+    pytest starts). A bad spec is a BackendSpecError naming it, as from get_backend / get_op."""
+    s = spec.strip() if isinstance(spec, str) else spec
+    if kind == "op":
+        return s if s in BUILTIN_OPS else get_op(s).name
+    if isinstance(s, str) and s.startswith(OP_PREFIX) and s[len(OP_PREFIX):].strip() in BUILTIN_OPS:
+        return OP_PREFIX + s[len(OP_PREFIX):].strip()
+    return s if s in BUILTINS else get_backend(s).name

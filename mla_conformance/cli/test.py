@@ -23,7 +23,7 @@ from typing import Any
 
 from mla_conformance.report.suites import find_suites
 from mla_conformance.resources import pytest_location_args
-from mla_conformance.specs import OP_PREFIX, get_backend
+from mla_conformance.specs import OP_PREFIX, spec_name
 
 #: pytest options whose value is a path (made absolute, whether or not it exists yet).
 PATH_OPTIONS = frozenset({"--junitxml", "--junit-xml", "--mla-expect", "--mla-results", "--mla-checkpoint",
@@ -131,7 +131,7 @@ def pytest_command(args: Any, suites: Path, tmpdir: str | Path, here: Path) -> t
 
 def run_tests(args) -> int:
     for spec in args.backend or []:
-        get_backend(spec)  # fail fast, naming the spec as typed
+        spec_name(spec, "backend")  # fail fast, naming the spec as typed
     suites = find_suites()
     with tempfile.TemporaryDirectory(prefix="mla-conformance-test-") as tmpdir:
         cmd, cwd, env = pytest_command(args, suites, tmpdir, Path.cwd())

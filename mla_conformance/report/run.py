@@ -41,7 +41,7 @@ from mla_conformance.report.outdir import check_out_dir, write_file_atomically, 
 from mla_conformance.report.plots import safe_plots
 from mla_conformance.report.suites import find_suites
 from mla_conformance.resources import pytest_location_args
-from mla_conformance.specs import get_backend, get_op
+from mla_conformance.specs import spec_name
 
 
 def default_name() -> str:
@@ -77,10 +77,10 @@ def run_command(args) -> int:
     name = _check_name(args.name or default_name())
     device = check_device(args.device) if args.device else None
     for spec in args.backend or []:
-        get_backend(spec)  # fail fast, naming the spec, before anything is written
+        spec_name(spec, "backend")  # fail fast, naming the spec, before anything is written
     for spec in args.op or []:
         try:
-            get_op(spec)
+            spec_name(spec, "op")
         except MLAInputError as exc:
             raise MLAInputError(f"--op: {exc}") from None
     if args.checkpoint:
@@ -153,7 +153,7 @@ def run_command(args) -> int:
     if not_selected:
         print(f"mla-conformance run: not selected (no test of theirs matched the pytest arguments; not a failure): "
               f"{', '.join(not_selected)}")
-    named = {f"op {o.name}" for o in _named(args.op, "op")} | {b.name for b in _named(args.backend, "backend")}
+    named = {f"op {n}" for n in _named(args.op, "op")} | set(_named(args.backend, "backend"))
     narrowed = narrows_selection(user_args)
     not_tested = [who for who, v, _ in judged if v["verdict"] == "NOT TESTED"]
     failing = [who for who in not_tested if who in named or not narrowed]
@@ -168,11 +168,9 @@ def run_command(args) -> int:
     return returncode
 
 
-def _named(specs, kind: str) -> list:
-    """The backends (kind "backend") or ops the user named, resolved (they resolved before the run)."""
-    if not specs:
-        return []
-    return [get_op(s) for s in specs] if kind == "op" else [get_backend(s) for s in specs]
+def _named(specs, kind: str) -> list[str]:
+    """The names of the backends (kind "backend") or ops the user named (their specs resolved before the run)."""
+    return [spec_name(s, kind) for s in specs or []]
 
 
 def narrows_selection(pytest_args: list[str]) -> bool:

@@ -62,3 +62,17 @@ def test_module_spec_resolves_from_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert get_backend("mypkg_from_cwd.mla:MyBackend").name == "my-mla"
+
+
+def test_a_builtin_is_named_by_its_key_so_naming_it_imports_nothing():
+    """specs.spec_name names a built-in by its key without resolving it (run and test check every spec in their
+    own process, which then imports no torch for built-ins): that is only right while each built-in reports its
+    key as its name."""
+    from mla_conformance.contract.op import BUILTIN_OPS
+    from mla_conformance.specs import get_op, spec_name
+
+    for key in BUILTINS:
+        assert get_backend(key).name == key == spec_name(key, "backend")
+    for key in BUILTIN_OPS:
+        assert get_op(key).name == key == spec_name(key, "op")
+        assert spec_name(f"op:{key}", "backend") == get_backend(f"op:{key}").name
