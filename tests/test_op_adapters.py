@@ -22,9 +22,10 @@ from mla_conformance import arch
 from mla_conformance.arch import DeviceInfo, PackageInfo
 from mla_conformance.contract.op import OpCase, declarations
 from mla_conformance.specs import get_op
-from mla_conformance.impl.ops.flashinfer import FlashInferOp
+from mla_conformance.impl.ops.flashinfer import FlashInferFA2Op, FlashInferOp
 from mla_conformance.impl.ops.flashmla import FlashMLAOp, FlashMLASparseOp
 from mla_conformance.impl.ops.reference import ReferenceOp, encode_fp8_656, lse_to_natural
+from mla_conformance.model import attention_oracles as ao
 
 BF16 = torch.bfloat16
 INT_MAX = 2**31 - 1
@@ -163,8 +164,28 @@ def fake_flash_mla(interface: str = "current", calls: list | None = None):
                               indices=indices, topk_length=topk_length, attn_sink=attn_sink)
         return out.to(BF16), lse
 
+    def sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        """flash_mla_sparse_fwd's checks (csrc/api/sparse_fwd.h), ReferenceOp's arithmetic (batched: the kernel runs
+        64 or 128 heads, too many for the float64 oracle's loops in a default run)."""
+        s_q, h_q, d_qk = q.shape
+        s_kv, h_kv, _ = kv.shape
+        assert q.dtype == kv.dtype == BF16 and d_qk in (576, 512) and d_v == 512, "sparse_fwd: bf16, d_qk 576/512"
+        assert h_q in (64, 128), f"Unsupported h_q: {h_q}"
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, h_kv) and indices.stride(-1) == 1
+        assert q.stride(-1) == kv.stride(-1) == 1, "KU_CHECK_LAST_DIM_CONTIGUOUS"
+        assert indices.shape[-1] % 128 == 0, "FlashMLA's tests run top-k multiples of 128"
+        odd = (indices < 0) & (indices != -1)
+        assert not bool(odd.any()), "invalid indices should be set to -1 or numbers >= s_kv"
+        assert topk_length is None or (topk_length.dtype == torch.int32 and topk_length.shape == (s_q,))
+        assert attn_sink is None or (attn_sink.dtype == torch.float32 and attn_sink.shape == (h_q,))
+        calls.append(("sparse_fwd", s_q, h_q, indices.shape[-1]))
+        out, max_logits, lse = ref.sparse_prefill(q, kv, indices, softmax_scale=sm_scale, d_v=d_v,
+                                                  topk_length=topk_length, attn_sink=attn_sink)
+        return out.to(BF16), max_logits, lse
+
     if interface == "current":
-        return types.SimpleNamespace(get_mla_metadata=get_current, flash_mla_with_kvcache=kernel, calls=calls)
+        return types.SimpleNamespace(get_mla_metadata=get_current, flash_mla_with_kvcache=kernel, calls=calls,
+                                     flash_mla_sparse_fwd=sparse_fwd)
 
     def kernel_sep2025(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                        softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
@@ -172,14 +193,20 @@ def fake_flash_mla(interface: str = "current", calls: list | None = None):
         return kernel(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                       softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache, indices=indices)
 
-    return types.SimpleNamespace(get_mla_metadata=get_sep2025, flash_mla_with_kvcache=kernel_sep2025, calls=calls)
+    def sparse_fwd_sep2025(q, kv, indices, sm_scale, d_v=512):
+        return sparse_fwd(q, kv, indices, sm_scale, d_v)
+
+    return types.SimpleNamespace(get_mla_metadata=get_sep2025, flash_mla_with_kvcache=kernel_sep2025, calls=calls,
+                                 flash_mla_sparse_fwd=sparse_fwd_sep2025)
 
 
-def fake_flashinfer(calls: list | None = None):
+def fake_flashinfer(calls: list | None = None, methods: bool = True):
     """STAND-IN for ``flashinfer`` (``flashinfer.mla.BatchMLAPagedAttentionWrapper``): plan / run with FlashInfer's
     layout (q_nope / q_pe, ckv [pages, page, 512] / kpe [pages, page, 64] read through strides, CSR page
     lists), its causal rule (drop kv_idx + qo_len > kv_len + q_idx), lse in base 2, -inf for a query with no
-    keys; float32 math written here, from FlashInfer's tests/attention/test_deepseek_mla.py reference."""
+    keys; float32 math written here, from FlashInfer's tests/attention/test_deepseek_mla.py reference.
+    ``methods``: also ``BatchPrefillWithRaggedKVCacheWrapper``, ``merge_state`` and ``append_paged_mla_kv_cache``
+    (:func:`_fake_flashinfer_methods`); False: a release without them."""
     calls = [] if calls is None else calls
 
     class BatchMLAPagedAttentionWrapper:
@@ -233,7 +260,121 @@ def fake_flashinfer(calls: list | None = None):
                 l2[q0:q1][bad] = float("nan")
             return (o, l2) if return_lse else o
 
+    extra = _fake_flashinfer_methods(calls) if methods else {}
     return types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper),
+                                 calls=calls, **extra)
+
+
+def _fake_flashinfer_methods(calls: list) -> dict:
+    """STAND-INS for FlashInfer's ragged prefill, merge_state and append_paged_mla_kv_cache: their signatures and
+    documented checks (flashinfer/prefill.py, csrc/cascade.cu, csrc/page.cu), ReferenceOp's arithmetic (the
+    float64 oracles' row loops are too slow for the layer runs these stand-ins also serve) turned into
+    FlashInfer's conventions: lse in base 2, -inf for a
+    query with no keys, NaN for causal queries before the first key (not supported in FlashInfer's tests); the
+    append is the kernel's indexing (page iter kv_indptr[batch] * page + position) written here."""
+
+    class BatchPrefillWithRaggedKVCacheWrapper:
+        def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, backend="auto"):
+            assert kv_layout == "NHD" and backend in ("auto", "fa2", "fa3")
+            self.backend = backend
+
+        def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
+                 custom_mask=None, packed_custom_mask=None, causal=False, sm_scale=None, q_data_type="float16",
+                 kv_data_type=None, **kwargs):
+            assert qo_indptr.dtype == kv_indptr.dtype == torch.int32 and num_qo_heads % num_kv_heads == 0
+            self.p = dict(qo=qo_indptr, kv=kv_indptr, hq=num_qo_heads, hk=num_kv_heads, dqk=head_dim_qk,
+                          dvo=head_dim_vo or head_dim_qk, causal=causal, scale=sm_scale, dtype=q_data_type,
+                          kv_dtype=kv_data_type or q_data_type)
+            calls.append(("prefill plan", self.backend, int(qo_indptr.numel() - 1), bool(causal)))
+
+        def run(self, q, k, v, *args, out=None, lse=None, return_lse=False, **kwargs):
+            p = self.p
+            assert q.dtype == p["dtype"] in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == p["kv_dtype"]
+            assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "last dims contiguous"
+            assert q.shape[1:] == (p["hq"], p["dqk"]) and k.shape[1:] == (p["hk"], p["dqk"])
+            assert v.shape[1:] == (p["hk"], p["dvo"]) and q.shape[0] == int(p["qo"][-1])
+            o, l = ReferenceOp().prefill(q, k, v, p["qo"], p["kv"], softmax_scale=p["scale"], causal=p["causal"])
+            l2 = torch.where(torch.isinf(l), -math.inf, l / math.log(2.0)).float()
+            if p["causal"]:
+                for b in range(p["qo"].numel() - 1):
+                    m, n = int(p["qo"][b + 1] - p["qo"][b]), int(p["kv"][b + 1] - p["kv"][b])
+                    for i in range(max(0, m - n)):               # qo_len > kv_len: unsupported upstream
+                        o[int(p["qo"][b]) + i] = float("nan")
+                        l2[int(p["qo"][b]) + i] = float("nan")
+            return (o.to(q.dtype), l2) if return_lse else o.to(q.dtype)
+
+    def merge_state(v_a, s_a, v_b, s_b):
+        assert v_a.is_contiguous() and v_b.is_contiguous() and s_a.is_contiguous() and s_b.is_contiguous(), \
+            "CHECK_INPUT: contiguous"
+        assert v_a.dtype == v_b.dtype and v_a.dtype in (torch.float16, torch.bfloat16)
+        assert v_a.shape == v_b.shape and v_a.shape[2] in (64, 128, 256, 512), f"Unsupported head_dim: {v_a.shape[2]}"
+        assert s_a.dtype == s_b.dtype == torch.float32 and s_a.shape == s_b.shape == v_a.shape[:2]
+        assert not bool(torch.isposinf(s_a).any() or torch.isposinf(s_b).any()), \
+            "an s of +inf is a value to MergeStateKernel (its empty state is -inf)"
+        calls.append(("merge_state", tuple(v_a.shape)))
+        o, l = ReferenceOp().merge(v_a, s_a * math.log(2.0), v_b, s_b * math.log(2.0))    # natural inside
+        l2 = torch.where(torch.isinf(l), -math.inf, l / math.log(2.0))
+        return o.to(v_a.dtype), l2.float()
+
+    def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache,
+                                  kv_indices, kv_indptr, kv_last_page_len):
+        assert append_ckv.stride(-1) == append_kpe.stride(-1) == 1 and ckv_cache.stride(-1) == kpe_cache.stride(-1) == 1
+        assert append_ckv.shape[1] == ckv_cache.shape[2] == 512 and append_kpe.shape[1] == kpe_cache.shape[2] == 64
+        assert ckv_cache.dim() == kpe_cache.dim() == 3 and append_ckv.dtype == ckv_cache.dtype
+        n = append_ckv.shape[0]
+        assert batch_indices.shape == positions.shape == (n,) and kv_indptr.shape == (kv_last_page_len.numel() + 1,)
+        page = ckv_cache.shape[1]
+        calls.append(("append", n))
+        for i in range(n):
+            page_iter, entry = divmod(int(kv_indptr[int(batch_indices[i])]) * page + int(positions[i]), page)
+            block = int(kv_indices[page_iter])
+            ckv_cache[block, entry] = append_ckv[i]
+            kpe_cache[block, entry] = append_kpe[i]
+
+    return {"BatchPrefillWithRaggedKVCacheWrapper": BatchPrefillWithRaggedKVCacheWrapper, "merge_state": merge_state,
+            "append_paged_mla_kv_cache": append_paged_mla_kv_cache}
+
+
+def fake_vllm(calls: list | None = None):
+    """STAND-IN for vLLM's ``merge_attn_states`` (vllm/v1/attention/ops/merge_attn_states.py) and
+    ``concat_and_cache_mla`` (vllm/_custom_ops.py): their signatures and documented checks; the merge is the
+    float64 oracle's (either infinity an empty side, lse [h, T] natural, written into output / output_lse); the
+    writer copies [kv_c | k_pe] ("auto") or encodes the 656-byte row as the read revision of
+    concat_and_cache_ds_mla_kernel does (tile scale max(amax / 448, FLT_MIN), no 1e-4 floor), skipping slot < 0."""
+    calls = [] if calls is None else calls
+
+    def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
+                          prefill_tokens_with_context=None, output_scale=None):
+        assert prefix_output.stride(1) == suffix_output.stride(1), "matching head strides"
+        assert output.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        T, h, _ = output.shape
+        assert prefix_lse.shape == suffix_lse.shape == (h, T) and prefix_lse.dtype == torch.float32
+        calls.append(("merge_attn_states", T, h))
+        o, l = ao.merge(prefix_output, prefix_lse.t(), suffix_output, suffix_lse.t(), base="e")
+        output.copy_(o.to(output.dtype))
+        if output_lse is not None:
+            output_lse.copy_(torch.where(torch.isinf(l), -math.inf, l).t().float())
+
+    def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
+        assert kv_cache.dim() == 3 and slot_mapping.dtype == torch.int64 and kv_cache_dtype in ("auto", "fp8_ds_mla")
+        assert scale.dtype == torch.float32 and scale.numel() == 1
+        page = kv_cache.shape[1]
+        calls.append(("concat_and_cache_mla", kv_cache_dtype, int((slot_mapping >= 0).sum())))
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot < 0:
+                continue
+            block, off = divmod(slot, page)
+            if kv_cache_dtype == "auto":
+                kv_cache[block, off] = torch.cat([kv_c[t], k_pe[t]]).to(kv_cache.dtype)
+                continue
+            tiles = kv_c[t].float().view(4, 128)
+            s = torch.clamp(tiles.abs().amax(-1) / 448.0, min=torch.finfo(torch.float32).tiny)
+            row = kv_cache[block, off]
+            row[:512] = (tiles / s[:, None]).to(torch.float8_e4m3fn).view(torch.uint8).flatten()
+            row[512:528] = s.view(torch.uint8)
+            row[528:] = k_pe[t].to(BF16).contiguous().view(torch.uint8)
+
+    return types.SimpleNamespace(merge_attn_states=merge_attn_states, concat_and_cache_mla=concat_and_cache_mla,
                                  calls=calls)
 
 
@@ -349,3 +490,155 @@ def test_flashinfer_lse_is_base_2_not_e():
     _, ref_lse = ReferenceOp().decode(q, kv, bt, lens, softmax_scale=0.06, causal=False)
     assert torch.allclose(lse * math.log(2.0), ref_lse, atol=1e-3)
     assert not torch.allclose(lse, ref_lse, atol=1e-2)
+
+
+# --------------------------------------------------------------------------- the optional methods' adapters
+# (prefill / merge / write of FlashInfer, sparse_prefill of FlashMLA, merge / write of vLLM), glue on the stand-ins
+# above, checked by the op suite's own checks (mla_conformance.checks.{prefill,merge,write,sparse_prefill})
+
+from mla_conformance.checks import merge as merge_checks  # noqa: E402
+from mla_conformance.checks import prefill as prefill_checks  # noqa: E402
+from mla_conformance.checks import sparse_prefill as sparse_checks  # noqa: E402
+from mla_conformance.checks import write as write_checks  # noqa: E402
+from mla_conformance.contract.op import MethodCase  # noqa: E402
+from mla_conformance.impl.ops.vllm_ops import VLLMOp  # noqa: E402
+
+METHOD_CASES = {
+    "prefill": MethodCase("prefill", BF16, h_q=8, h_k=8, d_qk=192, d_v=128, tokens=4, causal=True),
+    "merge": MethodCase("merge", BF16, h_q=8, d_v=128, tokens=4),
+    "write": MethodCase("write", BF16, d_qk=576, d_v=512, tokens=4, kv_format="latent", page_block_size=16),
+    "sparse_prefill": MethodCase("sparse_prefill", BF16, h_q=64, h_k=1, d_qk=576, d_v=512, tokens=4, topk=64),
+}
+METHOD_KERNELS = [
+    (lambda: FlashInferOp(), "prefill", "flashinfer/fa2_prefill"),
+    (lambda: FlashInferOp(), "merge", "flashinfer/merge_state"),
+    (lambda: FlashInferOp(), "write", "flashinfer/append_paged_mla_kv_cache"),
+    (lambda: FlashMLASparseOp(), "sparse_prefill", "flashmla/sparse_prefill"),
+    (lambda: VLLMOp(), "merge", "vllm/merge_attn_states"),
+    (lambda: VLLMOp(), "write", "vllm/concat_and_cache_mla"),
+]
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    """The device judged is an H200 with flash_mla, flashinfer and vllm installed (the kernels are stand-ins)."""
+    info = _device((9, 0), "NVIDIA H200", packages=("flash_mla", "flashinfer", "vllm"))
+    monkeypatch.setattr(arch, "detect", lambda device=None: info)
+    return info
+
+
+@pytest.mark.parametrize("make,method,kernel", METHOD_KERNELS, ids=lambda v: v if isinstance(v, str) else "")
+def test_method_adapters_decline_here_with_the_matrix_sentence(make, method, kernel):
+    expected = arch.why_not(kernel, arch.detect("cpu"))
+    if expected is None:
+        pytest.skip(f"{kernel} runs on this host")
+    assert make().unsupported_reason(METHOD_CASES[method]) == expected
+    assert kernel in arch.ADAPTERS and make().name in arch.ADAPTERS[kernel]
+    assert arch.adapter_status()[kernel]["note"] == arch.NOT_RUN_ON_HARDWARE
+
+
+def test_method_declarations():
+    fi = declarations(FlashInferOp())
+    assert (fi["prefill_lse_base"], fi["prefill_empty_row"], fi["prefill_head_dims"]) == ("2", "-inf", ((192, 128),))
+    assert (fi["merge_lse_base"], fi["merge_empty_row"], fi["write_kv_formats"]) == ("2", "-inf", ("latent",))
+    sp = declarations(FlashMLASparseOp())
+    assert sp["sparse_prefill_head_dims"] == ((576, 512), (512, 512)) and sp["sparse_prefill_lse_base"] == "e"
+    assert sp["sparse_prefill_topk_length"] and sp["sparse_prefill_attn_sink"]
+    assert declarations(VLLMOp()) == {"merge_lse_base": "e", "merge_empty_row": "-inf",
+                                      "write_kv_formats": ("latent", "fp8-e4m3-flashmla"),
+                                      "write_fp8_scale_format": "fp32", "write_page_block_sizes": (1, 16, 64)}
+    assert FlashInferOp().method_kernel_id("prefill", _device((9, 0), "H100")) == "flashinfer/fa3_prefill"
+    assert FlashInferOp().method_kernel_id("prefill", _device((8, 9), "L40S")) == "flashinfer/fa2_prefill"
+    assert FlashInferFA2Op().method_kernel_id("prefill", _device((9, 0), "H100")) == "flashinfer/fa2_prefill"
+
+
+def _replace(case, **kw):
+    return MethodCase(**{**case.__dict__, **kw})
+
+
+@pytest.mark.parametrize("make,case,needle", [
+    (lambda: FlashInferOp(flashinfer_module=fake_flashinfer()), _replace(METHOD_CASES["merge"], dtype=torch.float32),
+     "float16 or bfloat16"),
+    (lambda: FlashInferOp(flashinfer_module=fake_flashinfer()), _replace(METHOD_CASES["merge"], d_v=96),
+     "head_dim 64, 128, 256, 512, not 96"),
+    (lambda: FlashInferOp(flashinfer_module=fake_flashinfer()), _replace(METHOD_CASES["merge"], h_q=128, d_v=512),
+     "at most 1024"),
+    (lambda: FlashInferOp(flashinfer_module=fake_flashinfer()),
+     _replace(METHOD_CASES["write"], kv_format="fp8-e4m3-flashmla"), "format 'latent'"),
+    (lambda: FlashInferOp(flashinfer_module=fake_flashinfer(methods=False)), METHOD_CASES["prefill"],
+     "has no BatchPrefillWithRaggedKVCacheWrapper (a release before it)"),
+    (lambda: FlashMLASparseOp(flash_mla_module=fake_flash_mla()), _replace(METHOD_CASES["sparse_prefill"], h_k=2),
+     "MQA"),
+    (lambda: FlashMLASparseOp(flash_mla_module=fake_flash_mla("sep2025")),
+     _replace(METHOD_CASES["sparse_prefill"], topk_length=True), "takes no topk_length"),
+    (lambda: VLLMOp(vllm_module=fake_vllm()), _replace(METHOD_CASES["merge"], dtype=torch.float8_e4m3fn),
+     "float32, float16 or bfloat16"),
+    (lambda: VLLMOp(vllm_module=fake_vllm()), _replace(METHOD_CASES["write"], kv_format="fp8-e4m3-model1"),
+     "not fp8-e4m3-model1"),
+])
+def test_method_sentences_after_the_device(on_h200, make, case, needle):
+    op = make()
+    reason = op.unsupported_reason(case)
+    assert reason and needle in reason, reason
+    if "a release before it" not in needle:  # the release itself lacks the kernel: every case is declined
+        assert op.unsupported_reason(METHOD_CASES[case.method]) is None
+
+
+def test_flashinfer_prefill_glue_passes_the_prefill_checks(on_h200, mla_figures):
+    """Rows with kv_len 0 and q_len > kv_len (causal: queries with no key, written by the adapter), strided q / k /
+    v, h_k 1 and h_q 8: the stand-in's base-2 lse read as declared."""
+    calls = []
+    op = FlashInferOp(flashinfer_module=fake_flashinfer(calls))
+    for causal, strided, h_k in ((True, False, 1), (False, True, 8)):
+        spec = prefill_checks.PrefillSpec(rows=((3, 0), (5, 2), (4, 9)), h_q=8, h_k=h_k, causal=causal,
+                                          strided=strided, seed=11)
+        prefill_checks.check_against_oracle(op, spec, check="prefill glue on the stand-in", figures=mla_figures)
+    assert [c for c in calls if c[0] == "prefill plan"] == [("prefill plan", "auto", 3, True),
+                                                           ("prefill plan", "auto", 3, False)]
+
+
+def test_flashinfer_merge_glue_passes_the_merge_checks(on_h200, mla_figures):
+    """+inf and -inf empty sides (the adapter maps +inf to FlashInfer's -inf), both sides empty, strided inputs."""
+    op = FlashInferOp(flashinfer_module=fake_flashinfer())
+    for empties, strided in ((merge_checks.ONE_SIDED + merge_checks.BOTH_EMPTY, False), (merge_checks.ONE_SIDED, True)):
+        spec = merge_checks.spec_for(op, dtype="bfloat16", empties=empties, strided=strided, seed=5)
+        merge_checks.check_against_oracle(op, spec, check="merge glue on the stand-in", figures=mla_figures)
+
+
+def test_flashinfer_write_glue_passes_the_write_checks(on_h200, mla_figures):
+    """Padding slots (-1) never reach the kernel, each token a one-page request; every other byte untouched."""
+    calls = []
+    op = FlashInferOp(flashinfer_module=fake_flashinfer(calls))
+    inp = write_checks.check_write(op, write_checks.WriteSpec(kv_format="latent", page=16), check="write glue",
+                                   figures=mla_figures)
+    assert calls == [("append", int((inp.slots >= 0).sum()))]
+
+
+def test_flashmla_sparse_prefill_glue_passes_the_sparse_prefill_checks(on_h200, mla_figures):
+    """3 heads run as 64, top-64 padded to 128, FlashMLA's invalid indices (INT_MIN, -123456 set to -1), all-invalid
+    rows, topk_length and +-inf sinks; d_qk 576 and 512 (MODEL1)."""
+    calls = []
+    op = FlashMLASparseOp(flash_mla_module=fake_flash_mla(calls=calls))
+    for d_qk in (576, 512):
+        spec = sparse_checks.SparseSpec(s_q=4, s_kv=80, topk=64, h_q=3, d_qk=d_qk, invalid_share=0.3,
+                                        all_invalid_rows=(1,), topk_length=True, attn_sink=True, seed=7)
+        sparse_checks.check_against_oracle(op, spec, check="sparse prefill glue on the stand-in", figures=mla_figures)
+    assert calls == [("sparse_fwd", 4, 64, 128)] * 2
+
+
+def test_vllm_merge_and_write_glue(on_h200, mla_figures):
+    """merge: lse handed as vLLM's [h, T], both-empty -inf; write: format latent bit for bit. The FP8 656-byte
+    writer as the read revision encodes it (FLT_MIN floor, no 1e-4) differs from FlashMLA's quant.py on an
+    all-zero tile: the write check names the tile scale (a property of that revision, seen here on the stand-in)."""
+    calls = []
+    op = VLLMOp(vllm_module=fake_vllm(calls))
+    spec = merge_checks.spec_for(op, dtype="float32", empties=merge_checks.ONE_SIDED + merge_checks.BOTH_EMPTY,
+                                 strided=True, seed=6)
+    merge_checks.check_against_oracle(op, spec, check="vllm merge glue", figures=mla_figures)
+    write_checks.check_write(op, write_checks.WriteSpec(kv_format="latent", page=16), check="vllm write glue",
+                             figures=mla_figures)
+    with pytest.raises(AssertionError, match=r"tile scales differ .* is 1.1754943508222875e-38, expected 9.99"):
+        write_checks.check_write(op, write_checks.WriteSpec(kv_format="fp8-e4m3-flashmla", page=16),
+                                 check="vllm fp8 write glue", figures=mla_figures)
+    assert [c[:2] for c in calls] == [("merge_attn_states", 8), ("concat_and_cache_mla", "auto"),
+                                      ("concat_and_cache_mla", "fp8_ds_mla")]

@@ -140,7 +140,10 @@ def test_a_bad_op_output_is_named():
 
 def test_flashinfer_glue_through_the_layer_contract(monkeypatch, mla_figures):
     """FlashInferOp's glue (stand-in kernel module, tests/test_op_adapters.py) behind OpBackend, on a device
-    stated as an SM89 with flashinfer installed: the same numerics check (float64 oracle, bfloat16 tolerance)."""
+    stated as an SM89 with flashinfer installed: the same numerics check (float64 oracle, bfloat16 tolerance).
+    Every cache fill through append_paged_mla_kv_cache, the prefill through the ragged prefill wrapper, the decode
+    steps through the MLA paged wrapper; a flashinfer without the prefill / append kernels (an older release)
+    runs every call through decode and the suite's cache fill."""
     from mla_conformance.arch import DeviceInfo, PackageInfo
     from mla_conformance.impl.ops.flashinfer import FlashInferOp
     from tests.test_op_adapters import fake_flashinfer
@@ -149,10 +152,17 @@ def test_flashinfer_glue_through_the_layer_contract(monkeypatch, mla_figures):
         (8, 9), "NVIDIA L40S", packages=[PackageInfo("flashinfer", True, "0.5")]))
     calls = []
     backend = OpBackend(FlashInferOp(flashinfer_module=fake_flashinfer(calls)), page_block_size=16)
+    assert backend.routes(V3_MINI, dtype=BF16, device="cpu")["prefill"].startswith("op.prefill + op.merge")
     m = checks.numerics(backend, "v3-mini", "varlen_batch", BF16)
     mla_figures.update(m)
-    # prefill 23 / 16 / 7: one plan per distinct token count; then 4 decode steps of all three rows
-    assert calls == [("plan", "auto", 1, 16, True)] * 3 + [("plan", "auto", 3, 16, True)] * 4
+    # prefill 23 / 16 / 7 in one call (no context: no merge), then 4 decode steps of all three rows
+    assert calls == [("append", 46), ("prefill plan", "auto", 3, True)] + \
+        [("append", 3), ("plan", "auto", 3, 16, True)] * 4
+    old = []
+    backend = OpBackend(FlashInferOp(flashinfer_module=fake_flashinfer(old, methods=False)), page_block_size=16)
+    checks.numerics(backend, "v3-mini", "varlen_batch", BF16)
+    # one plan per distinct token count of the prefill call, then the decode steps
+    assert old == [("plan", "auto", 1, 16, True)] * 3 + [("plan", "auto", 3, 16, True)] * 4
 
 
 def test_declared_head_dims_let_the_tiny_model_through():
@@ -260,16 +270,16 @@ class _Recording(ReferenceOp):
         return super().decode(q, *args, **kw)
 
 
-def _join_run(op, dtype=torch.float32):
+def _join_run(op, dtype=torch.float32, preset="tiny"):
     from mla_conformance.checks.paged import drive, paged_weights
     from mla_conformance.model.reference import reference_attention_f64
 
-    w = paged_weights("tiny", dtype)
+    w = paged_weights(preset, dtype)
     totals = [sum(c[b] for c in JOIN_CALLS) for b in range(2)]
     x = torch.randn(2, max(totals), w.config.hidden_size, generator=torch.Generator().manual_seed(3),
                     dtype=torch.float64)
     out, _ = drive(OpBackend(op, page_block_size=16), w, x, JOIN_CALLS)
-    oracle = reference_attention_f64(paged_weights("tiny", torch.float64), x.to(dtype).to(torch.float64),
+    oracle = reference_attention_f64(paged_weights(preset, torch.float64), x.to(dtype).to(torch.float64),
                                      torch.tensor(totals))
     return out, oracle, totals
 
@@ -333,3 +343,21 @@ def test_a_bad_prefill_output_is_named():
     x = torch.randn(1, 2, w.config.hidden_size)
     with pytest.raises(ValueError, match=r"op half-heads: prefill\(\) returned out \(2, 1, 128\), expected \(2, 2, 128\)"):
         backend.attend(w, x, torch.arange(2)[None], cache)
+
+
+def test_flashinfer_glue_on_a_joining_row(monkeypatch):
+    """FlashInferOp's prefill, merge_state (two empty sides: the joining row's first context chunks) and append
+    behind op: on the stand-ins, v3-mini dims (MHA mode 192 / 128) in bfloat16: every row within the tolerance."""
+    from mla_conformance.arch import DeviceInfo, PackageInfo
+    from mla_conformance.impl.ops.flashinfer import FlashInferOp
+    from tests.test_op_adapters import fake_flashinfer
+
+    monkeypatch.setattr(arch, "detect", lambda device=None: DeviceInfo.from_capability(
+        (8, 9), "NVIDIA L40S", packages=[PackageInfo("flashinfer", True, "0.5")]))
+    calls = []
+    out, oracle, totals = _join_run(FlashInferOp(flashinfer_module=fake_flashinfer(calls)), BF16, "v3-mini")
+    tol = checks.TOLERANCES["bfloat16"]
+    for b, n in enumerate(totals):
+        m = checks.error_metrics(out[b, :n], oracle[b, :n])
+        assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, (b, m)
+    assert [c[0] for c in calls].count("merge_state") == 2 and ("prefill plan", "auto", 2, False) in calls

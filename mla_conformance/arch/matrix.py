@@ -259,6 +259,59 @@ SM100_FI = ArchTarget("SM100", "datacenter Blackwell", ((10, 0), (10, 3)), "sm_1
 SM120_FI = ArchTarget("SM120", "Blackwell RTX / RTX PRO", ((12, 0),), "sm_120a", (12, 8))
 SM121_FI = ArchTarget("SM121", "GB10 DGX Spark", ((12, 1),), "sm_121a", (12, 9))
 
+# The optional op methods' kernels (prefill, merge, write), read at FLASHINFER_REVISION and in vLLM.
+_FLASHINFER_PREFILL = Source(
+    FLASHINFER, "flashinfer/prefill.py", FLASHINFER_REVISION,
+    "BatchPrefillWithRaggedKVCacheWrapper(float_workspace_buffer, kv_layout='NHD', backend='auto'); plan(qo_indptr, "
+    "kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False, sm_scale=None, "
+    "q_data_type, kv_data_type, ...); run(q, k, v, return_lse=True) -> (out [nnz_qo, h, d_vo], lse [nnz_qo, h] "
+    "float32); backend 'auto' via determine_attention_backend (flashinfer/utils.py): fa3 when is_sm90a_supported "
+    "and is_fa3_prefill_head_dim_supported (equal dims 64/128/256, or (192, 128)), else fa2.",
+)
+_FLASHINFER_PREFILL_CUH = Source(
+    FLASHINFER, "include/flashinfer/attention/prefill.cuh", FLASHINFER_REVISION,
+    "causal mask by q_idx + kv_len - qo_len (bottom-right); lse written as ptx_log2(d) + m over base-2 scaled "
+    "logits (base 2); a fully masked row keeps m = -inf.",
+)
+_FLASHINFER_CASCADE = Source(
+    FLASHINFER, "include/flashinfer/attention/cascade.cuh", FLASHINFER_REVISION,
+    "MergeStateKernel: s in base 2 (ptx_exp2 / ptx_log2), max() drops the NaN of two empty (-inf) states and the "
+    "d_sum guard keeps their output 0; MergeState dispatches head_dim 64/128/256/512 with num_heads x head_dim / "
+    "vec_size threads; csrc/cascade.cu: CHECK_INPUT (contiguous), float16 / bfloat16 v.",
+)
+_FLASHINFER_PAGE = Source(
+    FLASHINFER, "flashinfer/page.py", FLASHINFER_REVISION,
+    "append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache [page_num, page_size, "
+    "ckv_dim], kpe_cache [page_num, page_size, kpe_dim], kv_indices, kv_indptr, kv_last_page_len): 'current only "
+    "support ckv=512 and kpe=64'; csrc/page.cu: caches read through their strides (last dim contiguous).",
+)
+_VLLM = "vllm-project/vllm"
+_VLLM_CMAKE = Source(
+    _VLLM, "CMakeLists.txt", "000a1ee93b2ddc3cb06c62a71fe769c789cbf7b1",
+    "CUDA_SUPPORTED_ARCHS 7.5;8.0;8.6;8.7;8.9;9.0;10.0;10.1;10.3;12.0;12.1 (CUDA 12.8; 10.0f/12.0f family targets "
+    "from CUDA 13); csrc/cache_kernels.cu and csrc/attention/merge_attn_states.cu are in the _C extension.",
+)
+_VLLM_MERGE = Source(
+    _VLLM, "vllm/v1/attention/ops/merge_attn_states.py", "15a3fd47ef45622a355ab7be62035231891f5e44",
+    "merge_attn_states(output, prefix_output, prefix_lse [h, n], suffix_output, suffix_lse [h, n], output_lse=None, "
+    "...): the CUDA kernel (csrc/attention/merge_attn_states.cu) for float32/float16/bfloat16 with head size a "
+    "multiple of 16 bytes, else Triton; lse natural (expf/logf), either infinity read as -inf.",
+)
+_VLLM_CACHE = Source(
+    _VLLM, "vllm/_custom_ops.py", "",
+    "concat_and_cache_mla(kv_c, k_pe, kv_cache [num_blocks, block_size, entry], slot_mapping, kv_cache_dtype, "
+    "scale); csrc/cache_kernels.cu: slot < 0 writes nothing; 'fp8_ds_mla' writes the 656-byte row, tile scale "
+    "max(amax / 448, FLT_MIN) as float32 (revision not recorded by the code index).",
+)
+
+SM80_VLLM = ArchTarget("SM80", "Ampere", ((8, 0), (8, 6), (8, 7)), "", None)
+SM89_VLLM = ArchTarget("SM89", "Ada", ((8, 9),), "", None)
+SM90_VLLM = ArchTarget("SM90", "Hopper", ((9, 0),), "", None)
+SM100_VLLM = ArchTarget("SM100", "datacenter Blackwell", ((10, 0), (10, 3)), "", None)
+SM120_VLLM = ArchTarget("SM120", "Blackwell RTX / RTX PRO / GB10", ((12, 0), (12, 1)), "", None)
+_VLLM_TARGETS = (SM80_VLLM, SM89_VLLM, SM90_VLLM, SM100_VLLM, SM120_VLLM)
+_FI_JIT_TARGETS = (SM80_FI_FA2, SM89_FI_FA2, SM90_FI_FA2, SM100_FI, SM120_FI, SM121_FI)
+
 MATRIX: tuple[KernelRow, ...] = (
     KernelRow(
         kernel_id="flashmla/dense_decode",
@@ -402,6 +455,99 @@ MATRIX: tuple[KernelRow, ...] = (
         confidence="medium",
         notes="128 query heads, one query token per request; no attention sinks.",
     ),
+    KernelRow(
+        kernel_id="flashinfer/fa2_prefill",
+        library="FlashInfer",
+        name="FlashInfer FA2 ragged prefill (BatchPrefillWithRaggedKVCacheWrapper, backend fa2)",
+        package="flashinfer",
+        targets=_FI_JIT_TARGETS,
+        kv_dtype="BF16/FP16 (per-head K and V, ragged)",
+        mode="MHA",
+        head_dim_k=(192,),
+        head_dim_v=(128,),
+        page_block_size=None,
+        sources=(_FLASHINFER_PREFILL, _FLASHINFER_PREFILL_CUH, _FLASHINFER_JIT_MODULES, _FLASHINFER_README),
+        confidence="medium",
+        notes="The op flashinfer's prefill (MHA mode: 128 nope + 64 rope, v 128) where fa3 does not run. JIT for the "
+        "device in use, as fa2_mla; lse in base 2.",
+    ),
+    KernelRow(
+        kernel_id="flashinfer/fa3_prefill",
+        library="FlashInfer",
+        name="FlashInfer FA3 ragged prefill (BatchPrefillWithRaggedKVCacheWrapper, backend fa3)",
+        package="flashinfer",
+        targets=(SM90_FI,),
+        kv_dtype="BF16/FP16 (per-head K and V, ragged)",
+        mode="MHA",
+        head_dim_k=(192,),
+        head_dim_v=(128,),
+        page_block_size=None,
+        sources=(_FLASHINFER_PREFILL, _FLASHINFER_UTILS),
+        confidence="medium",
+        notes="What backend='auto' runs on SM90 for head dims (192, 128); elsewhere fa2 (flashinfer/fa2_prefill).",
+    ),
+    KernelRow(
+        kernel_id="flashinfer/merge_state",
+        library="FlashInfer",
+        name="FlashInfer merge_state",
+        package="flashinfer",
+        targets=_FI_JIT_TARGETS,
+        kv_dtype="FP16/BF16 partial outputs, float32 base-2 lse",
+        mode="MHA",
+        head_dim_k=(64, 128, 256, 512),
+        head_dim_v=(64, 128, 256, 512),
+        page_block_size=None,
+        sources=(_FLASHINFER_CASCADE, _FLASHINFER_README),
+        confidence="medium",
+        notes="The op flashinfer's merge; contiguous inputs; empty state -inf.",
+    ),
+    KernelRow(
+        kernel_id="flashinfer/append_paged_mla_kv_cache",
+        library="FlashInfer",
+        name="FlashInfer append_paged_mla_kv_cache",
+        package="flashinfer",
+        targets=_FI_JIT_TARGETS,
+        kv_dtype="BF16/FP16 (ckv 512 + kpe 64)",
+        mode="MQA",
+        head_dim_k=(576,),
+        head_dim_v=(512,),
+        page_block_size=None,
+        sources=(_FLASHINFER_PAGE, _FLASHINFER_README),
+        confidence="medium",
+        notes="The op flashinfer's write (latent format); no slot mapping: the adapter hands one-page requests.",
+    ),
+    KernelRow(
+        kernel_id="vllm/merge_attn_states",
+        library="vLLM",
+        name="vLLM merge_attn_states",
+        package="vllm",
+        targets=_VLLM_TARGETS,
+        kv_dtype="FP32/FP16/BF16 partial outputs, float32 natural lse [h, T]",
+        mode="MHA",
+        head_dim_k=(128, 512),
+        head_dim_v=(128, 512),
+        page_block_size=None,
+        sources=(_VLLM_MERGE, _VLLM_CMAKE),
+        confidence="medium",
+        notes="The op vllm's merge (mla_conformance.impl.ops.vllm_ops). The head sizes MLA merges (v 128 in MHA mode, "
+        "512 for latent partials); any head size runs (CUDA kernel for multiples of 16 bytes, Triton otherwise). "
+        "bfloat16 from SM80; Turing (7.5, built) is not accepted here.",
+    ),
+    KernelRow(
+        kernel_id="vllm/concat_and_cache_mla",
+        library="vLLM",
+        name="vLLM concat_and_cache_mla",
+        package="vllm",
+        targets=_VLLM_TARGETS,
+        kv_dtype="BF16/FP16 latent ('auto') or FP8 656-byte rows ('fp8_ds_mla')",
+        mode="MQA",
+        head_dim_k=(576,),
+        head_dim_v=(512,),
+        page_block_size=None,
+        sources=(_VLLM_CACHE, _VLLM_CMAKE),
+        confidence="medium",
+        notes="The op vllm's write; slot_mapping with -1 for padding tokens.",
+    ),
 )
 
 _BY_ID: dict[str, KernelRow] = {row.kernel_id: row for row in MATRIX}
@@ -419,6 +565,13 @@ ADAPTERS: dict[str, tuple[str, ...]] = {
     "flashmla/sparse_decode": ("flashmla-sparse",),
     "flashinfer/fa3_mla": ("flashinfer",),
     "flashinfer/fa2_mla": ("flashinfer", "flashinfer-fa2"),
+    "flashmla/sparse_prefill": ("flashmla-sparse",),
+    "flashinfer/fa2_prefill": ("flashinfer", "flashinfer-fa2"),
+    "flashinfer/fa3_prefill": ("flashinfer",),
+    "flashinfer/merge_state": ("flashinfer", "flashinfer-fa2"),
+    "flashinfer/append_paged_mla_kv_cache": ("flashinfer", "flashinfer-fa2"),
+    "vllm/merge_attn_states": ("vllm",),
+    "vllm/concat_and_cache_mla": ("vllm",),
 }
 #: Kernel ids whose adapter has been run against the real kernel on its hardware and passed the suite there.
 #: None yet: add an id only with the report of such a run.

@@ -24,8 +24,38 @@ Read at flashinfer-ai/flashinfer ``fb28d7242b3506a2348265962041acc1fb56cca4`` (`
 * ``backend``: ``"auto"`` (FlashInfer's default: fa3 on SM90, fa2 elsewhere), ``"fa2"`` or ``"fa3"``; the
   matrix row gating a case is fa3's where fa3 runs, fa2's otherwise.
 
-A stand-in module (``flashinfer_module=``, with ``.mla.BatchMLAPagedAttentionWrapper``) replaces
-``import flashinfer`` for CPU tests of the glue; the device is judged all the same.
+The optional methods (mla_conformance.contract.op), read at the same revision:
+
+* ``prefill``: ``flashinfer.BatchPrefillWithRaggedKVCacheWrapper`` (``flashinfer/prefill.py``,
+  ``include/flashinfer/attention/prefill.cuh``; vLLM drives it the same way in
+  ``vllm/v1/attention/backends/mla/prefill/flashinfer.py``): ``plan(qo_indptr, kv_indptr, num_qo_heads,
+  num_kv_heads, head_dim_qk, head_dim_vo=, causal=, sm_scale=, q_data_type=, kv_data_type=)`` then
+  ``run(q, k, v, return_lse=True)``; q / k / v are read through their token and head strides (the last dim must
+  be contiguous: copied when it is not). Causal aligns bottom-right (``q_idx + kv_len - qo_len``); the lse is
+  ``log2(d) + m`` of base-2 scaled logits: declared ``prefill_lse_base = "2"``; a query with no keys keeps
+  m = -inf, d = 1: out 0, lse -inf (``prefill_empty_row = "-inf"``). As for decode, causal queries before their
+  row's first key are written by the adapter (out 0, lse -inf). ``backend`` "auto" is FlashInfer's
+  ``determine_attention_backend`` (``flashinfer/utils.py``: fa3 on SM90 for (192, 128), else fa2), gated by the
+  rows ``flashinfer/fa3_prefill`` / ``flashinfer/fa2_prefill``; (d_qk, d_v) 192 / 128 (DeepSeek-V3's MHA mode);
+* ``merge``: ``flashinfer.merge_state(v_a, s_a, v_b, s_b) -> (v, s)`` (``flashinfer/cascade.py``,
+  ``csrc/cascade.cu``, ``MergeStateKernel`` in ``include/flashinfer/attention/cascade.cuh``): contiguous
+  inputs (CHECK_INPUT; the adapter copies strided ones, and casts v_b to v_a's dtype), float16 / bfloat16 v,
+  head_dim 64 / 128 / 256 / 512 (DISPATCH_HEAD_DIM) and num_heads x head_dim / vec_size <= 1024 threads; s in
+  **base 2** (``merge_lse_base = "2"``). Its empty state is -inf (two empty sides: out 0, s -inf, the kernel's
+  d_sum guard: ``merge_empty_row = "-inf"``); an s of +inf would be taken as a value, so the adapter maps +inf
+  (FA2's empty marker) to -inf before the call;
+* ``write``: ``flashinfer.append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions,
+  ckv_cache, kpe_cache, kv_indices, kv_indptr, kv_last_page_len)`` (``flashinfer/page.py``, ``csrc/page.cu``,
+  ``AppendPagedKVMlaCacheKernel`` in ``include/flashinfer/page.cuh``; "current only support ckv=512 and
+  kpe=64"): the latent format only, ckv / kpe the [pages, page, 512] / [pages, page, 64] views of the
+  contract's pool (strided caches are read through their strides). FlashInfer has no slot mapping and no
+  padding slot: each token of a non-negative slot becomes a one-page request (kv_indices = its block,
+  position = its offset), tokens of negative slots are not handed to the kernel.
+
+A stand-in module (``flashinfer_module=``, with ``.mla.BatchMLAPagedAttentionWrapper``, and for the methods
+``BatchPrefillWithRaggedKVCacheWrapper``, ``merge_state``, ``append_paged_mla_kv_cache``) replaces
+``import flashinfer`` for CPU tests of the glue; the device is judged all the same. A module without one of
+those names (an older release) declines that method with a sentence.
 """
 
 from __future__ import annotations
@@ -34,10 +64,18 @@ import math
 
 import torch
 
-from mla_conformance.contract.op import D_ROPE, D_V
+from mla_conformance.contract.op import D_QK, D_ROPE, D_V, PREFILL_D_QK, PREFILL_D_V, declared
 
 FA2_KERNEL = "flashinfer/fa2_mla"
 FA3_KERNEL = "flashinfer/fa3_mla"
+FA2_PREFILL = "flashinfer/fa2_prefill"
+FA3_PREFILL = "flashinfer/fa3_prefill"
+MERGE_KERNEL = "flashinfer/merge_state"
+APPEND_KERNEL = "flashinfer/append_paged_mla_kv_cache"
+#: the kernel each optional method calls, and the module attribute it is
+METHOD_API = {"prefill": "BatchPrefillWithRaggedKVCacheWrapper", "merge": "merge_state",
+              "write": "append_paged_mla_kv_cache"}
+MERGE_HEAD_DIMS = (64, 128, 256, 512)
 BACKENDS = ("auto", "fa2", "fa3")
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
 
@@ -54,6 +92,13 @@ class FlashInferOp:
     empty_row = "-inf"
     page_block_sizes = (1, 16, 64)  # any page size; FlashInfer's own tests run 1 and 16
     kv_formats = ("latent",)
+    prefill_head_dims = ((PREFILL_D_QK, PREFILL_D_V),)
+    prefill_lse_base = "2"
+    prefill_empty_row = "-inf"
+    merge_lse_base = "2"
+    merge_empty_row = "-inf"
+    write_kv_formats = ("latent",)
+    write_page_block_sizes = (1, 16, 64)
 
     def __init__(self, flashinfer_module=None, backend: str = "auto", workspace_bytes: int = WORKSPACE_BYTES):
         if backend not in BACKENDS:
@@ -63,6 +108,7 @@ class FlashInferOp:
         self.backend = backend
         self.workspace_bytes = int(workspace_bytes)
         self._wrappers: dict[str, object] = {}
+        self._prefill_wrappers: dict[str, object] = {}
 
     # ------------------------------------------------------------------ gating
     def kernel_id(self, info) -> str:
@@ -75,6 +121,16 @@ class FlashInferOp:
 
         return FA3_KERNEL if arch.why_not(FA3_KERNEL, info, check_package=False) is None else FA2_KERNEL
 
+    def method_kernel_id(self, method: str, info) -> str:
+        """The matrix row of an optional method's kernel on ``info``."""
+        if method != "prefill":
+            return {"merge": MERGE_KERNEL, "write": APPEND_KERNEL}[method]
+        if self.backend in ("fa2", "fa3"):
+            return FA3_PREFILL if self.backend == "fa3" else FA2_PREFILL
+        from mla_conformance import arch
+
+        return FA3_PREFILL if arch.why_not(FA3_PREFILL, info, check_package=False) is None else FA2_PREFILL
+
     def _flashinfer(self):
         if self._module is not None:
             return self._module
@@ -86,6 +142,8 @@ class FlashInferOp:
     def unsupported_reason(self, case):
         from mla_conformance import arch
 
+        if getattr(case, "method", "decode") != "decode":
+            return self._method_reason(case)
         info = arch.detect(case.device)
         reason = arch.why_not(self.kernel_id(info), info)
         if reason:
@@ -110,6 +168,43 @@ class FlashInferOp:
                 self._flashinfer()
             except Exception as exc:
                 return f"FlashInfer MLA: the flashinfer package does not import ({type(exc).__name__}: {exc})"
+        return None
+
+    def _method_reason(self, case) -> str | None:
+        from mla_conformance import arch
+
+        method = case.method
+        reason = arch.why_not(self.method_kernel_id(method, arch.detect(case.device)), arch.detect(case.device))
+        if reason:
+            return reason
+        if case.dtype not in (torch.float16, torch.bfloat16):
+            what = {"prefill": "q, k and v", "merge": "v_a and v_b", "write": "the appended ckv / kpe"}[method]
+            return f"FlashInfer's {METHOD_API[method]} takes float16 or bfloat16 {what}, not {_dtype_name(case.dtype)}"
+        if method == "merge":
+            if case.d_v not in MERGE_HEAD_DIMS:
+                return (f"FlashInfer's merge_state dispatches head_dim {', '.join(map(str, MERGE_HEAD_DIMS))}, "
+                        f"not {case.d_v}")
+            vec = max(16 // torch.empty(0, dtype=case.dtype).element_size(), case.d_v // 32)
+            if case.h_q * (case.d_v // vec) > 1024:
+                return (f"FlashInfer's merge_state runs num_heads x head_dim / {vec} threads per block, at most 1024: "
+                        f"not {case.h_q} heads of {case.d_v}")
+        if method == "write":
+            if case.kv_format != "latent":
+                return (f"FlashInfer's append_paged_mla_kv_cache writes ckv and kpe in their dtype (format 'latent'), "
+                        f"not {case.kv_format}")
+            if (case.d_qk, case.d_v) != (D_QK, D_V):
+                return f"FlashInfer's append_paged_mla_kv_cache takes ckv 512 and kpe 64 only, not {case.d_v} + " \
+                       f"{case.d_qk - case.d_v}"
+            if case.page_block_size not in declared(self, "write_page_block_sizes"):
+                return (f"{self.name} writes pages of {', '.join(map(str, self.write_page_block_sizes))} tokens, "
+                        f"not {case.page_block_size}")
+        if self._module is None:
+            try:
+                self._flashinfer()
+            except Exception as exc:
+                return f"FlashInfer: the flashinfer package does not import ({type(exc).__name__}: {exc})"
+        if not hasattr(self._flashinfer(), METHOD_API[method]):
+            return f"FlashInfer: the installed flashinfer has no {METHOD_API[method]} (a release before it)"
         return None
 
     # ------------------------------------------------------------------ decode
@@ -160,6 +255,68 @@ class FlashInferOp:
                 out = torch.where(empty[:, :, None, None], torch.zeros((), dtype=out.dtype, device=dev), out)
                 lse = torch.where(empty[:, None, :], torch.full((), -math.inf, device=dev), lse)
         return out, lse.to(torch.float32).contiguous()
+
+
+    # ------------------------------------------------------------------ the optional methods
+    def _prefill_wrapper_for(self, device: torch.device):
+        key = str(device)
+        if key not in self._prefill_wrappers:
+            fi = self._flashinfer()
+            workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+            self._prefill_wrappers[key] = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD",
+                                                                                  backend=self.backend)
+        return self._prefill_wrappers[key]
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
+        dev = q.device
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        qo_indptr = cu_seqlens_q.to(device=dev, dtype=torch.int32)
+        kv_indptr = cu_seqlens_k.to(device=dev, dtype=torch.int32)
+        total_q, h_q, d_qk = q.shape
+        h_k, d_v = k.shape[1], v.shape[-1]
+        wrapper = self._prefill_wrapper_for(dev)
+        wrapper.plan(qo_indptr, kv_indptr, h_q, h_k, d_qk, head_dim_vo=d_v, causal=bool(causal),
+                     sm_scale=float(softmax_scale), q_data_type=q.dtype, kv_data_type=k.dtype)
+        out, lse = wrapper.run(q, k, v, return_lse=True)                              # lse [total_q, h_q], base 2
+        if causal:
+            # causal queries before their row's first key (qo_len > kv_len; none in FlashInfer's tests): no keys
+            q_lens, k_lens = (qo_indptr[1:] - qo_indptr[:-1]).long(), (kv_indptr[1:] - kv_indptr[:-1]).long()
+            row = torch.repeat_interleave(torch.arange(q_lens.numel(), device=dev), q_lens, output_size=total_q)
+            i = torch.arange(total_q, device=dev) - qo_indptr.long()[row]
+            empty = i < (q_lens - k_lens)[row]                                           # sees n - m + i + 1 <= 0
+            if bool(empty.any()):
+                out = torch.where(empty[:, None, None], torch.zeros((), dtype=out.dtype, device=dev), out)
+                lse = torch.where(empty[:, None], torch.full((), -math.inf, device=dev), lse)
+        return out, lse.to(torch.float32)
+
+    def merge(self, out_a, lse_a, out_b, lse_b):
+        fi = self._flashinfer()
+        minus_inf = torch.full((), -math.inf, device=lse_a.device)
+        # FlashInfer's empty state is -inf; +inf (FA2's marker) would be merged as a value
+        s_a = torch.where(torch.isposinf(lse_a), minus_inf, lse_a).to(torch.float32).contiguous()
+        s_b = torch.where(torch.isposinf(lse_b), minus_inf, lse_b).to(torch.float32).contiguous()
+        out, lse = fi.merge_state(out_a.contiguous(), s_a, out_b.to(out_a.dtype).contiguous(), s_b)
+        return out, lse
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        if kv_format != "latent":
+            raise ValueError(f"{self.name}: append_paged_mla_kv_cache writes format 'latent', not {kv_format!r}")
+        fi = self._flashinfer()
+        dev = kv_cache.device
+        slots = slot_mapping.to(device=dev, dtype=torch.int64)
+        keep = (slots >= 0).nonzero().flatten()
+        if keep.numel() == 0:
+            return None
+        slots = slots[keep]
+        page = kv_cache.shape[1]
+        n = int(keep.numel())
+        ar = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        offset = (slots % page).to(torch.int32)
+        # one request of one page per token: page iter kv_indptr[t] = t, entry = its offset in that page
+        fi.append_paged_mla_kv_cache(kv_c[keep.to(kv_c.device)], k_pe[keep.to(k_pe.device)], ar[:-1], offset,
+                                     kv_cache[:, :, 0, :D_V], kv_cache[:, :, 0, D_V:],
+                                     (slots // page).to(torch.int32), ar, offset + 1)
+        return None
 
 
 class FlashInferFA2Op(FlashInferOp):

@@ -19,6 +19,17 @@ Both call ``flash_mla.flash_mla_with_kvcache`` (deepseek-ai/FlashMLA, ``flash_ml
   ``[0, num_blocks * page_block_size)`` is set to -1 before the call: the adapter gives the sparse
   *prefill*'s rule (``invalid_index = "out-of-range"``) and never hands the kernel an out-of-bounds index.
 
+:class:`FlashMLASparseOp` also has the optional ``sparse_prefill`` (kernel ``flashmla/sparse_prefill``, SM90 and
+SM100): ``flash_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None) ->
+(out, max_logits, lse)`` (``flash_mla/flash_mla_interface.py`` and ``csrc/api/sparse_fwd.h`` at
+9241ae3ef9bac614dd25e45e507e089f888280e0; the definitions are tests/ref.py's, which the op contract's
+sparse_prefill copies): bfloat16 q and kv [s_kv, h_kv, d_qk], d_qk 576 or 512 (MODEL1), d_v 512, int32 indices
+[s_q, h_kv, topk], the last dim of every input contiguous. The adapter translates as for decode: h_q 64 or 128
+only ("Unsupported h_q"), so fewer heads are padded with zero queries (and zero sinks) and cut from out,
+max_logits and lse; FlashMLA's tests run top-k multiples of 128 (tests/test_flash_mla_sparse_prefill.py), so
+indices are padded with -1 to one; "invalid indices should be set to -1 or numbers >= s_kv", so every index
+outside [0, s_kv) (INT_MIN, -123456 included) is set to -1 first. h_kv must be 1 (MQA, the README's mode).
+
 Gating (``unsupported_reason``): the support matrix's sentence (:func:`mla_conformance.arch.why_not` on the
 case's device) first, then dtype, page size, KV format and mode sentences, then ``import flash_mla``. A
 stand-in module (``flash_mla_module=``, CPU tests of the glue) replaces the import; the device is judged all
@@ -46,6 +57,9 @@ from mla_conformance.contract.op import D_V
 
 DENSE_KERNEL = "flashmla/dense_decode"
 SPARSE_KERNEL = "flashmla/sparse_decode"
+SPARSE_PREFILL_KERNEL = "flashmla/sparse_prefill"
+#: top-k entries the sparse prefill adapter pads indices to a multiple of (FlashMLA's tests run multiples of 128)
+PREFILL_TOPK_BLOCK = 128
 DENSE_PAGE = 64
 SPARSE_HEADS = (64, 128)
 TOPK_BLOCK = 64
@@ -184,8 +198,14 @@ class FlashMLASparseOp(_FlashMLABase):
     page_block_sizes = (1, 16, 64)  # the kernel checks no page size; FlashMLA's tests use 2, 61, 64, 69
     kv_formats = (FP8_FORMAT,)
     fp8_scale_format = "pow2"  # FlashMLA's tests/quant.py writes amax/448 rounded up to 2^k (ue8m0)
+    sparse_prefill_head_dims = ((576, 512), (512, 512))
+    sparse_prefill_lse_base = "e"
+    sparse_prefill_topk_length = True   # where the installed release takes them (else declined)
+    sparse_prefill_attn_sink = True
 
     def unsupported_reason(self, case):
+        if getattr(case, "method", "decode") == "sparse_prefill":
+            return self._sparse_prefill_reason(case)
         reason = self._arch_reason(case)
         if reason:
             return reason
@@ -213,6 +233,60 @@ class FlashMLASparseOp(_FlashMLABase):
         if case.attn_sink and params is not None and "attn_sink" not in params:
             return f"{self.kernel_name}: the installed flash_mla takes no attn_sink (a release before attention sinks)"
         return None
+
+    def _sparse_prefill_reason(self, case) -> str | None:
+        from mla_conformance import arch
+
+        name = "FlashMLA sparse prefill"
+        reason = arch.why_not(SPARSE_PREFILL_KERNEL, arch.detect(case.device))
+        if reason:
+            return reason
+        if case.dtype != torch.bfloat16:
+            return f"{name} takes bfloat16 q and kv, not {_dtype_name(case.dtype)}"
+        if case.h_k != 1:
+            return f"{name} is run here in MQA mode (h_kv 1, FlashMLA's README and tests), not h_kv {case.h_k}"
+        if case.h_q > SPARSE_HEADS[-1]:
+            return f"{name} runs 64 or 128 query heads (fewer are padded), not {case.h_q}"
+        reason = self._import_reason()
+        if reason:
+            return reason
+        fm = self._flash_mla()
+        if not hasattr(fm, "flash_mla_sparse_fwd"):
+            return f"{name}: the installed flash_mla has no flash_mla_sparse_fwd"
+        try:
+            params = set(inspect.signature(fm.flash_mla_sparse_fwd).parameters)
+        except (TypeError, ValueError):
+            params = None
+        for flag, arg in ((case.topk_length, "topk_length"), (case.attn_sink, "attn_sink")):
+            if flag and params is not None and arg not in params:
+                return f"{name}: the installed flash_mla_sparse_fwd takes no {arg} (a release before it)"
+        return None
+
+    def sparse_prefill(self, q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn_sink=None):
+        s_q, h_q, d_qk = q.shape
+        s_kv = kv.shape[0]
+        fm = self._flash_mla()
+        h_run = SPARSE_HEADS[0] if h_q <= SPARSE_HEADS[0] else SPARSE_HEADS[1]
+        if h_run != h_q:
+            q = torch.cat([q, q.new_zeros(s_q, h_run - h_q, d_qk)], dim=1)
+            if attn_sink is not None:
+                attn_sink = torch.cat([attn_sink.to(torch.float32), attn_sink.new_zeros(h_run - h_q, dtype=torch.float32)])
+        idx = indices.to(torch.int64)
+        idx = torch.where((idx >= 0) & (idx < s_kv), idx, torch.full_like(idx, -1)).to(torch.int32)
+        topk = idx.shape[-1]
+        padded = max(PREFILL_TOPK_BLOCK, math.ceil(topk / PREFILL_TOPK_BLOCK) * PREFILL_TOPK_BLOCK)
+        if padded != topk:
+            idx = torch.cat([idx, idx.new_full((*idx.shape[:2], padded - topk), -1)], dim=-1)
+        kwargs = {}
+        if topk_length is not None:
+            kwargs["topk_length"] = topk_length.to(torch.int32).contiguous()
+        if attn_sink is not None:
+            kwargs["attn_sink"] = attn_sink.to(torch.float32).contiguous()
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+        out, max_logits, lse = fm.flash_mla_sparse_fwd(q, kv, idx.contiguous(), float(softmax_scale), int(d_v),
+                                                      **kwargs)
+        return out[:, :h_q], max_logits[:, :h_q].contiguous(), lse[:, :h_q].contiguous()
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
                topk_length=None, attn_sink=None):
