@@ -18,8 +18,10 @@ fraction of the memory bandwidth measured in the same run.
 
 No timing without correctness: ``perf.step.prepare`` checks the decode step of the exact configuration it then
 times (backend, dtype, preset, context, batch, page size, kv codec) against the float64 oracle with the suite's
-bounds (:mod:`mla_conformance.perf.gate`), and a test whose step fails it fails with "not timed: wrong output
-(<measured> vs <bound>, <where>)" before anything is timed; ``correctness`` in its ``extra_info`` says which
+bounds plus each row's score-rounding term (:mod:`mla_conformance.perf.gate`,
+:mod:`mla_conformance.perf.score_rounding`: at these contexts rounding the scores to bf16 alone exceeds TOLERANCES'
+bf16 rel_fro), and a test whose step fails it fails with "not timed: wrong output (<measured> vs <bound>,
+<where>)" before anything is timed; ``correctness`` in its ``extra_info`` says which
 configuration was checked and the outcome. Past that gate, timings are figures, not verdicts:
 ``test_decode_step`` records median, GB/s and FLOPs and asserts only properties of the measurement that a
 broken cache or backend breaks: the timed step saw exactly ``context`` cached tokens per row (the cache was

@@ -5,6 +5,7 @@ How the pieces fit (one job per module)::
     perf/fill.py     a cache filled to ``context`` real tokens per row without a quadratic prefill
     perf/step.py     Prepared: one decode step ready to time; prepare() fills, then runs the gate
     perf/gate.py     the correctness gate: the step against the float64 oracle, the suite's bounds
+    perf/score_rounding.py  the term those bounds gain per row: the error of rounding the scores to the dtype
     perf/timing.py   the timing loop, the device's copy bandwidth, ratios held to a floor
     perf/flops.py    bytes and FLOPs a decode step must move and compute
     perf/sparse.py   DeepSeek Sparse Attention's bytes per decode step, dense vs sparse (measured B/token)

@@ -24,7 +24,8 @@ def _checked(r: dict[str, Any]) -> str:
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"decode step on {device_line(report['device'])}, measured bandwidth "
              f"{report['measured_bandwidth_gb_per_s']:.1f} GB/s; every timed step was first checked against the "
-             "float64 oracle (err/bound: its worst error over the suite's bound)", ""]
+             "float64 oracle (err/bound: its worst error over its bound, the suite's plus the score-rounding term)",
+             ""]
     w = max([22] + [len(r["backend"]) for r in report["results"]])
     head = (f"{'backend':<{w}} {'codec':<10} {'context':>8} {'batch':>5} {'ms/step':>9} {'MB/step':>9} "
             f"{'GB/s':>7} {'of bw':>6} {'MFLOP':>9} {'GFLOP/s':>8} {'err/bound':>9}  flop model")
