@@ -33,7 +33,7 @@ here each absolute error is uniform over its half-ulp interval, so d is uniform 
 variable is strictly sub-Gaussian, E exp(x d) = sinh(x u') / (x u') <= exp(x^2 u'^2 / 6): its variance proxy is
 its variance u'^2/3 <= s2 = u^2/3. dy is then a linear image of a sub-Gaussian vector with covariance proxy
 
-    K = s2 sum_h W_O,h C_h W_O,h^T,   C_h = sum_t lam_t^2 p_t^2 (v_t - a_h)(v_t - a_h)^T,   lam^2 = l_A^2 + l_B^2 + 2 l^2
+    K = s2 sum_h W_O,h C_h W_O,h^T,   C_h = sum_t lam_t^2 p_t^2 (v_t - a_h)(v_t - a_h)^T,   lam^2 = l_A^2 + l_B^2 + 2l^2
 
 (d_v x d_v per head, float64).
 
@@ -59,8 +59,9 @@ The term per row: rel_fro <= (||dy|| bound + ||W_O R|| bound) / ||y||, max_abs/r
 |(W_O R)_i| bound) / rms(y); ``score_rounding`` returns both with their parts.
 
 Cost: every key's per-head values in float64 (T kv_lora H d_v per row, in chunks of CHUNK keys) and C_h, D_h
-(2 H T d_v^2): ~2 MFLOP per key at V2-Lite dims; ||K||_F through the blocks W_O,h^T W_O,k (once per weights:
-n (H d_v)^2) in 2 H^2 d_v^3 per row.
+and ||W_O,h (v_t - a_h)|| (3 H T d_v^2): 2 kv_lora H d_v + 6 H d_v^2 = 3.7 MFLOP per key and row at V2-Lite dims;
+||K||_F through the blocks W_O,h^T W_O,k (once per weights: n (H d_v)^2) in 4 H^2 d_v^3 per row. The gate computes
+it once per configuration for every backend (perf.gate.oracle_and_score_rounding).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ FAILURE_PROBABILITY = 1e-6
 CHUNK = 2048
 
 MODEL = ("scores rounded to the run's dtype before a float32 softmax (transformers' eager attention): "
-         f"the partial scores ({', '.join(PARTIALS)}) each rounded, then {' and '.join(AFTER)}; each error independent and uniform over its half-ulp interval "
+         f"the partial scores ({', '.join(PARTIALS)}) each rounded, then {' and '.join(AFTER)}; each error "
+         "independent and uniform over its half-ulp interval "
          "(Higham-Mary 2019 Model 4.1), through the softmax; concentration by Hsu-Kakade-Zhang 2012 Thm 1 and "
          f"sub-Gaussian union bounds, failing a correct backend with probability at most {FAILURE_PROBABILITY:g} "
          "per row (mla_conformance.perf.score_rounding)")
