@@ -51,8 +51,11 @@ def bookkeeping_limit(batch_size: int, capacity: int, page_block_size: int | Non
 def is_bookkeeping(t: torch.Tensor, limit: int, batch_size: int | None = None, capacity: int | None = None) -> bool:
     """At most ``limit`` elements -- unless the buffer is shaped [batch_size, capacity, ...] (one entry per token
     slot: a per-token scale such as DeepSeek's indexer ``k_scale_cache`` [B, capacity, 1]), which is token storage
-    whatever its size."""
-    if batch_size is not None and capacity is not None and t.dim() >= 2 and tuple(t.shape[:2]) == (batch_size, capacity):
+    whatever its size. A 2-D integer [batch_size, capacity] buffer is an index (a block table of one-token pages, or
+    of a row that fits one page), judged by its size like any other bookkeeping."""
+    per_token = t.dim() >= 3 or t.is_floating_point()
+    if (batch_size is not None and capacity is not None and t.dim() >= 2 and per_token
+            and tuple(t.shape[:2]) == (batch_size, capacity)):
         return False
     return t.numel() <= limit
 
