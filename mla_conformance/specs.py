@@ -147,6 +147,4 @@ def spec_name(spec: str, kind: str) -> str:
     s = spec.strip() if isinstance(spec, str) else spec
     if kind == "op":
         return s if s in BUILTIN_OPS else get_op(s).name
-    if isinstance(s, str) and s.startswith(OP_PREFIX) and s[len(OP_PREFIX):].strip() in BUILTIN_OPS:
-        return OP_PREFIX + s[len(OP_PREFIX):].strip()
-    return s if s in BUILTINS else get_backend(s).name
+    return s if s in BUILTINS else get_backend(s).name  # op:SPEC resolves: its op must have decode

@@ -43,17 +43,17 @@ DEVICES = {
 #   FlashInfer: FA2 MLA (BatchMLAPagedAttentionWrapper's fallback, JIT for the device) SM80 through SM12x
 #   (not Turing, not Thor); FA3 MLA needs SM90; CUTLASS MLA and TRTLLM-gen MLA SM100/SM103; XQA MLA SM12x.
 _TABLE = """
-device  dense_decode sparse_decode dense_prefill sparse_prefill fa2_mla fa3_mla cutlass_mla trtllm_gen_mla xqa_mla
-cpu     .            .             .             .              .       .       .           .              .
-7.0     .            .             .             .              .       .       .           .              .
-8.0     .            .             .             .              Y       .       .           .              .
-8.6     .            .             .             .              Y       .       .           .              .
-8.9     .            .             .             .              Y       .       .           .              .
-9.0     Y            Y             .             Y              Y       Y       .           .              .
-10.0    .            Y             Y             Y              Y       .       Y           Y              .
-10.3    .            Y             Y             Y              Y       .       Y           Y              .
-12.0    .            .             .             .              Y       .       .           .              Y
-12.1    .            .             .             .              Y       .       .           .              Y
+device  dense_decode sparse_decode dense_prefill sparse_prefill fa2_mla fa3_mla cutlass_mla trtllm_gen_mla xqa_mla fa2_prefill fa3_prefill merge_state append_mla vllm_merge vllm_cache
+cpu     .            .             .             .              .       .       .           .              . .           .           .           .          .          .
+7.0     .            .             .             .              .       .       .           .              . .           .           .           .          .          .
+8.0     .            .             .             .              Y       .       .           .              . Y           .           Y           Y          Y          Y
+8.6     .            .             .             .              Y       .       .           .              . Y           .           Y           Y          Y          Y
+8.9     .            .             .             .              Y       .       .           .              . Y           .           Y           Y          Y          Y
+9.0     Y            Y             .             Y              Y       Y       .           .              . Y           Y           Y           Y          Y          Y
+10.0    .            Y             Y             Y              Y       .       Y           Y              . Y           .           Y           Y          Y          Y
+10.3    .            Y             Y             Y              Y       .       Y           Y              . Y           .           Y           Y          Y          Y
+12.0    .            .             .             .              Y       .       .           .              Y Y           .           Y           Y          Y          Y
+12.1    .            .             .             .              Y       .       .           .              Y Y           .           Y           Y          Y          Y
 """
 
 _KERNEL_OF_COLUMN = {
@@ -66,6 +66,12 @@ _KERNEL_OF_COLUMN = {
     "cutlass_mla": "flashinfer/cutlass_mla",
     "trtllm_gen_mla": "flashinfer/trtllm_gen_mla",
     "xqa_mla": "flashinfer/xqa_mla",
+    "fa2_prefill": "flashinfer/fa2_prefill",
+    "fa3_prefill": "flashinfer/fa3_prefill",
+    "merge_state": "flashinfer/merge_state",
+    "append_mla": "flashinfer/append_paged_mla_kv_cache",
+    "vllm_merge": "vllm/merge_attn_states",
+    "vllm_cache": "vllm/concat_and_cache_mla",
 }
 
 

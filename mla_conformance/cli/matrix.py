@@ -110,7 +110,7 @@ def runs_here(report: dict[str, Any]) -> str:
     where = f"On {dev['sm']} ({dev['capability']})" if dev["capability"] is not None else "On this host (no CUDA device)"
     runs = [k for k, v in report["verdicts"].items() if v["supported"]]
     parts = []
-    for lib, prefix in (("FlashMLA", "flashmla/"), ("FlashInfer", "flashinfer/")):
+    for lib, prefix in (("FlashMLA", "flashmla/"), ("FlashInfer", "flashinfer/"), ("vLLM", "vllm/")):
         mine = [k for k in runs if k.startswith(prefix)]
         parts.append(f"{lib}'s {', '.join(mine)}" if mine else f"none of {lib}'s")
     text = f"{where}: " + "; ".join(parts)

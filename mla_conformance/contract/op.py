@@ -185,6 +185,7 @@ BUILTIN_OPS: dict[str, str] = {
     "flashmla-sparse": "mla_conformance.impl.ops.flashmla:FlashMLASparseOp",
     "flashinfer": "mla_conformance.impl.ops.flashinfer:FlashInferOp",
     "flashinfer-fa2": "mla_conformance.impl.ops.flashinfer:FlashInferFA2Op",
+    "vllm": "mla_conformance.impl.ops.vllm_ops:VLLMOp",
 }
 
 #: Ops a default run checks.

@@ -75,4 +75,3 @@ def test_a_builtin_is_named_by_its_key_so_naming_it_imports_nothing():
         assert get_backend(key).name == key == spec_name(key, "backend")
     for key in BUILTIN_OPS:
         assert get_op(key).name == key == spec_name(key, "op")
-        assert spec_name(f"op:{key}", "backend") == get_backend(f"op:{key}").name
