@@ -18,9 +18,10 @@ from mla_conformance.checks.metrics import OP_NAN_HINT as NAN_HINT
 from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.checks.op_inputs import OpInputs, Spec, build, require, where
 from mla_conformance.checks.op_run import run_op
-from mla_conformance.checks.tolerances import OP_LSE_ROUNDING, OP_TOLERANCES, unit_roundoff
-from mla_conformance.contract.op import OpCase, declared
-from mla_conformance.impl.ops.reference import lse_to_natural, oracle
+from mla_conformance.checks.tolerances import (OP_LSE_ROUNDING, OP_TOLERANCES, op_acc_roundings, underflow,
+                                               unit_roundoff)
+from mla_conformance.contract.op import D_V, OpCase, declared
+from mla_conformance.impl.ops.reference import dequantize_cache, lse_to_natural, oracle
 
 
 def _oracle_inputs(inp: OpInputs) -> dict:
@@ -30,19 +31,41 @@ def _oracle_inputs(inp: OpInputs) -> dict:
                 topk_length=t.get("topk_length"), attn_sink=t.get("attn_sink"))
 
 
+def key_magnitudes(count_out: torch.Tensor, count_lse: torch.Tensor) -> dict:
+    """``keys`` [B, 1, s_q] (the keys each query attends) and ``abs_v_sum`` [B, s_q, 1, d_v] (sum_t |v_t| over
+    them), what the bounds' key-count and underflow terms scale with, from an oracle run with softmax_scale 0,
+    no attention sink, one head of zeros and the cache's |values| (every key weighs 1 / n): lse = ln n, out =
+    mean_t |v_t|. A caller with its own oracle (prefill, merges) gets them the same way."""
+    keys = torch.where(torch.isfinite(count_lse), torch.exp(count_lse).round(), torch.zeros_like(count_lse))
+    return {"keys": keys, "abs_v_sum": count_out * keys.transpose(1, 2)[..., None]}
+
+
+def _key_counts(inp: OpInputs, align: str) -> dict:
+    kw = _oracle_inputs(inp)
+    values = dequantize_cache(kw["kv_cache"], torch.float64)[..., :D_V].abs()     # V: the first 512 channels
+    B, s_q = kw["q"].shape[:2]
+    kw.update(q=torch.zeros(B, s_q, 1, values.shape[-1], dtype=torch.float64), kv_cache=values, softmax_scale=0.0,
+              attn_sink=None)
+    return key_magnitudes(*oracle(**kw, align=align))
+
+
 @functools.lru_cache(maxsize=64)
 def oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The float64 oracle of a spec, computed once: (out [B, s_q, h_q, 512], natural lse [B, h_q, s_q] with
-    +inf for no keys, the magnitudes the error bounds scale with: see ``oracle(magnitudes=True)``)."""
-    return oracle(**_oracle_inputs(build(spec)), magnitudes=True)
+    +inf for no keys, the magnitudes the error bounds scale with: see ``oracle(magnitudes=True)``, and
+    :func:`key_magnitudes`)."""
+    inp = build(spec)
+    out, lse, mags = oracle(**_oracle_inputs(inp), magnitudes=True)
+    return out, lse, {**mags, **_key_counts(inp, "bottom-right")}
 
 
 @functools.lru_cache(maxsize=16)
 def top_left_oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The oracle of a causal spec aligned top-left (query i sees keys 0..i): asked only once a causal check
     has failed, to name the likely cause."""
-    return oracle(**_oracle_inputs(build(spec)), magnitudes=True, align="top-left")
-
+    inp = build(spec)
+    out, lse, mags = oracle(**_oracle_inputs(inp), magnitudes=True, align="top-left")
+    return out, lse, {**mags, **_key_counts(inp, "top-left")}
 
 
 # --------------------------------------------------------------------------- comparing
@@ -57,18 +80,28 @@ def bounds(tol, mags: dict, ref_out: torch.Tensor, ref_lse: torch.Tensor, out_dt
     """Per-element bound on |out - oracle| [B, s_q, h, d] and per-query bound on |lse - oracle| [B, h, s_q]
     (natural log) of one side of a comparison (:class:`mla_conformance.checks.OpTolerance` derives them).
 
-    ``out_dtype``: the dtype that side returned out in (its rounding: half a step of it). ``merged``: that side
-    is two partial calls merged by LSE: each part's out rounding is relative to the part's |out| (sum: u_out S,
-    not u_out |ref|), the parts' lse errors move their weights (2 x the lse bound x S), and their score terms
-    use A_max (T already does)."""
-    u_out = unit_roundoff(out_dtype)
+    ``out_dtype``: the dtype that side returned out in (its rounding: half a step of it, or its underflow
+    constant, whichever is larger). ``merged``: that side is two partial calls merged by LSE: each part's out
+    rounding is relative to the part's |out| (sum: u_out S, not u_out |ref|; the parts' underflows, weighted by
+    their shares, sum to one eta_out), the parts' lse errors move their weights (2 x the lse bound x S), and
+    their score terms use A_max (T already does). ``mags`` with ``keys`` / ``abs_v_sum``
+    (:func:`key_magnitudes`) makes the accumulation term grow with each query's key count and adds P's
+    underflow; without them (a caller that has no counts) the accumulation is taken for up to OP_ACC_KEYS keys
+    and P's underflow is left out."""
+    u_out, eta_out = unit_roundoff(out_dtype), underflow(out_dtype)
     abs_v, score_v = mags["abs_v"], mags["score_v"]
+    per_q = lambda x: x.transpose(1, 2)[..., None]                                   # [B, h, s] -> [B, s, h, 1]
+    keys = mags.get("keys")
+    acc = tol.acc if keys is None else tol.acc_at(keys)                                # scalar or [B, 1, s]
     finite = torch.where(torch.isfinite(ref_lse), ref_lse.abs(), torch.zeros_like(ref_lse))
     score = mags["score_max"] if merged else mags["score_abs"]
-    lse_b = tol.dot * score + (tol.acc + OP_LSE_ROUNDING) * (1.0 + finite + (1.0 if merged else 0.0))
-    per_q = lambda x: x.transpose(1, 2)[..., None]                                   # [B, h, s] -> [B, s, h, 1]
-    out_b = (tol.p_round + tol.acc) * abs_v + tol.dot * score_v + per_q(mags["sink_rel"] * lse_b) * ref_out.abs()
-    out_b = out_b + (u_out * abs_v + 2.0 * per_q(lse_b) * abs_v if merged else u_out * ref_out.abs())
+    lse_b = tol.dot * score + (acc + OP_LSE_ROUNDING) * (1.0 + finite + (1.0 if merged else 0.0))
+    acc_q = acc if keys is None else per_q(acc)
+    out_b = (tol.p_round + acc_q) * abs_v + tol.dot * score_v + per_q(mags["sink_rel"] * lse_b) * ref_out.abs()
+    out_b = out_b + (u_out * abs_v + 2.0 * per_q(lse_b) * abs_v if merged else u_out * ref_out.abs()) + eta_out
+    if keys is not None:
+        lse_b = lse_b + tol.acc_under * keys
+        out_b = out_b + tol.p_under * mags["abs_v_sum"] + tol.acc_under * per_q(op_acc_roundings(keys))
     return out_b, lse_b
 
 
@@ -174,7 +207,8 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
                 f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log) at (b, h, s) "
                 f"= ({b}, {h}, {s}): got {got:.6g} (raw {float(raw_lse[b, h, s]):.6g}, declared base {base}), expected "
                 f"{exp:.6g}; bound {float(lse_b[b, h, s]):.3e} ({key}: dot {tol.dot:.3g} x Abar "
-                f"{float(mags['score_abs'][b, h, s]):.3g} + ({tol.acc:.3g} + 2^-24) x (1 + |lse|)); {int(over.sum())} "
+                f"{float(mags['score_abs'][b, h, s]):.3g} + ({_acc_of(tol, mags, b, s):.3g} + 2^-24) x (1 + |lse|)"
+                f"{_keys_of(mags, b, s)}); {int(over.sum())} "
                 f"of {int(has_keys.sum())} queries over{hint}")
     # out of queries with keys
     over = (err > out_b) & valid_out
@@ -186,11 +220,32 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
             f"(b, s, h, d) = {at}: got {float(out[at]):.6g}, expected {float(ref_out[at]):.6g}, error "
             f"{float(err[at]):.3e} = {float(ratio[at]):.3g} x the bound {float(out_b[at]):.3e} ({key}: u_out "
             f"{figures['tolerance_u_out']:.3g} x |ref| + "
-            f"(p_round {tol.p_round:.3g} + acc {tol.acc:.3g}) x S {float(mags['abs_v'][at]):.3g} + dot {tol.dot:.3g} "
-            f"x T {float(mags['score_v'][at]):.3g}; S = softmax @ |V|, T = sum_t p_t (A_t + A_max) |v_t| from the "
-            f"float64 oracle{'; both sides bounded' if ref_dtype is not None else ''}); {int(over.sum())} of "
+            f"(p_round {tol.p_round:.3g} + acc {_acc_of(tol, mags, b, s):.3g}) x S {float(mags['abs_v'][at]):.3g} + "
+            f"dot {tol.dot:.3g} x T {float(mags['score_v'][at]):.3g} + underflow {_underflow_of(tol, mags, at, out_dtype)}"
+            f"; S = softmax @ |V|, T = sum_t p_t (A_t + A_max) |v_t| from the float64 oracle{_keys_of(mags, b, s)}"
+            f"{'; both sides bounded' if ref_dtype is not None else ''}); {int(over.sum())} of "
             f"{int(valid_out.sum())} values over, rel_fro {figures['out_rel_fro']:.3e}")
     return figures
+
+
+def _acc_of(tol, mags: dict, b: int, s: int) -> float:
+    """The accumulation term of query (b, s): grown with its key count where the oracle counted them."""
+    keys = mags.get("keys")
+    return tol.acc if keys is None else float(tol.acc_at(keys[b, 0, s]))
+
+
+def _keys_of(mags: dict, b: int, s: int) -> str:
+    keys = mags.get("keys")
+    return "" if keys is None else f"; the query has {int(keys[b, 0, s])} keys"
+
+
+def _underflow_of(tol, mags: dict, at: tuple, out_dtype) -> str:
+    """The absolute underflow terms at one element, for the message: out's (eta_out) and P's (p_under x V1)."""
+    text = f"{underflow(out_dtype):.3g}"
+    if "abs_v_sum" in mags:
+        b, s, _, d = at
+        text += f" + p_under {tol.p_under:.3g} x V1 {float(mags['abs_v_sum'][b, s, 0, d]):.3g} (sum_t |v_t|)"
+    return text
 
 
 def _unravel(flat: int, shape) -> tuple[int, ...]:
