@@ -6,6 +6,8 @@
   tests of a module, whichever asks first, once even under xdist (:class:`SuiteRuns`);
 * :func:`run_subprocess`: the same command line as a real pytest process, for the jobs that run on the
   background thread (tests/meta/background.py: pytest is not thread-safe, a subprocess is);
+* :class:`Keep`: a plugin of a run keeping some tests by node id and every test of some backends and ops (a
+  session that runs the whole suite on one backend and chosen cells on others), in either kind of run;
 * :func:`pytest_inprocess`: pytester's run of any other command line (a usage error, an expectation file).
 
 Every run: no xdist, no cache, none of the project's ``addopts``, the CPU, one torch thread (the outer
@@ -15,6 +17,7 @@ session's thread count is restored after an in-process run).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -83,6 +86,16 @@ class SuiteRun:
         assert reason, f"{nodeid}: the failure says nothing"
         return reason
 
+    def printed_failure(self, nodeid: str) -> str:
+        """The first ``E   AssertionError: `` line the run printed in the failure section of ``nodeid`` (what a
+        user sees); else the section, or the log's end, to show."""
+        head = re.search(rf"^_+ {re.escape(nodeid.split('::')[-1])} _+$", self.log, re.M)
+        if head is None:
+            return f"no failure section for {nodeid} in the run's output:\n{self.tail(3000)}"
+        section = re.split(r"^(?:_+ \S.* _+|=+ .* =+)$", self.log[head.end():], maxsplit=1, flags=re.M)[0]
+        line = re.search(r"^E   AssertionError: .*$", section, re.M)
+        return line.group(0) if line else section[-3000:]
+
     def assert_error(self, nodeid: str, *kinds: str) -> str:
         """The test came out an *error* (a crash or a contract violation) whose reason starts with one of
         ``kinds`` (exception names); returns the reason."""
@@ -131,11 +144,44 @@ def run_inprocess(pytester, targets: Iterable[str], *, backends: Iterable[str] =
     return _read(results, int(got.ret), "\n".join(got.outlines + got.errlines), expect)
 
 
+class Keep:
+    """A plugin of an inner run: keeps the tests whose node id is in ``nodeids`` and every test of the backends
+    and ops named in ``names`` (the names they report: the ``mla_backend`` / ``mla_op`` parameter); the rest is
+    deselected (counted as such in the run's summary)."""
+
+    def __init__(self, nodeids: Iterable[str] = (), names: Iterable[str] = ()):
+        self.nodeids, self.names = set(nodeids), set(names)
+
+    def _keep(self, item) -> bool:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return item.nodeid in self.nodeids or any(
+            getattr(params.get(f), "name", None) in self.names for f in ("mla_backend", "mla_op"))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        kept = [item for item in items if self._keep(item)]
+        config.hook.pytest_deselected(items=[item for item in items if not self._keep(item)])
+        items[:] = kept
+
+
+#: a pytest process with a :class:`Keep` plugin: ``python -c _KEPT ROOT keep.json ARGS...`` (pytest.main with the
+#: plugin object, as ``python -m pytest`` is pytest.main without one)
+_KEPT = ("import json, sys; sys.path.insert(0, sys.argv[1]); import pytest; from tests.meta.harness import Keep; "
+         "sys.exit(pytest.main(sys.argv[3:], plugins=[Keep(**json.loads(open(sys.argv[2]).read()))]))")
+
+
 def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[str] = (), ops: Iterable[str] = (),
-                   extra: Iterable[str] = (), expect: int | None = None, timeout: float = 600) -> SuiteRun:
-    """The same run as a pytest process started in ``workdir`` (a background job's scratch directory)."""
+                   extra: Iterable[str] = (), keep: Keep | None = None, expect: int | None = None,
+                   timeout: float = 600) -> SuiteRun:
+    """The same run as a pytest process started in ``workdir`` (a background job's scratch directory); with
+    ``keep``, only the tests it keeps run (the others are deselected)."""
     results = workdir / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "pytest", *suite_args(results, targets, backends, ops, extra)],
+    command = [sys.executable, "-m", "pytest"]
+    if keep is not None:
+        (workdir / "keep.json").write_text(json.dumps({"nodeids": sorted(keep.nodeids), "names": sorted(keep.names)}),
+                                           encoding="utf-8")
+        command = [sys.executable, "-c", _KEPT, str(ROOT), str(workdir / "keep.json")]
+    proc = subprocess.run([*command, *suite_args(results, targets, backends, ops, extra)],
                           cwd=workdir, capture_output=True, text=True, timeout=timeout)
     return _read(results, proc.returncode, proc.stdout + proc.stderr, expect)
 

@@ -9,14 +9,20 @@ pass -- and the correct implementations, written independently of the reference,
 * the suite files whose broken implementations another meta module runs (:data:`ELSEWHERE`): the
   generated-case properties and the op methods beyond decode.
 
-Data only. Both run through tests/meta/harness.py as a user runs the suite: the layer matrix in one pytest
-process started in the background (tests/meta/test_kill_matrix.py), the op matrix in one in-process session
-(tests/meta/test_op_meta.py, which keeps the cells with :class:`KeepOpCells`).
+Data, and the layer matrix's run. Both run through tests/meta/harness.py as a user runs the suite: the layer
+matrix in one pytest process started in the background (:func:`layer_run`, read by tests/meta/test_kill_matrix.py),
+the op matrix in one in-process session (tests/meta/test_op_meta.py, which keeps the cells with
+:class:`KeepOpCells`). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
+and op over the whole default suite, its failing variant on :data:`FAILURE_TEST`; read by
+tests/meta/test_readme_template.py): one process start-up, one set of session caches (weights, float64 oracles,
+the checkpoint probe) for both.
 """
 
-import pytest
+import re
 
 from mla_conformance.checks.op_methods import METHOD_SUITES
+
+from . import background, harness
 
 HERE = "tests/meta"
 
@@ -226,20 +232,70 @@ OP_ERRORS = [(key, _op_node(test, name)) for key, (_, name, test) in ERROR_OPS.i
 OP_SPECS = [spec for spec, _, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
 
 
-class KeepOpCells:
+class KeepOpCells(harness.Keep):
     """A plugin of the op run: keeps the cells of the broken and erroring ops and every op test of the correct
     ops (the rest is deselected)."""
 
     def __init__(self):
-        self.wanted = {n for _, _, n in OP_CELLS} | {n for _, n in OP_ERRORS}
-        self.correct = {name for _, name, _ in CORRECT_OPS.values()}
+        super().__init__({n for _, _, n in OP_CELLS} | {n for _, n in OP_ERRORS},
+                         {name for _, name, _ in CORRECT_OPS.values()})
 
-    def _keep(self, item) -> bool:
-        op = getattr(getattr(item, "callspec", None), "params", {}).get("mla_op")
-        return item.nodeid in self.wanted or getattr(op, "name", None) in self.correct
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config, items):
-        kept = [item for item in items if self._keep(item)]
-        config.hook.pytest_deselected(items=[item for item in items if not self._keep(item)])
-        items[:] = kept
+# --------------------------------------------------------------------------- the README's blocks, and the run
+
+README = harness.ROOT / "README.md"
+BACKEND_SECTION, OP_SECTION = "## Check your own backend", "## Check your own kernel"
+#: The failure the README shows: its backend without YaRN's mscale^2 (the `scale *=` line of `yarn`), this test.
+FAILURE_TEST = "suites/test_numerics.py::test_against_float64[my-mla-float32-prefill-deepseek-v2-lite]"
+MSCALE_LINE = re.compile(r"^ +scale \*= .*\n", re.M)
+#: the name the README's backend reports, and the names its blocks report in the layer matrix's session (one
+#: session's backends need unique names, and the frozen backend is "my-mla" too): its backend, its failing
+#: variant, its op (its own name)
+README_BACKEND = "my-mla"
+README_NAMES = {"backend": "readme-my-mla", "mutant": "readme-my-mla-no-mscale", "op": "my-op"}
+#: FAILURE_TEST on the failing variant, as the layer matrix's session names it
+MUTANT_TEST = FAILURE_TEST.replace(f"[{README_BACKEND}-", f"[{README_NAMES['mutant']}-")
+
+
+def readme_block(section: str) -> str:
+    """The python block under ``section`` of README.md."""
+    text = README.read_text(encoding="utf-8")
+    assert section in text, f"README.md has no section {section!r}"
+    block = re.search(r"```python\n(.*?)```", text[text.index(section):], re.S)
+    assert block, f"README.md's {section!r} has no python block"
+    return block.group(1)
+
+
+def _renamed(block: str, name: str) -> str:
+    out, n = re.subn(rf'^( +name = )"{re.escape(README_BACKEND)}"$', rf'\1"{name}"', block, flags=re.M)
+    assert n == 1, f"README's backend has {n} `name = \"{README_BACKEND}\"` lines (expected one)"
+    return out
+
+
+def readme_specs(tmp) -> tuple[list[str], list[str]]:
+    """The README's backend, its failing variant (the one `scale *=` line removed) and its op written to files
+    in ``tmp``; returns (backend specs, op specs)."""
+    backend = readme_block(BACKEND_SECTION)
+    mutant, n = MSCALE_LINE.subn("", backend)
+    assert n == 1, f"README's backend has {n} `scale *=` lines; the failure it shows removes exactly one"
+    files = {"readme_backend.py": _renamed(backend, README_NAMES["backend"]),
+             "readme_backend_no_mscale.py": _renamed(mutant, README_NAMES["mutant"]),
+             "readme_op.py": readme_block(OP_SECTION)}
+    for name, text in files.items():
+        (tmp / name).write_text(text, encoding="utf-8")
+    return [f"{tmp / 'readme_backend.py'}:MyBackend", f"{tmp / 'readme_backend_no_mscale.py'}:MyBackend"], \
+        [f"{tmp / 'readme_op.py'}:MyOp"]
+
+
+def layer_run() -> harness.SuiteRun:
+    """The layer matrix in one pytest process, through the plugin and its --mla-results exactly as a user's run:
+    every cell on its broken backend, the correct backends' cells, the crash cells; in the same session the
+    README's backend and op over the whole default suite and its failing variant on FAILURE_TEST only (every
+    other test is deselected: :class:`harness.Keep`)."""
+    tmp = background.scratch("mla-kill-")
+    readme_backends, readme_ops = readme_specs(tmp)
+    specs = [*(spec for spec, _ in [*BROKEN.values(), *CORRECT.values()]), *(spec for spec, _, _ in ERROR_CELLS),
+             *readme_backends]
+    cells = [n for _, _, n in node_ids() + correct_node_ids()] + [n for _, _, n in ERROR_CELLS] + [MUTANT_TEST]
+    keep = harness.Keep(cells, [README_NAMES["backend"], README_NAMES["op"]])
+    return harness.run_subprocess(tmp, ["suites"], backends=specs, ops=readme_ops, extra=["-s"], keep=keep, expect=1)

@@ -2,7 +2,8 @@
 runs a conformance test on a broken backend and must come out *failed* -- an AssertionError verdict naming
 the backend, not an error, a skip or a pass; the same tests on the correct backends written independently
 of the reference must pass (or skip an optional part they do not implement). All of it in one pytest
-subprocess (started in the background when the session has collected this module: tests/meta/background.py),
+subprocess (kill_matrix.layer_run, started in the background when the session has collected this module:
+tests/meta/background.py; the README's blocks run in it too, for tests/meta/test_readme_template.py),
 through the plugin as a user runs it (tests/meta/harness.py); and every conformance test of suites/ has a cell."""
 
 import ast
@@ -12,7 +13,7 @@ import pytest
 
 from . import background, harness
 from .kill_matrix import (BROKEN, CORRECT, CORRECT_TESTS, ELSEWHERE, ERROR_CELLS, EXEMPT, KILL_MATRIX, correct_node_ids,
-                          node_ids)
+                          layer_run, node_ids)
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_kill_matrix")]  # its one run of the suite, once under -n
 ROOT = harness.ROOT
@@ -34,21 +35,14 @@ def conformance_tests() -> set[str]:
     return found
 
 
-def _kill_matrix_run() -> harness.SuiteRun:
-    """Every cell in one pytest process, through the plugin and its --mla-results exactly as a user's run."""
-    specs = [*(spec for spec, _ in [*BROKEN.values(), *CORRECT.values()]), *(spec for spec, _, _ in ERROR_CELLS)]
-    return harness.run_subprocess(background.scratch("mla-kill-"), [n for _, _, n in CELLS + PASSING + ERROR_CELLS],
-                                  backends=specs, extra=["-s"], expect=1)
-
-
 #: started when the session has collected this module, on the core the serial session leaves idle
-#: (tests/meta/background.py)
-BACKGROUND = {"kill-matrix": ("run", None, _kill_matrix_run)}
+#: (tests/meta/background.py); tests/meta/test_readme_template.py reads the same run
+BACKGROUND = {"kill-matrix": ("run", None, layer_run)}
 
 
 @pytest.fixture(scope="module")
 def run(suite_runs) -> harness.SuiteRun:
-    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", _kill_matrix_run))
+    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run))
 
 
 @pytest.fixture(scope="module")

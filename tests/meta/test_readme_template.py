@@ -1,80 +1,51 @@
 """README.md is a front page whose code runs: its minimal backend and its minimal op, pasted into files, CONFORM
-(the default suite runs on both in one pytest subprocess, as a user runs it, and nothing fails or errors); the
-verdict and the failure it shows are what the commands print; it has at most 200 lines; every relative link of
-README.md, markers.md and docs/*.md resolves.
+(the default suite runs on both, as a user runs it, and nothing fails or errors); the verdict and the failure it
+shows are what the commands print; it has at most 200 lines; every relative link of README.md, markers.md and
+docs/*.md resolves.
 
-The subprocess (about 20 s of one core) starts in the background when the session has collected this module
-(tests/meta/background.py), on the core a serial session leaves idle. tests/meta/frozen_base_backend.py and
-frozen_base_op.py, the base contract frozen forever, are held to their verdicts by the kill matrix and the op meta
-tests; the README's blocks may be shorter than they are.
+The blocks run in the kill matrix's one pytest process (tests/meta/kill_matrix.py layer_run: its start-up and
+its session caches shared; started in the background when the session has collected this module or
+test_kill_matrix, on the core a serial session leaves idle: tests/meta/background.py): the README's backend and
+op over the whole default suite, its failing variant (the `scale *=` line removed) on FAILURE_TEST. There they
+report the names kill_matrix.README_NAMES (the frozen backend is "my-mla" too); a failure line is compared with
+the README's under the README's name. tests/meta/frozen_base_backend.py and frozen_base_op.py, the base contract
+frozen forever, are held to their verdicts by the kill matrix and the op meta tests; the README's blocks may be
+shorter than they are.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from . import background
+from . import background, harness
+from .kill_matrix import (FAILURE_TEST, MUTANT_TEST, OP_SECTION, README, README_BACKEND, README_NAMES, layer_run,
+                          readme_block)
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_readme_template")]  # module fixtures once under -n
-ROOT = Path(__file__).resolve().parent.parent.parent
-README = ROOT / "README.md"
+ROOT = harness.ROOT
 MAX_LINES = 200
-BACKEND_SECTION, OP_SECTION = "## Check your own backend", "## Check your own kernel"
-#: The failure the README shows: its backend without YaRN's mscale^2 (the `scale *=` line of `yarn`), this test.
-FAILURE_TEST = "suites/test_numerics.py::test_against_float64[my-mla-float32-prefill-deepseek-v2-lite]"
-MSCALE_LINE = re.compile(r"^ +scale \*= .*\n", re.M)
 
-
-def _block(section: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    assert section in text, f"README.md has no section {section!r}"
-    block = re.search(r"```python\n(.*?)```", text[text.index(section):], re.S)
-    assert block, f"README.md's {section!r} has no python block"
-    return block.group(1)
-
-
-def _pytest(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider",
-                           "-p", "no:randomly", "-q", "-o", "addopts=", "--rootdir", str(ROOT), "--mla-device", "cpu",
-                           "--mla-threads", "1", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
-
-
-def _readme_run() -> dict:
-    """The README's backend and op written to files, the default suite run on both (one pytest process); then the
-    README's failing variant on FAILURE_TEST. Returns {"tests": [...], "failure": the E line, "log": ...}."""
-    tmp = background.scratch("mla-readme-")
-    (tmp / "my_backend.py").write_text(_block(BACKEND_SECTION), encoding="utf-8")
-    (tmp / "my_op.py").write_text(_block(OP_SECTION), encoding="utf-8")
-    results = tmp / "results.json"
-    proc = _pytest([str(ROOT / "suites"), "--mla-results", str(results), "--mla-backend",
-                    f"{tmp / 'my_backend.py'}:MyBackend", "--mla-op", f"{tmp / 'my_op.py'}:MyOp"], tmp)
-    log = proc.stdout + proc.stderr
-    assert results.is_file(), f"the README blocks' run wrote no results (exit {proc.returncode}):\n{log[-4000:]}"
-    mutant, n = MSCALE_LINE.subn("", _block(BACKEND_SECTION))
-    assert n == 1, f"README's backend has {n} `scale *=` lines; the failure it shows removes exactly one"
-    (tmp / "broken.py").write_text(mutant, encoding="utf-8")
-    node = str(ROOT / FAILURE_TEST.split("::")[0]) + "::" + FAILURE_TEST.split("::")[1]
-    broken = _pytest([node, "--mla-backend", f"{tmp / 'broken.py'}:MyBackend"], tmp)
-    failure = [line for line in broken.stdout.splitlines() if line.startswith("E   AssertionError: ")]
-    return {"tests": json.loads(results.read_text())["tests"], "exit": proc.returncode, "log": log[-4000:],
-            "failure": failure[0] if failure else broken.stdout[-3000:]}
-
-
-#: started when the session has collected this module, on the core the serial session leaves idle
-BACKGROUND = {"readme-blocks": ("readme_run", None, _readme_run)}
+#: the kill matrix's run, started when the session has collected this module (once: one key with test_kill_matrix)
+BACKGROUND = {"kill-matrix": ("readme_run", None, layer_run)}
 
 
 @pytest.fixture(scope="module")
 def readme_run(suite_runs) -> dict:
-    return suite_runs.get("readme-blocks", lambda: background.result("readme-blocks", _readme_run))
+    """The README blocks' tests of the kill matrix's run; its failing variant's failure line, said with the
+    README backend's name (the only word the session's unique name changes)."""
+    run = suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run))
+    names = {README_NAMES["backend"], README_NAMES["op"]}
+    failure = run.printed_failure(MUTANT_TEST)
+    prefix = f"E   AssertionError: {README_NAMES['mutant']} "
+    if failure.startswith(prefix):
+        failure = f"E   AssertionError: {README_BACKEND} " + failure[len(prefix):]
+    return {"tests": [t for t in run.tests if names & {t.get("params", {}).get(k) for k in ("backend", "op")}],
+            "exit": run.code, "log": run.tail(), "failure": failure}
 
 
 def _outcomes(run: dict, kind: str, name: str) -> dict[str, list[dict]]:
@@ -85,7 +56,7 @@ def _outcomes(run: dict, kind: str, name: str) -> dict[str, list[dict]]:
     return by
 
 
-@pytest.mark.parametrize("kind, name", [("backend", "my-mla"), ("op", "my-op")])
+@pytest.mark.parametrize("kind, name", [("backend", README_NAMES["backend"]), ("op", README_NAMES["op"])])
 def test_readme_block_conforms(readme_run, kind, name):
     """CONFORMS: no test of it failed or errored, some passed, every skip says why."""
     got = _outcomes(readme_run, kind, name)
@@ -98,8 +69,8 @@ def test_readme_block_conforms(readme_run, kind, name):
 
 def test_readme_verdict_is_the_runs(readme_run):
     """The verdict line README.md shows carries the counts the suite gives its backend today."""
-    got = _outcomes(readme_run, "backend", "my-mla")
-    line = (f"  my-mla: CONFORMS ({len(got.get('passed', []))} passed, 0 failed, 0 errors, "
+    got = _outcomes(readme_run, "backend", README_NAMES["backend"])
+    line = (f"  {README_BACKEND}: CONFORMS ({len(got.get('passed', []))} passed, 0 failed, 0 errors, "
             f"{len(got.get('skipped', []))} skipped)")
     assert f"\n{line}\n" in README.read_text(encoding="utf-8"), (
         f"README.md's verdict excerpt is not what `mla-conformance run --backend my_backend.py:MyBackend` prints "
@@ -129,7 +100,7 @@ def test_readme_op_takes_head_dim_v_as_the_contract_passes_it():
     from mla_conformance.contract.op import D_V
 
     ns: dict = {}
-    exec(compile(_block(OP_SECTION), "README.md:op", "exec"), ns)  # noqa: S102 (the README's own block)
+    exec(compile(readme_block(OP_SECTION), "README.md:op", "exec"), ns)  # noqa: S102 (the README's own block)
     sig = inspect.signature(ns["MyOp"].decode)
     assert sig.parameters["head_dim_v"].default == D_V and sig.parameters["head_dim_v"].kind.name == "KEYWORD_ONLY"
     frozen = ast.parse((ROOT / "tests/meta/frozen_base_op.py").read_text(encoding="utf-8"))
