@@ -33,11 +33,10 @@ from hypothesis import configuration, errors, given, reject
 from mla_conformance.checks import op as oc
 from mla_conformance.checks.driver import inputs_for, require_support, run_scenario, scenario_lengths
 from mla_conformance.checks.driver import Scenario, diagnosis
-from mla_conformance.checks.layer_numerics import likely_cause_message
-from mla_conformance.checks.metrics import DTYPES, dtype_name, error_metrics, margin, row_metrics
+from mla_conformance.checks.layer_numerics import check_rows, likely_cause_message
+from mla_conformance.checks.metrics import DTYPES, error_metrics
 from mla_conformance.checks.strategies import (LAYER_CONFIGS, LayerDraw, OpDraw, OpSupport, Stratum, layer_strata,
                                                op_strata, parse_case)
-from mla_conformance.checks.tolerances import TOLERANCES, tolerance_figures
 from mla_conformance.contract.layer import support_reason
 from mla_conformance.contract.op import OpCase, declared
 from mla_conformance.model.config import MLAConfig, PRESETS
@@ -182,8 +181,8 @@ def layer_case_declined(backend, case: LayerDraw, device: str) -> str | None:
 
 
 def check_layer_case(backend, case: LayerDraw, *, device: str, figures: dict) -> None:
-    """One generated layer case: every row against the float64 expanded reference within TOLERANCES[dtype]
-    (rel_fro and max_abs / rms per row, as the numerics tests)."""
+    """One generated layer case: every row against the float64 expanded reference within its row's bounds
+    (:func:`mla_conformance.checks.layer_numerics.check_rows`: rel_fro and max_abs / rms, as the numerics tests)."""
     __tracebackhide__ = True
     dtype = DTYPES[case.dtype]
     config = layer_config(case.config)
@@ -198,23 +197,15 @@ def check_layer_case(backend, case: LayerDraw, *, device: str, figures: dict) ->
     ref = reference_attention_f64(_master(case.config), x64, lengths)
     valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
     m = error_metrics(out[valid], ref[valid])
-    tol = TOLERANCES[dtype_name(dtype)]
     figures.update(m)
-    figures.update(tolerance_figures(tol), margin_rel_fro=margin(m["rel_fro"], tol.rel_fro) if m["rel_fro"] else None,
-                   rel_fro_over_tolerance=m["rel_fro"] / tol.rel_fro)
     where = f"{backend.name} [{case}] generated layer case"
-    for b in range(scenario.batch):
-        mb = row_metrics(out[b, : lengths[b]], ref[b, : lengths[b]])
-        if not (mb["rel_fro"] <= tol.rel_fro and mb["max_rel"] <= tol.max_rel):
-            worst = int((out[b, : lengths[b]] - ref[b, : lengths[b]]).abs().amax(-1).argmax())
-            cause = likely_cause_message(out, _master(case.config), x64, lengths, trace["calls"],
-                                         correct=m["rel_fro"], tol=tol, figures=figures)
-            raise AssertionError(
-                f"{where}: row {b} differs from the float64 reference beyond the {dtype_name(dtype)} tolerance: "
-                f"rel_fro {mb['rel_fro']:.3e} (tolerance {tol.rel_fro:g}), max_abs/rms {mb['max_rel']:.3e} "
-                f"(tolerance {tol.max_rel:g}); worst token at position {worst} of {int(lengths[b])} (prefill "
-                f"{case.prefill[b]}, chunks of {case.chunk or 'all'}, then {case.decode} decode steps)"
-                f"{cause}{diagnosis(backend, w)}")
+    check_rows(out, ref, lengths, dtype, where=where, figures=figures,
+               detail=lambda b: (f" (prefill {case.prefill[b]}, chunks of {case.chunk or 'all'}, then {case.decode} "
+                                 "decode steps)"),
+               cause=lambda tol: likely_cause_message(out, _master(case.config), x64, lengths, trace["calls"],
+                                                      correct=m["rel_fro"], tol=tol, figures=figures)
+               + diagnosis(backend, w))
+    figures.update(rel_fro_over_tolerance=m["rel_fro"] / figures["tolerance_rel_fro"])
 
 
 def check_layer_property(backend, prop: str, *, device: str, figures: dict, generation) -> None:
