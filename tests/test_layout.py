@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mla_conformance"
 MAX_LINES = 700
 #: names appearing from nowhere: a suite module's namespace copied into a test module (spelled in two parts so
-#: that `grep -rn "globals().update" tests` finds no use at all)
+#: that a grep of tests/ for the call finds no use at all)
 INJECT = "globals()" + ".update"
 
 
