@@ -9,11 +9,11 @@ def __getattr__(name):
     # lazy: the pytest plugin (mla_conformance.pytest_plugin) loads in every pytest run of the environment, and
     # importing the package must not import torch there
     if name == "MLAConfig":
-        from mla_conformance.model.config import MLAConfig
+        from mla_conformance.model.config import MLAConfig  # lazy: see above
 
         return MLAConfig
     if name == "MLAWeights":
-        from mla_conformance.model.weights import MLAWeights
+        from mla_conformance.model.weights import MLAWeights  # imports torch: lazy, see above
 
         return MLAWeights
     raise AttributeError(f"module 'mla_conformance' has no attribute {name!r}")

@@ -95,3 +95,23 @@ def test_no_globals_update_in_tests():
     users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
                    if p != Path(__file__) and INJECT in p.read_text())
     assert not users, f"{INJECT} in {users}"
+
+
+def test_function_local_imports_of_the_package_say_why():
+    """A function-local import of the package's own modules hides an edge of the import graph: it is there only
+    where a heavy import must wait (torch, hypothesis, the report package), with the reason on its line or the
+    line above."""
+    silent = []
+    for path in sorted(PKG.rglob("*.py")):
+        src = path.read_text()
+        lines = src.splitlines()
+        for fn in ast.walk(ast.parse(src, str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    mod = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                    if (mod or "").startswith("mla_conformance") and "#" not in lines[node.lineno - 1] \
+                            and not lines[node.lineno - 2].strip().startswith("#"):
+                        silent.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not silent, "function-local imports without a reason:\n" + "\n".join(sorted(set(silent)))

@@ -30,7 +30,7 @@ COMMANDS = {
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command, or of ``command`` alone (its module only is imported)."""
-    from mla_conformance import __version__
+    from mla_conformance import __version__  # the package root, read when the parser is built
 
     parser = argparse.ArgumentParser(
         prog="mla-conformance",

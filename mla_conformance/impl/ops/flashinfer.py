@@ -64,6 +64,7 @@ import math
 
 import torch
 
+from mla_conformance import arch
 from mla_conformance.contract.op import D_QK, D_ROPE, D_V, PREFILL_D_QK, PREFILL_D_V, declared
 
 FA2_KERNEL = "flashinfer/fa2_mla"
@@ -117,8 +118,6 @@ class FlashInferOp:
             return FA3_KERNEL
         if self.backend == "fa2":
             return FA2_KERNEL
-        from mla_conformance import arch
-
         return FA3_KERNEL if arch.why_not(FA3_KERNEL, info, check_package=False) is None else FA2_KERNEL
 
     def method_kernel_id(self, method: str, info) -> str:
@@ -127,8 +126,6 @@ class FlashInferOp:
             return {"merge": MERGE_KERNEL, "write": APPEND_KERNEL}[method]
         if self.backend in ("fa2", "fa3"):
             return FA3_PREFILL if self.backend == "fa3" else FA2_PREFILL
-        from mla_conformance import arch
-
         return FA3_PREFILL if arch.why_not(FA3_PREFILL, info, check_package=False) is None else FA2_PREFILL
 
     def _flashinfer(self):
@@ -140,8 +137,6 @@ class FlashInferOp:
         return flashinfer
 
     def unsupported_reason(self, case):
-        from mla_conformance import arch
-
         if getattr(case, "method", "decode") != "decode":
             return self._method_reason(case)
         info = arch.detect(case.device)
@@ -171,8 +166,6 @@ class FlashInferOp:
         return None
 
     def _method_reason(self, case) -> str | None:
-        from mla_conformance import arch
-
         method = case.method
         reason = arch.why_not(self.method_kernel_id(method, arch.detect(case.device)), arch.detect(case.device))
         if reason:

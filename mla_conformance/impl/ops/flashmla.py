@@ -53,6 +53,7 @@ import math
 
 import torch
 
+from mla_conformance import arch
 from mla_conformance.contract.op import D_V
 
 DENSE_KERNEL = "flashmla/dense_decode"
@@ -117,8 +118,6 @@ class _FlashMLABase:
         return flash_mla
 
     def _arch_reason(self, case) -> str | None:
-        from mla_conformance import arch
-
         return arch.why_not(self.kernel_id, arch.detect(case.device))
 
     def _import_reason(self) -> str | None:
@@ -235,8 +234,6 @@ class FlashMLASparseOp(_FlashMLABase):
         return None
 
     def _sparse_prefill_reason(self, case) -> str | None:
-        from mla_conformance import arch
-
         name = "FlashMLA sparse prefill"
         reason = arch.why_not(SPARSE_PREFILL_KERNEL, arch.detect(case.device))
         if reason:

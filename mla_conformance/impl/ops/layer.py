@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import torch
 
+from mla_conformance.contract.layer import dense_only_reason
+from mla_conformance.kv.codecs import get_codec
 from mla_conformance.model import reference as ref
 from mla_conformance.kv.caches import PagedLatentCache, to_flashmla_layout
 from mla_conformance.contract.op import D_QK, D_ROPE, D_V, OpCase, declared, takes_head_dims
@@ -110,8 +112,6 @@ class OpBackend:
     # ------------------------------------------------------------------ gating
     def request_reason(self, config, *, dtype, device, kv_codec="none") -> str | None:
         """What the wrapper itself declines (before asking the op)."""
-        from mla_conformance.contract.layer import dense_only_reason
-
         reason = dense_only_reason(self.name, config)
         if reason:
             return reason
@@ -125,8 +125,6 @@ class OpBackend:
             return (f"op {self.op.name} reads kv formats {', '.join(declared(self.op, 'kv_formats'))}, not "
                     f"{CODEC_FORMATS[kv_codec]!r} (kv_codec {kv_codec!r})")
         if kv_codec == FP8_CODEC:
-            from mla_conformance.kv.codecs import get_codec
-
             reason = get_codec(kv_codec).unsupported_reason(config, dtype)
             if reason:
                 return reason

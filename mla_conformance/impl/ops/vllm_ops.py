@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_conformance import arch
 from mla_conformance.contract.op import D_QK, D_V, declared
 
 MERGE_KERNEL = "vllm/merge_attn_states"
@@ -69,8 +70,6 @@ class VLLMOp:
                                         "concat_and_cache_mla": staticmethod(_custom_ops.concat_and_cache_mla)})
 
     def unsupported_reason(self, case):
-        from mla_conformance import arch
-
         method = getattr(case, "method", "decode")
         if method not in ("merge", "write"):
             return f"{self.name} has merge and write only, not {method}"
