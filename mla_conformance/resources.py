@@ -9,6 +9,7 @@ to the checkout's directories, so there the checkout's files are what is read (a
 
 from __future__ import annotations
 
+import json
 from importlib.resources import files
 from pathlib import Path
 
@@ -85,3 +86,14 @@ def pytest_location_args(suites: Path, tmpdir: str | Path) -> list[str]:
     ini = Path(tmpdir) / "pytest.ini"
     ini.write_text("[pytest]\n", encoding="utf-8")
     return ["-c", str(ini), "--rootdir", str(suites.parent)]
+
+
+def read_json(path: Path, *, missing: str, error: type[Exception] = MLAInputError):
+    """A JSON file the user named, or one line naming it: ``error(f"{path}: {missing}")`` when it is absent,
+    ``error(f"{path}: not valid JSON (...)")`` when it does not parse."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path}: {missing}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None

@@ -57,16 +57,22 @@ def pick_page(op, prefer=(16, 64, 1)) -> int:
                 f"builds ({', '.join(map(str, KNOWN_PAGE_SIZES))})")
 
 
+def op_reason(op, case) -> str | None:
+    """The op's own ``unsupported_reason(case)`` for any method's case; one that raises is a BackendError naming it."""
+    __tracebackhide__ = True
+    try:
+        return op.unsupported_reason(case)
+    except Exception as exc:
+        raise BackendError(f"{op.name}: unsupported_reason({case.describe()}) raised {type(exc).__name__}: "
+                           f"{exc}") from exc
+
+
 def unsupported(op, case: OpCase) -> str | None:
     """The op's sentence for a case it declines (a raising unsupported_reason is a BackendError)."""
     __tracebackhide__ = True
     # the op's own sentence first: on a host its kernel cannot run on, that is the support matrix's sentence
     # (the same for every case), not a remark about the case's format
-    try:
-        reason = op.unsupported_reason(case)
-    except Exception as exc:
-        raise BackendError(f"{op.name}: unsupported_reason({case.describe()}) raised {type(exc).__name__}: "
-                           f"{exc}") from exc
+    reason = op_reason(op, case)
     if reason:
         return reason
     if case.sparse and not declared(op, "sparse_decode"):

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from mla_conformance.checks import op as oc
+from mla_conformance.checks.op_inputs import op_reason
 from mla_conformance.contract.op import SIGNATURES, declared, has_method
 from mla_conformance.errors import BackendError, BackendOutputError
 from mla_conformance.model.attention_oracles import to_natural
@@ -62,11 +63,7 @@ def unsupported(op, case) -> str | None:
     """The op's sentence for a case it declines (a raising unsupported_reason is a BackendError), else the
     sentence of a declaration the case needs and the op does not make."""
     __tracebackhide__ = True
-    try:
-        reason = op.unsupported_reason(case)
-    except Exception as exc:
-        raise BackendError(f"{op.name}: unsupported_reason({case.describe()}) raised {type(exc).__name__}: "
-                           f"{exc}") from exc
+    reason = op_reason(op, case)
     if reason:
         return reason
     m = case.method

@@ -29,7 +29,7 @@ from mla_conformance.model import reference as ref
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.errors import CheckpointError, MLAInputError
-from mla_conformance.resources import fixtures_dir, prompts_file, tiny_model_dir
+from mla_conformance.resources import fixtures_dir, prompts_file, read_json, tiny_model_dir
 from mla_conformance.model.config import expected_shapes
 from mla_conformance.model.weights import MLAWeights
 from mla_conformance.specs import get_backend
@@ -164,12 +164,7 @@ def greedy_generate(model, backend, prompts: list[list[int]], max_new_tokens: li
 
 def load_prompts(path: str | Path = DEFAULT_PROMPTS) -> dict[str, Any]:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise MLAInputError(f"{path}: no such prompts file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MLAInputError(f"{path}: not valid JSON ({exc})") from None
+    data = read_json(path, missing="no such prompts file")
     if not isinstance(data.get("sets"), dict):
         raise MLAInputError(f"{path}: no 'sets' object")
     return data

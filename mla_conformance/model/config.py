@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from mla_conformance.errors import CheckpointError, MLAInputError
+from mla_conformance.resources import read_json
 
 _YARN_KEYS = (
     "factor",
@@ -177,12 +177,7 @@ class MLAConfig:
             if path.is_dir():
                 path = path / "config.json"
             source = str(path)
-            try:
-                config = json.loads(path.read_text(encoding="utf-8"))
-            except FileNotFoundError:
-                raise CheckpointError(f"{path}: no such file (expected a Hugging Face config.json)") from None
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+            config = read_json(path, missing="no such file (expected a Hugging Face config.json)", error=CheckpointError)
         else:
             config = dict(config)
         if hasattr(config, "to_dict") and not isinstance(config, dict):
