@@ -42,7 +42,7 @@ import statistics
 import pytest
 
 from mla_conformance import MLAConfig, checks
-from mla_conformance.perf.cases import (CASES, CLAIM_FLOOR, DENSE_PRESET, DTYPE, KV_CODECS, PRESET, ROUNDS,
+from mla_conformance.perf.cases import (CASES, DENSE_PRESET, DTYPE, KV_CODECS, PRESET, ROUNDS,
                                         SPARSE_CONTEXTS, SPARSE_PRESET, SPARSE_ROUNDS, WARMUP, ctx_id)
 from mla_conformance.perf.sparse import sparse_decode_bytes
 from mla_conformance.perf.step import prepare
@@ -50,8 +50,6 @@ from mla_conformance.perf.timing import measure_bandwidth, time_interleaved, tim
 from mla_conformance.specs import get_backend
 
 pytestmark = pytest.mark.benchmark
-
-__all__ = ["CLAIM_FLOOR"]  # perf.cases' constant, re-exported: the README still names this file for it
 
 
 def _gated(prepared, benchmark):
