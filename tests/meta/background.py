@@ -10,6 +10,7 @@ thread-safe): they drive subprocesses only. Under xdist, or when a test asks fir
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +19,19 @@ from typing import Any, Callable
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _JOBS: dict[str, concurrent.futures.Future] = {}
 _DIRS: list[Path] = []
+
+#: The environment the jobs' processes get, taken before any test runs. A job passes it (``env=background.env()``)
+#: rather than inheriting: CPython spawns through vfork(), so a child shares this process's memory until it execs,
+#: and the main thread's tests change os.environ meanwhile (pytester, monkeypatch.setenv); glibc's setenv may
+#: reallocate ``environ`` under the child's execve: "OSError: [Errno 14] Bad address" (CI; reproduced with one
+#: thread spawning /bin/true while another sets variables: 111 of 300 spawns failed). An explicit env is copied
+#: by the spawning thread. (Turning vfork off instead costs ~0.1 s per spawn from this 2-3 GB process.)
+_ENV = dict(os.environ)
+
+
+def env(**extra: str) -> dict[str, str]:
+    """The session's starting environment plus ``extra``: what a job's subprocess gets."""
+    return {**_ENV, **extra}
 
 
 def scratch(prefix: str) -> Path:

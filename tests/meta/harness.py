@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from . import background
+
 # torch and hypothesis (its pytest plugin imports it in every run) are imported before any pytester run:
 # pytester drops the modules a run imported first and the next run imports them again (torch must never be
 # imported twice; hypothesis costs 1-4 s a run)
@@ -182,7 +184,7 @@ def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[
                                            encoding="utf-8")
         command = [sys.executable, "-c", _KEPT, str(ROOT), str(workdir / "keep.json")]
     proc = subprocess.run([*command, *suite_args(results, targets, backends, ops, extra)],
-                          cwd=workdir, capture_output=True, text=True, timeout=timeout)
+                          cwd=workdir, capture_output=True, text=True, timeout=timeout, env=background.env())
     return _read(results, proc.returncode, proc.stdout + proc.stderr, expect)
 
 

@@ -445,7 +445,7 @@ def _test_command_run():
     script = Path(sys.executable).parent / "mla-conformance"
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "mla_conformance.cli"]
     proc = subprocess.run([*cmd, "test", "--backend", "reference-absorbed", "--", NODEID, "-v"], cwd=tmp,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=background.env())
     return tmp, proc.returncode, proc.stdout + proc.stderr, sorted(p.name for p in tmp.iterdir())
 
 

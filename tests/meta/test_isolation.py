@@ -71,7 +71,7 @@ def _faulty_run(mode: str):
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
                            str(out), "--name", "host", "--timeout", "0.5", *_backend_args(*classes), "--", "-q",
-                           "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120)
+                           "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120, env=background.env())
     wall = time.perf_counter() - t0
     if not (out / "conformance.json").is_file():
         raise AssertionError(f"{mode}: no report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -152,7 +152,7 @@ def _sigterm_run() -> dict:
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    env = background.env(TMPDIR=str(tmpdir))
     proc = subprocess.Popen([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
                              str(out), "--timeout", "60", *_backend_args("PythonHang"), "--", "-q",
                              "--mla-device", "cpu", *LEAN],

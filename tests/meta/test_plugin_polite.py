@@ -49,7 +49,7 @@ def _foreign_run() -> tuple[int, str]:
     project = background.scratch("mla-foreign-")
     (project / "test_foreign.py").write_text(FOREIGN_TESTS, encoding="utf-8")
     (project / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")  # its own rootdir and configuration
-    proc = subprocess.run([sys.executable, "-c", RUN], cwd=project, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", RUN], cwd=project, capture_output=True, text=True, timeout=120, env=background.env())
     return proc.returncode, proc.stdout + proc.stderr
 
 
