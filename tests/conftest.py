@@ -18,6 +18,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules whose tests read a background job's result (``BACKGROUND``: tests/meta/background.py) run
+    # last, so the jobs have had the whole session to finish on the other core instead of being waited for.
+    items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "BACKGROUND", None)))
     given = [opt for opt in ("--mla-backend", "--mla-op") if config.getoption(opt)]
     if not given:
         return

@@ -33,7 +33,30 @@ import hypothesis  # noqa: F401
 import pytest
 import torch
 
+from _pytest.assertion import rewrite as _rewrite
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rewritten_once(rewrite_test):
+    """pytest's assertion rewriting of a module, kept in memory for the session. An in-process run imports the
+    suites and the tool's modules afresh, and pytest rewrites each again unless it may write its .pyc cache
+    (it may not under PYTHONDONTWRITEBYTECODE, as on this project's machines): ~4 s a session. The code object
+    depends on the file's bytes only (the ini options rewriting reads are this project's, the same in every run)."""
+    done: dict = {}
+
+    def cached(fn, config):
+        key = (str(fn), fn.read_bytes())
+        if key not in done:
+            done[key] = rewrite_test(fn, config)
+        return done[key]
+
+    cached.uncached = rewrite_test
+    return cached
+
+
+if not hasattr(_rewrite._rewrite_test, "uncached"):
+    _rewrite._rewrite_test = _rewritten_once(_rewrite._rewrite_test)
 #: the options of every inner run of the suite
 BASE = ("-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=", "--mla-device", "cpu",
         "--mla-threads", "1")
