@@ -92,7 +92,8 @@ class MLAWeights(Mapping):
     # ------------------------------------------------------------------ constructors
     @classmethod
     def random(cls, config: MLAConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", draw_dtype: torch.dtype = torch.float64) -> "MLAWeights":
+               device: torch.device | str = "cpu", draw_dtype: torch.dtype = torch.float64,
+               period: int | None = None) -> "MLAWeights":
         """Deterministic, well-scaled random weights (drawn in ``draw_dtype``, float64 by default, on CPU,
         then cast).
 
@@ -101,6 +102,10 @@ class MLAWeights(Mapping):
         hide position and masking bugs); norm weights are 1 + small noise, norm biases (the DSA
         indexer's k_norm) small noise; o_proj is scaled so outputs are of order one, not tiny. The indexer
         tensors are drawn after the dense ones, so a DSA config's attention weights equal its dense twin's.
+
+        ``period``: draw only the first ``period`` columns of each matrix and repeat them along the row (the same
+        scale: a projection's output keeps unit variance). For checks that need finite, well-scaled values and
+        nothing else (the byte checks: at DeepSeek-V3 dims a full draw is 180M values, ~2 s here).
         """
         gen = torch.Generator().manual_seed(int(seed))
         tensors = {}
@@ -110,6 +115,9 @@ class MLAWeights(Mapping):
                 t = 0.1 * torch.randn(shape, generator=gen, dtype=draw_dtype)
             elif len(shape) == 1:
                 t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=draw_dtype)
+            elif period is not None and shape[1] > period:
+                t = torch.randn((shape[0], period), generator=gen, dtype=draw_dtype)
+                t = t.mul_(gains.get(name, 1.0) / math.sqrt(shape[1])).repeat(1, -(-shape[1] // period))[:, :shape[1]]
             else:
                 t = torch.randn(shape, generator=gen, dtype=draw_dtype) / math.sqrt(shape[1])
                 t = t * gains.get(name, 1.0)
