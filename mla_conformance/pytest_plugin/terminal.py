@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 
 from mla_conformance.pytest_plugin import selection
 from mla_conformance import __version__
@@ -24,8 +25,6 @@ REASON_CHARS = 200
 
 
 def header_lines(config) -> list[str]:
-    import torch
-
     kind = selection.deselected_kind(config)
     parts = []
     if kind != "layer":
@@ -35,23 +34,34 @@ def header_lines(config) -> list[str]:
     lines = [f"mla-conformance {__version__}: {'; '.join(parts)}"]
     dev = selection.device_of(config)
     if dev.startswith("cuda"):
+        import torch  # the device was resolved through torch already
+
         idx = torch.device(dev).index or 0
         cap = torch.cuda.get_device_capability(idx)
         lines.append(f"device {dev}: {torch.cuda.get_device_name(idx)}, SM{cap[0]}{cap[1]} "
                      f"(capability {cap[0]}.{cap[1]}), CUDA {torch.version.cuda}")
     else:
         lines.append(f"device cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    from importlib import metadata
-
-    try:  # from the metadata: importing transformers costs ~0.45 s in every pytest process and xdist worker
-        tv = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        tv = "not installed"
-    lines.append(f"torch {torch.__version__}, transformers {tv}, python {platform.python_version()}")
+    lines.append(f"torch {_version('torch')}, transformers {_version('transformers')}, "
+                 f"python {platform.python_version()}")
     ckpt = config.getoption("--mla-checkpoint")
     if ckpt:
         lines.append(f"checkpoint {ckpt}")
     return lines
+
+
+def _version(package: str) -> str:
+    """A package's version without importing it where it is not imported yet (torch costs ~1.5 s, transformers
+    ~0.45 s in every pytest process and xdist worker): the module's own, else its distribution's."""
+    module = sys.modules.get(package)
+    if module is not None and hasattr(module, "__version__"):
+        return str(module.__version__)
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def skip_reasons(stats: dict) -> dict[str, int]:
