@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -152,8 +153,25 @@ def detect(device: Any = None) -> DeviceInfo:
     return _detect_cached(_normalize_device(device))
 
 
+def _cpu_only_torch() -> str | None:
+    """The installed torch's version when it is a CPU-only build (its local version tag is ``+cpu``) and not imported
+    yet, else None. Such a build has no CUDA (torch.version.cuda and .hip are None, no device is available), so a
+    CPU device is described without importing torch (~1.5 s: the ``run`` process that writes the report)."""
+    if "torch" in sys.modules:
+        return None
+    try:
+        version = importlib.metadata.version("torch")
+    except Exception:
+        return None
+    return version if version.endswith("+cpu") else None
+
+
 @functools.lru_cache(maxsize=None)
 def _detect_cached(device: str | None) -> DeviceInfo:
+    cpu_build = _cpu_only_torch() if device in (None, "cpu") else None
+    if cpu_build is not None:
+        return DeviceInfo(device_type="cpu", torch_version=cpu_build, cuda_version=None, cuda_available=False,
+                          packages=tuple(package_info(m) for m in matrix_packages()), detected=True)
     import torch
 
     torch_version = str(torch.__version__)
@@ -220,8 +238,6 @@ def device_description(device: Any = None) -> dict[str, Any]:
     CUDA torch was built with) are None off a CUDA device; ``cores`` is this host's CPU count and ``threads``
     torch's intra-op thread count now.
     """
-    import torch  # the thread count is read now, not cached with the device
-
     info = detect(device)
     on_gpu = info.device_type in ("cuda", "rocm")
     named = str(device) if device is not None else ("cuda" if info.cuda_available else "cpu")
@@ -233,7 +249,8 @@ def device_description(device: Any = None) -> dict[str, Any]:
         "cuda": info.cuda_version if info.device_type == "cuda" else None,
         "torch": info.torch_version,
         "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
+        # torch's intra-op thread count now (None where torch is not imported: nothing here ran on it)
+        "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
     }
 
 

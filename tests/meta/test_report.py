@@ -7,6 +7,8 @@ shared by the tests that need a real run: byte-identical conformance.json and .m
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,9 @@ from mla_conformance.report.markdown import render_markdown
 from mla_conformance.report.merge import MATRIX_SCHEMA_VERSION, merge_reports
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.report.plots import write_plots
+from mla_conformance.resources import suites_dir
+
+from . import background
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_report")]  # module fixtures run once under -n
 
@@ -453,15 +458,18 @@ SUBSET = ("seed_table or (test_against_float64 and tiny and float32 and prefill 
 SUBSET_FILES = ("test_cache_bytes.py", "test_numerics.py", "test_op_numerics.py")
 
 
-def _two_runs(pytester):
-    """`mla-conformance run` on SUBSET twice, into a/ plain and into b/ with `-n 2` (two worker processes, one
-    torch thread each, their results handed to the controller). The pytest command `run` builds is run in
+def _run_args(out: Path, *mode: str) -> list[str]:
+    ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
+    return ["run", "--out", str(out), "--name", "host", "--backend", "reference-naive", "--backend",
+            "reference-absorbed", "--op", "reference-op", "--", "-q", *mode, "-k", SUBSET, *ignore]
+
+
+def _plain_run(pytester):
+    """`mla-conformance run` on SUBSET into a/, plain (``-p no:xdist``). The pytest command `run` builds is run in
     this process through tests/meta/harness.py (pytester), where torch is already imported, instead of a fresh
-    interpreter: that saves an interpreter, torch and transformers per run; the command line, the results file
-    and everything after are `run`'s own (CI's `mla-conformance run` starts the real subprocess). Returns
-    (tmp dir, [a, b], exit codes)."""
+    interpreter; the command line, the results file and everything after are `run`'s own. Returns (tmp dir, a/,
+    exit code)."""
     from mla_conformance.cli import main
-    from mla_conformance.resources import suites_dir
 
     from .harness import pytest_inprocess
 
@@ -472,22 +480,37 @@ def _two_runs(pytester):
 
     tmp = pytester.path / "two-runs"
     tmp.mkdir()
-    ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
-    outs, rcs = [], []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(report_run, "_run_pytest", pytest_here)
-        for name, mode in (("a", ["-p", "no:xdist"]), ("b", ["-n", "2"])):
-            outs.append(tmp / name)
-            rcs.append(main(["run", "--out", str(tmp / name), "--name", "host", "--backend", "reference-naive",
-                             "--backend", "reference-absorbed", "--op", "reference-op", "--", "-q", *mode,
-                             "-k", SUBSET, *ignore]))
-    return tmp, outs, rcs
+        rc = main(_run_args(tmp / "a", "-p", "no:xdist"))
+    return tmp, tmp / "a", rc
+
+
+def _xdist_run():
+    """The same run into b/ with `-n 2` (two worker processes, one torch thread each, their results handed to the
+    controller): the real `mla-conformance run` process, started in the background when the session has collected
+    this module (tests/meta/background.py). Returns (its dir, b/, exit code, output)."""
+    tmp = background.scratch("mla-report-xdist-")
+    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", *_run_args(tmp / "b", "-n", "2")],
+                          cwd=tmp, capture_output=True, text=True, timeout=300, env=background.env())
+    return tmp, tmp / "b", proc.returncode, proc.stdout + proc.stderr
+
+
+#: started when the session has collected this module (tests/meta/background.py), on the core the serial
+#: session leaves idle
+BACKGROUND = {"report-xdist": ("two_runs", None, _xdist_run)}
 
 
 @pytest.fixture
-def two_runs(suite_run):
-    """The two runs, made once per session by the first test that asks (tests/conftest.py's suite_run)."""
-    return suite_run("test_report-two-runs", _two_runs)
+def two_runs(suite_run, suite_runs):
+    """The two runs, made once per session by the first test that asks (tests/conftest.py's suite_run): (the plain
+    run's tmp dir, [a/, b/], [exit codes])."""
+    tmp, a, rc_a = suite_run("test_report-plain-run", _plain_run)
+    btmp, b, rc_b, output = suite_runs.get("test_report-xdist-run",
+                                           lambda: background.result("report-xdist", _xdist_run))
+    assert rc_b == 0, f"the -n 2 run exited {rc_b}:\n{output[-3000:]}"
+    assert not [p for p in btmp.iterdir() if p.name.startswith(".")], "temporary directories left behind (-n 2)"
+    return tmp, [a, b], [rc_a, rc_b]
 
 
 def test_run_plain_and_xdist_are_byte_identical(two_runs):
