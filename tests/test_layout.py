@@ -3,6 +3,7 @@ argparse only in cli/, no globals-update namespace injection in the tests."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -11,6 +12,12 @@ MAX_LINES = 700
 #: names appearing from nowhere: a suite module's namespace copied into a test module (spelled in two parts so
 #: that a grep of tests/ for the call finds no use at all)
 INJECT = "globals()" + ".update"
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    """A package file's syntax tree, parsed once for every rule here."""
+    return ast.parse(path.read_text(), str(path))
 
 
 def _module_name(path: Path) -> str:
@@ -29,7 +36,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_tree(path)):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -105,7 +112,7 @@ def test_function_local_imports_of_the_package_say_why():
     for path in sorted(PKG.rglob("*.py")):
         src = path.read_text()
         lines = src.splitlines()
-        for fn in ast.walk(ast.parse(src, str(path))):
+        for fn in ast.walk(_tree(path)):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):

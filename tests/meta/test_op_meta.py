@@ -2,13 +2,13 @@
 *failed* (an AssertionError verdict naming the op, not an error, a skip or a pass) in the op tests named for it;
 the ops written independently of reference-op (tests/meta/independent_op.py) pass every op test, the one that
 implements only the base contract with explicit skips for what it does not declare; crashing ops are *errors*.
-All of it in one in-process pytest session through the plugin (--mla-op, --mla-results), as a user runs it."""
+All of it in one pytest process through the plugin (--mla-op, --mla-results), as a user runs it."""
 
 import ast
 
 import pytest
 
-from . import harness
+from . import background, harness
 from .kill_matrix import (BROKEN_OPS, CORRECT_OPS, ELSEWHERE, ERROR_OPS, ERROR_TEXT, FROZEN, HINTS, OP_CELLS, OP_ERRORS,
                           OP_SPECS, SKIPS, KeepOpCells)
 
@@ -31,15 +31,20 @@ def op_tests() -> set[str]:
     return found
 
 
-def _op_run(pytester) -> harness.SuiteRun:
-    """One pytest session, in this process, over the op suites with every op of the op matrix."""
-    return harness.run_inprocess(pytester, [str(p) for p in OP_SUITES], ops=OP_SPECS,
-                                 extra=["-p", "no:unraisableexception"], plugins=[KeepOpCells()], expect=1)
+def _op_run() -> harness.SuiteRun:
+    """One pytest process over the op suites with every op of the op matrix, started in the background when the
+    session has collected this module (tests/meta/background.py)."""
+    return harness.run_subprocess(background.scratch("mla-op-matrix-"), [str(p) for p in OP_SUITES], ops=OP_SPECS,
+                                  extra=["-p", "no:unraisableexception"], keep=KeepOpCells(), expect=1)
+
+
+#: started when the session has collected this module, on the core the serial session leaves idle
+BACKGROUND = {"op-matrix": ("run", None, _op_run)}
 
 
 @pytest.fixture
-def run(suite_run) -> harness.SuiteRun:
-    return suite_run("op-matrix", _op_run)
+def run(suite_runs) -> harness.SuiteRun:
+    return suite_runs.get("op-matrix", lambda: background.result("op-matrix", _op_run))
 
 
 def test_every_op_test_is_failed_by_a_broken_op():
