@@ -2,8 +2,8 @@
 tests/meta/geometry_ops.py (wide support declared, wrong on one class only) and the broken backend of
 tests/meta/geometry_backends.py must be *failed* by the default run (default profile, derandomized) of its
 generated test, with a shrunk case that shows the class, and the command the failure prints must replay exactly
-that case; the correct wide-declaring op and the independent backend pass every generated test. One pytest process
-through the plugin (--mla-op, --mla-backend, --mla-results), then one in-process session per printed command."""
+that case; the correct wide-declaring op and the independent backend pass every generated test. One in-process
+pytest session through the plugin (--mla-op, --mla-backend, --mla-results), then one per printed command."""
 
 import json
 import math
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.checks.strategies import parse_case
-from tests.meta import background, harness
+from tests.meta import harness
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_generated_meta")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -60,24 +60,32 @@ def _node(test: str, name: str) -> str:
 CELLS = {key: _node(test, name) for key, (_, _, name, test, _, _) in BROKEN.items()}
 
 
-def _generated_run() -> harness.SuiteRun:
-    """One default-profile pytest process over both generated suites with every implementation of the tables: each
-    broken one's cell and every generated test of the correct ones. Started in the background when the session has
-    collected this module (tests/meta/background.py)."""
-    specs = [*BROKEN.values(), *CORRECT.values()]
-    return harness.run_subprocess(background.scratch("mla-generated-"), SUITES,
-                                  backends=[s for o, s, *_ in specs if o == "--mla-backend"],
-                                  ops=[s for o, s, *_ in specs if o == "--mla-op"],
-                                  keep=harness.Keep(set(CELLS.values()), set(CORRECT)), expect=1)
+class _Select:
+    """Keeps each broken implementation's cell and every generated test of the correct ones."""
 
+    def __init__(self, wanted: set[str], correct: set[str]):
+        self.wanted, self.correct = wanted, correct
 
-#: started when the session has collected this module, on the core the serial session leaves idle
-BACKGROUND = {"generated-meta": ("run", None, _generated_run)}
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        def keep(item):
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            obj = params.get("mla_op", params.get("mla_backend"))
+            return item.nodeid in self.wanted or getattr(obj, "name", None) in self.correct
+        config.hook.pytest_deselected(items=[item for item in items if not keep(item)])
+        items[:] = [item for item in items if keep(item)]
 
 
 @pytest.fixture
-def run(suite_runs) -> harness.SuiteRun:
-    return suite_runs.get("generated-meta", lambda: background.result("generated-meta", _generated_run))
+def run(suite_run) -> harness.SuiteRun:
+    """One default-profile session over both generated suites with every implementation of the tables (made once
+    per session, tests/meta/harness.py)."""
+    def build(pytester):
+        specs = [*BROKEN.values(), *CORRECT.values()]
+        return harness.run_inprocess(pytester, SUITES, backends=[s for o, s, *_ in specs if o == "--mla-backend"],
+                                     ops=[s for o, s, *_ in specs if o == "--mla-op"],
+                                     plugins=[_Select(set(CELLS.values()), set(CORRECT))], expect=1)
+    return suite_run("generated-meta", build)
 
 
 @pytest.mark.parametrize("key", list(BROKEN))
