@@ -11,7 +11,7 @@ pass -- and the correct implementations, written independently of the reference,
 
 Data, and the layer matrix's run. Both run through tests/meta/harness.py as a user runs the suite: the layer
 matrix in one pytest process started in the background (:func:`layer_run`, read by tests/meta/test_kill_matrix.py),
-the op matrix in one in-process session (tests/meta/test_op_meta.py, which keeps the cells with
+the op matrix in another background process (tests/meta/test_op_meta.py, which keeps the cells with
 :class:`KeepOpCells`). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
 and op over the whole default suite, its failing variant on :data:`FAILURE_TEST`; read by
 tests/meta/test_readme_template.py): one process start-up, one set of session caches (weights, float64 oracles,

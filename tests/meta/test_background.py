@@ -1,0 +1,34 @@
+"""The background jobs' rule (tests/meta/background.py): a process started off the main thread gets the session's
+starting environment explicitly (``env=``). CPython spawns through vfork(), so an inherited environment is read
+from this process's memory while the main thread's tests may be changing it (CI: "OSError: [Errno 14] Bad
+address"). Checked from the source of every module that declares ``BACKGROUND`` jobs, and of the harness."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SPAWNS = {"run", "Popen", "check_output", "check_call", "call"}
+
+pytestmark = pytest.mark.meta
+
+
+def _job_modules() -> list[Path]:
+    return sorted(p for p in HERE.glob("*.py") if "\nBACKGROUND = " in p.read_text(encoding="utf-8")) + \
+        [HERE / "harness.py"]
+
+
+def test_there_are_job_modules():
+    assert len(_job_modules()) >= 5, [p.name for p in _job_modules()]
+
+
+@pytest.mark.parametrize("path", _job_modules(), ids=lambda p: p.name)
+def test_every_spawn_passes_an_environment(path):
+    bare = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SPAWNS \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess":
+            if "env" not in {k.arg for k in node.keywords}:
+                bare.append(f"{path.name}:{node.lineno}")
+    assert not bare, f"subprocess calls without env= (use background.env()): {bare}"
