@@ -171,16 +171,28 @@ def run_inprocess(pytester, targets: Iterable[str], *, backends: Iterable[str] =
 
 class Keep:
     """A plugin of an inner run: keeps the tests whose node id is in ``nodeids`` and every test of the backends
-    and ops named in ``names`` (the names they report: the ``mla_backend`` / ``mla_op`` parameter); the rest is
-    deselected (counted as such in the run's summary)."""
+    and ops named in ``names`` (the names they report: the ``mla_backend`` / ``mla_op`` parameter) -- or, where
+    ``names`` is a dict of name -> suite files (``suites/test_x.py``; None: every file), their tests in those
+    files; the rest is deselected (counted as such in the run's summary)."""
 
-    def __init__(self, nodeids: Iterable[str] = (), names: Iterable[str] = ()):
-        self.nodeids, self.names = set(nodeids), set(names)
+    def __init__(self, nodeids: Iterable[str] = (), names: Iterable[str] | dict = ()):
+        self.nodeids = set(nodeids)
+        self.names = {n: None if f is None else set(f) for n, f in names.items()} if isinstance(names, dict) \
+            else dict.fromkeys(names)
 
     def _keep(self, item) -> bool:
+        if item.nodeid in self.nodeids:
+            return True
         params = getattr(getattr(item, "callspec", None), "params", {})
-        return item.nodeid in self.nodeids or any(
-            getattr(params.get(f), "name", None) in self.names for f in ("mla_backend", "mla_op"))
+        for fixture in ("mla_backend", "mla_op"):
+            name = getattr(params.get(fixture), "name", None)
+            if name in self.names and (self.names[name] is None or item.nodeid.split("::")[0] in self.names[name]):
+                return True
+        return False
+
+    def to_json(self) -> str:
+        return json.dumps({"nodeids": sorted(self.nodeids),
+                           "names": {n: None if f is None else sorted(f) for n, f in sorted(self.names.items())}})
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):
@@ -203,8 +215,7 @@ def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[
     results = workdir / "results.json"
     command = [sys.executable, "-m", "pytest"]
     if keep is not None:
-        (workdir / "keep.json").write_text(json.dumps({"nodeids": sorted(keep.nodeids), "names": sorted(keep.names)}),
-                                           encoding="utf-8")
+        (workdir / "keep.json").write_text(keep.to_json(), encoding="utf-8")
         command = [sys.executable, "-c", _KEPT, str(ROOT), str(workdir / "keep.json")]
     proc = subprocess.run([*command, *suite_args(results, targets, backends, ops, extra)],
                           cwd=workdir, capture_output=True, text=True, timeout=timeout, env=background.env())

@@ -11,8 +11,8 @@ pass -- and the correct implementations, written independently of the reference,
 
 Data, and the layer matrix's run. Both run through tests/meta/harness.py as a user runs the suite: the layer
 matrix in one pytest process started in the background (:func:`layer_run`, read by tests/meta/test_kill_matrix.py),
-the op matrix in another background process (tests/meta/test_op_meta.py, which keeps the cells with
-:class:`KeepOpCells`). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
+and the op matrix in the same process (:data:`OP_KEEP`: its cells, its correct ops' tests of :data:`OP_SUITES`; read by
+tests/meta/test_op_meta.py). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
 and op over the whole default suite, its failing variant on :data:`FAILURE_TEST`; read by
 tests/meta/test_readme_template.py): one process start-up, one set of session caches (weights, float64 oracles,
 the checkpoint probe) for both.
@@ -232,13 +232,13 @@ OP_ERRORS = [(key, _op_node(test, name)) for key, (_, name, test) in ERROR_OPS.i
 OP_SPECS = [spec for spec, _, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
 
 
-class KeepOpCells(harness.Keep):
-    """A plugin of the op run: keeps the cells of the broken and erroring ops and every op test of the correct
-    ops (the rest is deselected)."""
-
-    def __init__(self):
-        super().__init__({n for _, _, n in OP_CELLS} | {n for _, n in OP_ERRORS},
-                         {name for _, name, _ in CORRECT_OPS.values()})
+#: the op suites of the op matrix: every suites/test_op_*.py but those another meta module kills (ELSEWHERE)
+OP_SUITES = [f"suites/{p.name}" for p in sorted((harness.ROOT / "suites").glob("test_op_*.py"))
+             if f"suites/{p.name}" not in ELSEWHERE]
+#: what the op matrix keeps of a run: the cells of the broken and erroring ops, and every test of the correct ops
+#: in OP_SUITES
+OP_KEEP = ({n for _, _, n in OP_CELLS} | {n for _, n in OP_ERRORS},
+           {name: OP_SUITES for _, name, _ in CORRECT_OPS.values()})
 
 
 # --------------------------------------------------------------------------- the README's blocks, and the run
@@ -289,7 +289,8 @@ def readme_specs(tmp) -> tuple[list[str], list[str]]:
 
 def layer_run() -> harness.SuiteRun:
     """The layer matrix in one pytest process, through the plugin and its --mla-results exactly as a user's run:
-    every cell on its broken backend, the correct backends' cells, the crash cells; in the same session the
+    every cell on its broken backend, the correct backends' cells, the crash cells; the op matrix (:data:`OP_KEEP`);
+    in the same session the
     README's backend and op over the whole default suite and its failing variant on FAILURE_TEST only (every
     other test is deselected: :class:`harness.Keep`)."""
     tmp = background.scratch("mla-kill-")
@@ -297,5 +298,6 @@ def layer_run() -> harness.SuiteRun:
     specs = [*(spec for spec, _ in [*BROKEN.values(), *CORRECT.values()]), *(spec for spec, _, _ in ERROR_CELLS),
              *readme_backends]
     cells = [n for _, _, n in node_ids() + correct_node_ids()] + [n for _, _, n in ERROR_CELLS] + [MUTANT_TEST]
-    keep = harness.Keep(cells, [README_NAMES["backend"], README_NAMES["op"]])
-    return harness.run_subprocess(tmp, ["suites"], backends=specs, ops=readme_ops, extra=["-s"], keep=keep, expect=1)
+    keep = harness.Keep({*cells, *OP_KEEP[0]}, {README_NAMES["backend"]: None, README_NAMES["op"]: None, **OP_KEEP[1]})
+    return harness.run_subprocess(tmp, ["suites"], backends=specs, ops=[*readme_ops, *OP_SPECS],
+                                  extra=["-s", "-p", "no:unraisableexception"], keep=keep, expect=1)

@@ -2,28 +2,27 @@
 *failed* (an AssertionError verdict naming the op, not an error, a skip or a pass) in the op tests named for it;
 the ops written independently of reference-op (tests/meta/independent_op.py) pass every op test, the one that
 implements only the base contract with explicit skips for what it does not declare; crashing ops are *errors*.
-All of it in one pytest process through the plugin (--mla-op, --mla-results), as a user runs it."""
+All of it in one pytest process through the plugin (--mla-op, --mla-results), as a user runs it: the layer
+matrix's (tests/meta/kill_matrix.py), which keeps the op matrix's cells and its correct ops' tests of OP_SUITES."""
 
 import ast
 
 import pytest
 
 from . import background, harness
-from .kill_matrix import (BROKEN_OPS, CORRECT_OPS, ELSEWHERE, ERROR_OPS, ERROR_TEXT, FROZEN, HINTS, OP_CELLS, OP_ERRORS,
-                          OP_SPECS, SKIPS, KeepOpCells)
+from .kill_matrix import (BROKEN_OPS, CORRECT_OPS, ERROR_OPS, ERROR_TEXT, FROZEN, HINTS, OP_CELLS, OP_ERRORS, OP_SUITES,
+                          README_NAMES, SKIPS, layer_run)
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_meta")]  # its one run of the suite, once under -n
 ROOT = harness.ROOT
 SUITES = ROOT / "suites"
 CELLS, ERRORS = OP_CELLS, OP_ERRORS
-#: the op suites of this matrix: every suites/test_op_*.py but those another meta module kills
-OP_SUITES = [p for p in sorted(SUITES.glob("test_op_*.py")) if f"suites/{p.name}" not in ELSEWHERE]
 
 
 def op_tests() -> set[str]:
     """file::function of every test in the op suites of this matrix (each requests mla_op)."""
     found = set()
-    for path in OP_SUITES:
+    for path in (ROOT / f for f in OP_SUITES):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
                 assert "mla_op" in [a.arg for a in node.args.args], f"{path.name}::{node.name} takes no mla_op"
@@ -31,20 +30,14 @@ def op_tests() -> set[str]:
     return found
 
 
-def _op_run() -> harness.SuiteRun:
-    """One pytest process over the op suites with every op of the op matrix, started in the background when the
-    session has collected this module (tests/meta/background.py)."""
-    return harness.run_subprocess(background.scratch("mla-op-matrix-"), [str(p) for p in OP_SUITES], ops=OP_SPECS,
-                                  extra=["-p", "no:unraisableexception"], keep=KeepOpCells(), expect=1)
-
-
-#: started when the session has collected this module, on the core the serial session leaves idle
-BACKGROUND = {"op-matrix": ("run", None, _op_run)}
+#: the op matrix runs in the layer matrix's background process (tests/meta/kill_matrix.py's layer_run: one
+#: process start-up, one set of session caches), started when the session has collected this module
+BACKGROUND = {"kill-matrix": ("run", None, layer_run)}
 
 
 @pytest.fixture
 def run(suite_runs) -> harness.SuiteRun:
-    return suite_runs.get("op-matrix", lambda: background.result("op-matrix", _op_run))
+    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run))
 
 
 def test_every_op_test_is_failed_by_a_broken_op():
@@ -162,7 +155,7 @@ def test_the_frozen_op_is_the_base_contract():
 
 def test_results_record_ops_and_declarations(run):
     names = [name for _, name, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
-    assert run["ops"] == names and run["backends"] == []
+    assert run["ops"] == [README_NAMES["op"], *names], run["ops"]  # the README's op first (the shared run's)
     decl = run["op_declarations"]["independent-op"]
     assert decl == {"lse_base": "2", "returns_lse": True, "empty_row": "-inf", "sparse_decode": True,
                     "invalid_index": "out-of-range", "attn_sink": True, "page_block_sizes": [1, 16, 64],
