@@ -11,8 +11,8 @@ pass -- and the correct implementations, written independently of the reference,
 
 Data, and the layer matrix's run. Both run through tests/meta/harness.py as a user runs the suite: the layer
 matrix in one pytest process started in the background (:func:`layer_run`, read by tests/meta/test_kill_matrix.py),
-and the op matrix in the same process (:data:`OP_KEEP`: its cells, its correct ops' tests of :data:`OP_SUITES`; read by
-tests/meta/test_op_meta.py). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
+and the op matrix and the generated-case meta run in the same process (:data:`OP_KEEP`: its cells, its correct ops'
+tests of :data:`OP_SUITES`; read by tests/meta/test_op_meta.py and tests/meta/test_generated_meta.py). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
 and op over the whole default suite, its failing variant on :data:`FAILURE_TEST`; read by
 tests/meta/test_readme_template.py): one process start-up, one set of session caches (weights, float64 oracles,
 the checkpoint probe) for both.
@@ -290,7 +290,8 @@ def readme_specs(tmp) -> tuple[list[str], list[str]]:
 def layer_run() -> harness.SuiteRun:
     """The layer matrix in one pytest process, through the plugin and its --mla-results exactly as a user's run:
     every cell on its broken backend, the correct backends' cells, the crash cells; the op matrix (:data:`OP_KEEP`);
-    in the same session the
+    the generated-case meta run (tests/meta/test_generated_meta.py's cells and correct implementations); in the
+    same session the
     README's backend and op over the whole default suite and its failing variant on FAILURE_TEST only (every
     other test is deselected: :class:`harness.Keep`)."""
     tmp = background.scratch("mla-kill-")
@@ -298,6 +299,16 @@ def layer_run() -> harness.SuiteRun:
     specs = [*(spec for spec, _ in [*BROKEN.values(), *CORRECT.values()]), *(spec for spec, _, _ in ERROR_CELLS),
              *readme_backends]
     cells = [n for _, _, n in node_ids() + correct_node_ids()] + [n for _, _, n in ERROR_CELLS] + [MUTANT_TEST]
-    keep = harness.Keep({*cells, *OP_KEEP[0]}, {README_NAMES["backend"]: None, README_NAMES["op"]: None, **OP_KEEP[1]})
-    return harness.run_subprocess(tmp, ["suites"], backends=specs, ops=[*readme_ops, *OP_SPECS],
+    # the generated-case meta run's implementations (its tables are test_generated_meta's: imported here, when the
+    # run starts, not when this data module is)
+    from .test_generated_meta import BROKEN as GENERATED, CELLS as GENERATED_CELLS, CORRECT as GENERATED_CORRECT, \
+        SUITES as GENERATED_SUITES
+
+    generated = [*GENERATED.values(), *GENERATED_CORRECT.values()]
+    specs += [s for o, s, *_ in generated if o == "--mla-backend" and s not in specs]
+    keep = harness.Keep({*cells, *OP_KEEP[0], *GENERATED_CELLS.values()},
+                        {README_NAMES["backend"]: None, README_NAMES["op"]: None, **OP_KEEP[1],
+                         **{name: GENERATED_SUITES for name in GENERATED_CORRECT}})
+    return harness.run_subprocess(tmp, ["suites"], backends=specs,
+                                  ops=[*readme_ops, *OP_SPECS, *(s for o, s, *_ in generated if o == "--mla-op")],
                                   extra=["-s", "-p", "no:unraisableexception"], keep=keep, expect=1)

@@ -2,8 +2,9 @@
 tests/meta/geometry_ops.py (wide support declared, wrong on one class only) and the broken backend of
 tests/meta/geometry_backends.py must be *failed* by the default run (default profile, derandomized) of its
 generated test, with a shrunk case that shows the class, and the command the failure prints must replay exactly
-that case; the correct wide-declaring op and the independent backend pass every generated test. One in-process
-pytest session through the plugin (--mla-op, --mla-backend, --mla-results), then one per printed command."""
+that case; the correct wide-declaring op and the independent backend pass every generated test. One pytest process
+through the plugin (--mla-op, --mla-backend, --mla-results): the layer matrix's (tests/meta/kill_matrix.py); then
+one in-process session per printed command."""
 
 import json
 import math
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.checks.strategies import parse_case
-from tests.meta import harness
+from tests.meta import background, harness
+from tests.meta.kill_matrix import layer_run
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_generated_meta")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -60,32 +62,16 @@ def _node(test: str, name: str) -> str:
 CELLS = {key: _node(test, name) for key, (_, _, name, test, _, _) in BROKEN.items()}
 
 
-class _Select:
-    """Keeps each broken implementation's cell and every generated test of the correct ones."""
-
-    def __init__(self, wanted: set[str], correct: set[str]):
-        self.wanted, self.correct = wanted, correct
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config, items):
-        def keep(item):
-            params = getattr(getattr(item, "callspec", None), "params", {})
-            obj = params.get("mla_op", params.get("mla_backend"))
-            return item.nodeid in self.wanted or getattr(obj, "name", None) in self.correct
-        config.hook.pytest_deselected(items=[item for item in items if not keep(item)])
-        items[:] = [item for item in items if keep(item)]
-
-
 @pytest.fixture
-def run(suite_run) -> harness.SuiteRun:
-    """One default-profile session over both generated suites with every implementation of the tables (made once
-    per session, tests/meta/harness.py)."""
-    def build(pytester):
-        specs = [*BROKEN.values(), *CORRECT.values()]
-        return harness.run_inprocess(pytester, SUITES, backends=[s for o, s, *_ in specs if o == "--mla-backend"],
-                                     ops=[s for o, s, *_ in specs if o == "--mla-op"],
-                                     plugins=[_Select(set(CELLS.values()), set(CORRECT))], expect=1)
-    return suite_run("generated-meta", build)
+def run(suite_runs) -> harness.SuiteRun:
+    """The default-profile run of both generated suites with every implementation of the tables: each broken one's
+    cell and every generated test of the correct ones, in the layer matrix's background process
+    (tests/meta/kill_matrix.py's layer_run), started when the session has collected this module."""
+    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run))
+
+
+#: the layer matrix's job (tests/meta/background.py): this module's run is part of it
+BACKGROUND = {"kill-matrix": ("run", None, layer_run)}
 
 
 @pytest.mark.parametrize("key", list(BROKEN))
@@ -104,7 +90,8 @@ def test_broken_geometry_is_failed_with_a_shrunk_case_showing_it(run, key):
 
 @pytest.mark.parametrize("name", list(CORRECT))
 def test_correct_implementation_passes_every_generated_test(run, name):
-    rows = [t for t in run["tests"] if name in (t.get("params", {}).get("op"), t.get("params", {}).get("backend"))]
+    rows = [t for t in run["tests"] if t["nodeid"].split("::")[0] in SUITES
+            and name in (t.get("params", {}).get("op"), t.get("params", {}).get("backend"))]
     expected = 7 if CORRECT[name][0] == "--mla-op" else 1
     assert len(rows) == expected, f"{name}: {len(rows)} generated tests ran, expected {expected}"
     bad = [f"{t['nodeid']}: {t['outcome']} {t.get('reason', '')}" for t in rows if t["outcome"] != "passed"]
