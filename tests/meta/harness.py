@@ -58,7 +58,8 @@ def _rewritten_once(rewrite_test):
 if not hasattr(_rewrite._rewrite_test, "uncached"):
     _rewrite._rewrite_test = _rewritten_once(_rewrite._rewrite_test)
 #: the options of every inner run of the suite
-BASE = ("-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:logging", "-q", "-o", "addopts=", "--mla-device", "cpu",
+BASE = ("-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:logging", "-p", "no:unraisableexception",
+        "-p", "no:anyio", "-q", "-o", "addopts=", "--mla-device", "cpu",
         "--mla-threads", "1")
 
 
