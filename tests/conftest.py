@@ -31,6 +31,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _whole_default_run(config) -> bool:
+    """``pytest`` as typed: the testpaths, no selection, a serial session that runs tests."""
+    opt = config.option
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not hasattr(config, "workerinput")
+            and not opt.keyword and not opt.markexpr and not getattr(opt, "deselect", None)
+            and not opt.collectonly and not config.getoption("--mla-backend") and not config.getoption("--mla-op"))
+
+
+def pytest_sessionstart(session):
+    """In the whole default run every background job is needed: start them now, before the ~6 s of collection
+    (the other core would idle through it), from the modules that declare them (imported here, as collection
+    would import them: tests.meta.*, assertion-rewritten)."""
+    if not _whole_default_run(session.config):
+        return
+    import importlib
+
+    from tests.meta import background
+
+    for path in sorted((HERE / "meta").glob("test_*.py")):
+        if "\nBACKGROUND = " in path.read_text(encoding="utf-8"):
+            module = importlib.import_module(f"tests.meta.{path.stem}")
+            for key, (_, _, fn) in module.BACKGROUND.items():
+                background.start(key, fn)
+    if not session.config.getoption("--mla-threads", None):
+        import torch  # the jobs take one core: the session keeps to one thread (figures as under -n)
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_finish(session):
     """Start the background jobs (tests/meta/background.py) that a selected, unskipped test needs, one at a
     time (one core): a module declares ``BACKGROUND`` = {job: (fixture, param or None, callable)}, and a job is
