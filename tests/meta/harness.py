@@ -203,9 +203,11 @@ class Keep:
 
 
 #: a pytest process with a :class:`Keep` plugin: ``python -c _KEPT ROOT keep.json ARGS...`` (pytest.main with the
-#: plugin object, as ``python -m pytest`` is pytest.main without one)
-_KEPT = ("import json, sys; sys.path.insert(0, sys.argv[1]); import pytest; from tests.meta.harness import Keep; "
-         "sys.exit(pytest.main(sys.argv[3:], plugins=[Keep(**json.loads(open(sys.argv[2]).read()))]))")
+#: plugin object, as ``python -m pytest`` is pytest.main without one). Its results are written when pytest.main
+#: returns, so it ends there (os._exit after flushing): the interpreter's teardown of torch and transformers is ~1 s.
+_KEPT = ("import json, os, sys; sys.path.insert(0, sys.argv[1]); import pytest; from tests.meta.harness import Keep; "
+         "code = int(pytest.main(sys.argv[3:], plugins=[Keep(**json.loads(open(sys.argv[2]).read()))])); "
+         "sys.stdout.flush(); sys.stderr.flush(); os._exit(code)")
 
 
 def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[str] = (), ops: Iterable[str] = (),
