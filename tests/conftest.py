@@ -35,6 +35,7 @@ def _whole_default_run(config) -> bool:
     """``pytest`` as typed: the testpaths, no selection, a serial session that runs tests."""
     opt = config.option
     return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not hasattr(config, "workerinput")
+            and not getattr(opt, "numprocesses", None) and getattr(opt, "dist", "no") == "no"  # an xdist controller
             and not opt.keyword and not opt.markexpr and not getattr(opt, "deselect", None)
             and not opt.collectonly and not config.getoption("--mla-backend") and not config.getoption("--mla-op"))
 
