@@ -1,7 +1,7 @@
 """Op contract: sparse decode (indices into the flattened paged cache, FlashMLA's convention): invalid entries
 (-1; one past the cache and INT_MAX where the op declares invalid_index "out-of-range"), topk_length, rows with
-every index invalid, attn_sink (with +-inf), and
-sparse equal to dense over the selected keys. Every test runs once per op (--mla-op) that accepts a sparse case
+every index invalid, attn_sink (with +-inf), sparse equal to dense over the selected keys, and the selection split
+over two caches (where declared). Every test runs once per op (--mla-op) that accepts a sparse case
 (latent cache first, else the FP8 one)."""
 
 import pytest
@@ -78,3 +78,25 @@ def test_sparse_equals_dense(mla_op, mla_device, mla_figures):
     oc.compare(mla_op, case, *sparse_out, ref_out, ref_lse, check=check, figures=mla_figures,
                oracle=oc.oracle_of(inp.spec), ref_dtype=dense_out[0].dtype,
                against="the dense call over the selected keys")
+
+
+@pytest.mark.mla_section("op-sparse")
+@pytest.mark.parametrize("lengths", [False, True], ids=["all", "lengths"])
+def test_sparse_two_caches(mla_op, lengths, mla_device, mla_figures):
+    """FlashMLA's two-cache sparse decode (where the op declares sparse_decode_extra_cache): each query's top-32
+    split over kv_cache (its first 16 entries) and a second cache of another page size holding the keys of the
+    other 16, copied there at shuffled slots; "lengths": topk_length and extra_topk_length, with valid indices
+    past each. Against the oracle of the one-cache selection: the same keys under one softmax."""
+    oc.require_declared(mla_op, "sparse_decode_extra_cache", "sparse decode over two caches (FlashMLA's "
+                        "extra_k_cache, extra_indices_in_kvcache, extra_topk_length)")
+    case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, topk=TOPK, kv_formats=FORMATS, device=mla_device)
+    spec = oc.declared_spec(mla_op, case, LENS, seed=26, topk_length=lengths)
+    extra_page = oc.pick_page(mla_op, prefer=[*(p for p in (16, 1, 64) if p != case.page_block_size),
+                                              case.page_block_size])  # another page size where it reads one
+    inp = oc.two_caches(oc.build(spec), extra_page, extra_topk_length=lengths)
+    check = f"sparse decode over two caches ({'topk lengths' if lengths else 'every entry'}, extra pages of " \
+            f"{extra_page})"
+    mla_figures.update(case=case.describe(), check=check, extra_page_block_size=extra_page)
+    out, lse = oc.run_op(mla_op, inp, check)
+    ref = oc.oracle_of(spec)
+    oc.compare(mla_op, case, out, lse, ref[0], ref[1], check=check, figures=mla_figures, oracle=ref)

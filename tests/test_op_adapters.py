@@ -58,7 +58,7 @@ def test_adapter_declines_here_with_the_matrix_sentence(name):
 def test_declarations():
     assert declarations(get_op("flashmla")) == {
         "lse_base": "e", "returns_lse": True, "empty_row": "+inf", "sparse_decode": False,
-        "invalid_index": "minus-one", "attn_sink": False, "page_block_sizes": (64,), "kv_formats": ("latent",),
+        "sparse_decode_extra_cache": False, "invalid_index": "minus-one", "attn_sink": False, "page_block_sizes": (64,), "kv_formats": ("latent",),
         "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False, "head_dims": ((576, 512),)}
     sparse = declarations(get_op("flashmla-sparse"))
     assert sparse["kv_formats"] == ("fp8-e4m3-flashmla",) and sparse["fp8_scale_format"] == "pow2"

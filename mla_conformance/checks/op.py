@@ -29,7 +29,7 @@ from mla_conformance.checks.op_compare import (as_reference, bitwise_equal, boun
                                                oracle_of, tolerance_for, top_left_oracle_of)
 from mla_conformance.checks.op_inputs import (CANARY_BYTE, CANARY_BYTES, INT_MAX, INVALID_BLOCK, INVALID_KINDS,
                                               KNOWN_PAGE_SIZES, SOFTMAX_SCALE, Buffer, OpInputs, Spec, build,
-                                              check_fp8_probe_scales, declared_spec, dense_of_selection,
+                                              check_fp8_probe_scales, declared_spec, dense_of_selection, two_caches,
                                               first_supported, has_rows_without_keys, make_case, make_case_and_lens,
                                               page_sizes, pick_page, require, require_declared, require_invalid_kind,
                                               selected_slots, single_row, split_at_pages, unsupported, where)
@@ -43,4 +43,4 @@ __all__ = ["KNOWN_PAGE_SIZES", "INVALID_BLOCK", "INT_MAX", "INVALID_KINDS", "SOF
            "make_case_and_lens", "has_rows_without_keys", "bounds", "top_left_oracle_of", "pick_page", "page_sizes",
            "require", "require_declared", "first_supported", "unsupported", "tolerance_for", "merge_by_lse",
            "lse_to_natural", "where", "dtype_name", "split_at_pages", "single_row", "selected_slots",
-           "dense_of_selection", "as_reference", "declared_spec", "check_fp8_probe_scales", "require_invalid_kind"]
+           "dense_of_selection", "two_caches", "as_reference", "declared_spec", "check_fp8_probe_scales", "require_invalid_kind"]

@@ -168,6 +168,11 @@ def require_invalid_kind(op, kind: str) -> None:
                     "have it tested)")
 
 
+#: sparse decode's second cache (FlashMLA's extra_k_cache, extra_indices_in_kvcache, extra_topk_length), passed
+#: where the op declares sparse_decode_extra_cache
+EXTRA_CACHE_ARGS = ("extra_k_cache", "extra_indices", "extra_topk_length")
+
+
 # --------------------------------------------------------------------------- canaried buffers
 
 
@@ -271,7 +276,8 @@ class OpInputs:
 
     def kwargs(self) -> dict:
         return {"softmax_scale": self.softmax_scale, "causal": self.case.causal,
-                **{n: self.tensor(n) for n in ("indices", "topk_length", "attn_sink") if n in self.buffers}}
+                **{n: self.tensor(n) for n in ("indices", "topk_length", "attn_sink", *EXTRA_CACHE_ARGS)
+                   if n in self.buffers}}
 
     def derive(self, **tensors) -> "OpInputs":
         """The same inputs with some tensors replaced (each in its own canaried buffer)."""
@@ -474,3 +480,44 @@ def dense_of_selection(inp: OpInputs, seed: int = 7) -> OpInputs:
                 ("cache_seqlens", torch.tensor(lens, dtype=torch.int32)))}
     return OpInputs(spec, buffers, inp.softmax_scale, [], sel, num_blocks)
 
+
+
+def two_caches(inp: OpInputs, extra_page: int, *, extra_topk_length: bool, seed: int = 9) -> OpInputs:
+    """The sparse case's selection split over two caches, as FlashMLA's two-cache sparse decode takes it: each
+    query keeps the first half of its index entries into ``kv_cache`` (``indices``; ``topk_length`` cut to it);
+    the keys the second half selects are copied byte for byte into a second poisoned paged cache of pages of
+    ``extra_page`` tokens, at shuffled slots (``extra_k_cache``, ``extra_indices``; an invalid entry stays -1).
+    The union of the keys both select is the case's own selection, so its oracle is the case's. A case with
+    ``topk_length`` passes each cache its share of it (``extra_topk_length`` the second's); with
+    ``extra_topk_length`` the second half is passed its length and holds 8 valid indices past it (to be ignored)."""
+    case = inp.case
+    g = torch.Generator().manual_seed(seed)
+    idx = inp.tensor("indices").cpu().long()
+    B, s_q, k = idx.shape
+    k1 = k // 2
+    n_slots = inp.num_blocks * case.page_block_size
+    tl = inp.tensor("topk_length")
+    counted = (torch.full((B,), k) if tl is None else tl.cpu().long()).clamp(0, k)
+    kv = inp.tensor("kv_cache").cpu()
+    flat = kv.reshape(n_slots, kv.shape[-1])
+    second = idx[:, :, k1:]
+    extra_len = (counted - k1).clamp(0, k - k1)
+    if extra_topk_length:  # past each row's length: 8 more valid indices, which the op must ignore
+        filler = torch.cat(inp.slots)
+        second = torch.cat([second, filler[torch.randint(filler.numel(), (B, s_q, 8), generator=g)]], dim=-1)
+    valid = (second >= 0) & (second < n_slots)
+    n_rows = int(valid.sum())
+    extra_blocks = -(-n_rows // extra_page) + 2
+    positions = torch.randperm(extra_blocks * extra_page, generator=g)[:n_rows]
+    fill = 0xFF if kv.dtype == torch.uint8 else float("nan")
+    extra = torch.full((extra_blocks, extra_page, 1, kv.shape[-1]), fill, dtype=kv.dtype)
+    extra.view(extra_blocks * extra_page, kv.shape[-1])[positions] = flat[second[valid]]
+    extra_idx = torch.full(second.shape, -1, dtype=torch.int64)
+    extra_idx[valid] = positions
+    tensors = {"indices": idx[:, :, :k1].to(torch.int32), "extra_k_cache": extra,
+               "extra_indices": extra_idx.to(torch.int32)}
+    if tl is not None:
+        tensors["topk_length"] = counted.clamp(max=k1).to(torch.int32)
+    if tl is not None or extra_topk_length:
+        tensors["extra_topk_length"] = extra_len.to(torch.int32)
+    return inp.derive(**tensors)

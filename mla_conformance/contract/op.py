@@ -40,6 +40,12 @@ Inputs (the op must not write them):
   past the cache, INT_MAX) are invalid and ignored. With indices the keys are the valid indexed ones,
   ``block_table`` / ``cache_seqlens`` do not restrict them, ``causal`` is False. ``topk_length`` int32 [B]:
   only the first ``topk_length[b]`` entries of row b's indices count.
+* ``extra_k_cache``, ``extra_indices``, ``extra_topk_length`` (sparse decode over two caches, where the op
+  declares ``sparse_decode_extra_cache = True``; FlashMLA's ``extra_k_cache``, ``extra_indices_in_kvcache``,
+  ``extra_topk_length``): a second paged cache in the same format (its own number of blocks and page size),
+  int32 [B, s_q, extra_topk] indices into its flattened tokens (invalid entries as for ``indices``), and
+  int32 [B] (or None) the entries of each row that count. The keys are those both caches' indices select,
+  under one softmax (FlashMLA's tests/ref.py: the two gathered sets concatenated).
 * ``attn_sink`` float32 [h_q] (where the op declares ``attn_sink = True``; dense and sparse decode): the
   output is scaled by exp(lse) / (exp(lse) + exp(attn_sink[h])) (+inf gives 0, -inf changes nothing); lse
   itself is not changed.
@@ -70,6 +76,8 @@ declares nothing gets an explicit skip naming the declaration that would opt it 
 * ``returns_lse``: ``True`` (default) or ``False``: the op returns ``(out, None)`` (SGLang's decode kernel
   writes no final lse); lse comparisons and the split-KV merge are not run, every out check is;
 * ``sparse_decode``: ``False`` (default) or ``True``: the op takes ``indices`` / ``topk_length``;
+* ``sparse_decode_extra_cache``: ``False`` (default) or ``True``: its sparse decode also takes a second cache
+  (``extra_k_cache`` / ``extra_indices`` / ``extra_topk_length``, above);
 * ``invalid_index``: ``"minus-one"`` (default, FlashMLA's sparse decode) or ``"out-of-range"`` (FlashMLA's
   sparse prefill), see ``indices`` above;
 * ``attn_sink``: ``False`` (default) or ``True``: the op takes ``attn_sink`` (tested on dense and sparse
@@ -226,6 +234,7 @@ DECLARATIONS: dict[str, Any] = {
     "returns_lse": True,
     "empty_row": "+inf",
     "sparse_decode": False,
+    "sparse_decode_extra_cache": False,
     "invalid_index": "minus-one",
     "attn_sink": False,
     "page_block_sizes": (64,),
@@ -255,7 +264,8 @@ DECLARATIONS: dict[str, Any] = {
 #: Which method each declaration belongs to (what the report prints for an op: the declarations of the
 #: methods it has, so an op written before a method existed reports what it reported then).
 METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
-    "decode": ("lse_base", "returns_lse", "empty_row", "sparse_decode", "invalid_index", "attn_sink",
+    "decode": ("lse_base", "returns_lse", "empty_row", "sparse_decode", "sparse_decode_extra_cache", "invalid_index",
+               "attn_sink",
                "page_block_sizes", "kv_formats", "fp8_scale_format", "deterministic", "batch_invariant",
                "head_dims"),
     "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row"),
@@ -272,6 +282,7 @@ _ALLOWED = {
     "invalid_index": ("minus-one", "out-of-range"),
     "returns_lse": (True, False),
     "sparse_decode": (True, False),
+    "sparse_decode_extra_cache": (True, False),
     "attn_sink": (True, False),
     "prefill_lse_base": ("e", "2"),
     "prefill_empty_row": ("+inf", "-inf"),

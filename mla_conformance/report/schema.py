@@ -86,6 +86,7 @@ FIGURES: dict[str, str] = {
     "dtype": "the compute / cache dtype's name (float32, bfloat16, ...)",
     "exact_fraction": "fraction of output elements equal to the reference (0..1)",
     "expanded_dim": "elements per token per layer of the expanded (per-head K/V) cache at the row's preset (count)",
+    "extra_page_block_size": "tokens per page of sparse decode's second cache (extra_k_cache) (tokens)",
     "fill": "fraction of the cache's slots holding tokens during the timed steps (0..1)",
     "flop_model": "how the FLOPs were counted (one line)",
     "flops": "FLOPs of one decode step (count)",

@@ -251,3 +251,22 @@ class AssumesPage64(ReferenceOp):
         slots = torch.where(pos[None, :] < cache_seqlens.long()[:, None], slots, torch.full_like(slots, -1))
         idx = slots.clamp(-1, 2 ** 31 - 1).to(torch.int32)[:, None, :].expand(B, s_q, T).contiguous()
         return super().decode(q, kv_cache, block_table, cache_seqlens, causal=False, indices=idx, **kwargs)
+
+
+class IgnoresExtraCache(ReferenceOp):
+    """Declares the two-cache sparse decode but attends to the first cache's selection only (the second cache's
+    keys dropped: a kernel that loops over one scope)."""
+
+    name = "broken-ignores-extra-cache"
+
+    def decode(self, *args, extra_k_cache=None, extra_indices=None, extra_topk_length=None, **kwargs):
+        return super().decode(*args, **kwargs)
+
+
+class IgnoresExtraTopkLength(ReferenceOp):
+    """Reads every entry of the second cache's indices, extra_topk_length ignored."""
+
+    name = "broken-ignores-extra-topk-length"
+
+    def decode(self, *args, extra_topk_length=None, **kwargs):
+        return super().decode(*args, **kwargs)

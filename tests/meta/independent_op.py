@@ -65,6 +65,7 @@ class IndependentOp:
     lse_base = "2"
     empty_row = "-inf"
     sparse_decode = True
+    sparse_decode_extra_cache = True
     invalid_index = "out-of-range"
     attn_sink = True
     page_block_sizes = (1, 16, 64)
@@ -81,33 +82,36 @@ class IndependentOp:
         return None
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
-               topk_length=None, attn_sink=None):
+               topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None, extra_topk_length=None):
         B, s_q, h, _ = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         page = kv_cache.shape[1]
         n_slots = kv_cache.shape[0] * page
         flat = kv_cache.reshape(n_slots, kv_cache.shape[-1])
+        scopes = [(flat, indices, topk_length)]
+        if extra_k_cache is not None:                                         # a second cache, the same softmax
+            scopes.append((extra_k_cache.reshape(-1, extra_k_cache.shape[-1]), extra_indices, extra_topk_length))
         out = torch.zeros(B, s_q, h, NOPE, dtype=acc, device=q.device)
         lse = torch.empty(B, s_q, h, dtype=acc, device=q.device)
         for b in range(B):
             qb = q[b].to(acc)                                                 # [s_q, h, 576]
             state = _Online(s_q, h, acc, q.device)
-            if indices is not None:
-                row = indices[b].long()                                       # [s_q, topk]
-                keep = (row >= 0) & (row < n_slots)
-                if topk_length is not None:
-                    keep &= torch.arange(row.shape[1], device=row.device)[None, :] < int(topk_length[b])
+            for pool, idx, length in (scopes if indices is not None else ()):
+                row = idx[b].long()                                           # [s_q, topk]
+                keep = (row >= 0) & (row < pool.shape[0])
+                if length is not None:
+                    keep &= torch.arange(row.shape[1], device=row.device)[None, :] < int(length[b])
                 for i in range(s_q):
                     slots = row[i][keep[i]]
                     for start in range(0, slots.numel(), 16):                 # chunks of 16 selected keys
-                        keys = _decode_rows(flat[slots[start:start + 16]], acc)
+                        keys = _decode_rows(pool[slots[start:start + 16]], acc)
                         scores = torch.einsum("hd,nd->hn", qb[i], keys)[None] * softmax_scale
                         allowed = torch.zeros(s_q, 1, keys.shape[0], dtype=torch.bool, device=q.device)
                         allowed[i] = True
                         full = torch.zeros(s_q, h, keys.shape[0], dtype=acc, device=q.device)
                         full[i] = scores[0]
                         state.update(full, allowed, keys[:, :NOPE])
-            else:
+            if indices is None:
                 L = int(cache_seqlens[b])
                 for j in range(-(-L // page)):                                # only the row's own pages
                     block = int(block_table[b, j])

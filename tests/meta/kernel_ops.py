@@ -54,6 +54,7 @@ class PRoundingOp:
     name = "p-rounding-op"
     dtype = torch.bfloat16
     sparse_decode = True
+    sparse_decode_extra_cache = True
     invalid_index = "out-of-range"
     attn_sink = True
     page_block_sizes = (1, 16, 64)
@@ -113,11 +114,14 @@ class PRoundingOp:
         return out, lse
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
-               topk_length=None, attn_sink=None):
+               topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None, extra_topk_length=None):
         B, s_q, h, _ = q.shape
         page = kv_cache.shape[1]
         n_slots = kv_cache.shape[0] * page
         flat = kv_cache.reshape(n_slots, kv_cache.shape[-1])
+        scopes = [(flat, indices, topk_length)]
+        if extra_k_cache is not None:  # FlashMLA's second scope: its keys join the first's in one softmax
+            scopes.append((extra_k_cache.reshape(-1, extra_k_cache.shape[-1]), extra_indices, extra_topk_length))
         out = torch.zeros(B, s_q, h, NOPE)
         lse = torch.empty(B, h, s_q)
         for b in range(B):
@@ -128,12 +132,14 @@ class PRoundingOp:
                 keys = _rows(flat, slots, self.dtype)
             for i in range(s_q):
                 if indices is not None:
-                    row = indices[b, i].long()
-                    n = row.numel() if topk_length is None else min(int(topk_length[b]), row.numel())
-                    row = row[:n]
-                    row = row[(row >= 0) & (row < n_slots)]
-                    keys_i = _rows(flat, row, self.dtype)
-                    allowed = torch.ones(row.numel(), dtype=torch.bool)
+                    selected = []
+                    for pool, idx, length in scopes:
+                        row = idx[b, i].long()
+                        n = row.numel() if length is None else min(int(length[b]), row.numel())
+                        row = row[:n]
+                        selected.append(_rows(pool, row[(row >= 0) & (row < pool.shape[0])], self.dtype))
+                    keys_i = torch.cat(selected)
+                    allowed = torch.ones(keys_i.shape[0], dtype=torch.bool)
                 else:
                     keys_i = keys
                     visible = L - s_q + i + 1 if causal else L

@@ -147,6 +147,10 @@ FROZEN = f"{HERE}/frozen_base_op.py"
 
 #: broken op -> (spec, the name it reports, the op tests (file::function[params after the op name]) that must fail it)
 BROKEN_OPS = {
+    "ignores-extra-cache": (f"{OPS}:IgnoresExtraCache", "broken-ignores-extra-cache",
+                            ["test_op_sparse.py::test_sparse_two_caches[-all]"]),
+    "ignores-extra-topk-length": (f"{OPS}:IgnoresExtraTopkLength", "broken-ignores-extra-topk-length",
+                                  ["test_op_sparse.py::test_sparse_two_caches[-lengths]"]),
     "lse-base2-as-e": (f"{OPS}:Base2DeclaredE", "broken-lse-base2-as-e",
                        ["test_op_numerics.py::test_out_lse_vs_oracle[-float32]", "test_op_numerics.py::test_split_kv_merge[-1]",
                         "test_op_sparse.py::test_sparse_vs_oracle[]"]),

@@ -159,6 +159,7 @@ def test_results_record_ops_and_declarations(run):
     assert run["ops"][:1 + len(names)] == [README_NAMES["op"], *names], run["ops"]
     decl = run["op_declarations"]["independent-op"]
     assert decl == {"lse_base": "2", "returns_lse": True, "empty_row": "-inf", "sparse_decode": True,
+                    "sparse_decode_extra_cache": True,
                     "invalid_index": "out-of-range", "attn_sink": True, "page_block_sizes": [1, 16, 64],
                     "kv_formats": ["latent", "fp8-e4m3-flashmla"], "fp8_scale_format": "fp32",
                     "deterministic": True, "batch_invariant": True, "head_dims": [[576, 512]]}, decl

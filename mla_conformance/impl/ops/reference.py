@@ -176,6 +176,28 @@ def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, in
 # --------------------------------------------------------------------------- the reference op
 
 
+def _row_reader(kv_cache: torch.Tensor, acc: torch.dtype):
+    """slots -> the cache's rows at those flat slots, decoded to ``acc`` (MODEL1: its blocks decoded first, its
+    tokens' bytes lying apart in each block; else gathered first, then only the rows read decoded)."""
+    num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
+    if is_model1(kv_cache):
+        return model1.decode(kv_cache, acc).reshape(num_blocks * page, model1.D_QK).__getitem__
+    flat = kv_cache.reshape(num_blocks * page, kv_cache.shape[-1])
+    return lambda slots: dequantize_cache(flat[slots], acc)
+
+
+def _gather(rows, indices: torch.Tensor, topk_length, n_slots: int, acc: torch.dtype):
+    """The keys sparse indices [B, s_q, k] select (zeros where invalid) and which are valid: in range, and within
+    topk_length [B] where given."""
+    idx = indices.long()
+    B = idx.shape[0]
+    valid = (idx >= 0) & (idx < n_slots)
+    if topk_length is not None:
+        valid &= torch.arange(idx.shape[-1], device=idx.device) < topk_length.long().view(B, 1, 1)
+    keys = rows(torch.where(valid, idx, 0))
+    return torch.where(valid[..., None], keys, torch.zeros((), dtype=acc, device=idx.device)), valid
+
+
 class ReferenceOp:
     """The op contract in torch on any device, dense and sparse, latent and FP8 656-byte caches, pages of 1, 16
     and 64 tokens, any head dims (``head_dims = "any"``: the layer wrapper runs the tiny model through it)."""
@@ -185,6 +207,7 @@ class ReferenceOp:
     returns_lse = True
     empty_row = "+inf"
     sparse_decode = True
+    sparse_decode_extra_cache = True
     invalid_index = "out-of-range"   # it ignores -1 and every index outside the cache
     attn_sink = True
     page_block_sizes = (1, 16, 64)
@@ -216,7 +239,8 @@ class ReferenceOp:
         return None
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
-               topk_length=None, attn_sink=None, head_dim_v=None):
+               topk_length=None, attn_sink=None, head_dim_v=None, extra_k_cache=None, extra_indices=None,
+               extra_topk_length=None):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         B, s_q, h_q, d_qk = q.shape
         d_v = D_V if head_dim_v is None else int(head_dim_v)
@@ -228,26 +252,17 @@ class ReferenceOp:
             raise ValueError(f"{self.name}: q [..., {d_qk}], head_dim_v {d_v} and a kv_cache of rows "
                              f"{kv_cache.dtype} [..., {kv_cache.shape[-1]}] do not fit together")
         num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
-        if is_model1(kv_cache):  # its tokens' bytes lie apart in each block: decode the blocks, then gather
-            if indices is None:
-                raise ValueError(f"{self.name}: the MODEL1 layout is read by sparse decode only (FlashMLA's)")
-            decoded = model1.decode(kv_cache, acc).reshape(num_blocks * page, model1.D_QK)
-            rows = decoded.__getitem__
-        else:
-            flat = kv_cache.reshape(num_blocks * page, kv_cache.shape[-1])
-
-            def rows(slots):  # gather first, then decode only the rows read (never the whole pool)
-                return dequantize_cache(flat[slots], acc)
-
+        if is_model1(kv_cache) and indices is None:
+            raise ValueError(f"{self.name}: the MODEL1 layout is read by sparse decode only (FlashMLA's)")
+        rows = _row_reader(kv_cache, acc)
         qf = q.to(acc)
         dev = q.device
         if indices is not None:
-            idx = indices.long()
-            valid = (idx >= 0) & (idx < num_blocks * page)
-            if topk_length is not None:
-                valid &= torch.arange(idx.shape[-1], device=dev) < topk_length.long().view(B, 1, 1)
-            keys = rows(torch.where(valid, idx, 0))                             # [B, s_q, k, d_qk]
-            keys = torch.where(valid[..., None], keys, torch.zeros((), dtype=acc, device=dev))
+            keys, valid = _gather(rows, indices, topk_length, num_blocks * page, acc)  # [B, s_q, k, d_qk]
+            if extra_k_cache is not None:  # the second cache's selection joins the first's under one softmax
+                extra_keys, extra_valid = _gather(_row_reader(extra_k_cache, acc), extra_indices, extra_topk_length,
+                                                  extra_k_cache.shape[0] * extra_k_cache.shape[1], acc)
+                keys, valid = torch.cat([keys, extra_keys], dim=2), torch.cat([valid, extra_valid], dim=-1)
             logits = torch.einsum("bshd,bskd->bshk", qf, keys) * softmax_scale
             allowed = valid[:, :, None, :]                                      # [B, s_q, 1, k]
             values = keys[..., :d_v]
