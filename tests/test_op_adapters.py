@@ -59,7 +59,8 @@ def test_declarations():
     assert declarations(get_op("flashmla")) == {
         "lse_base": "e", "returns_lse": True, "empty_row": "+inf", "sparse_decode": False,
         "sparse_decode_extra_cache": False, "invalid_index": "minus-one", "attn_sink": False, "page_block_sizes": (64,), "kv_formats": ("latent",),
-        "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False, "head_dims": ((576, 512),)}
+        "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False, "head_dims": ((576, 512),),
+        "prefill_head_dims": ((192, 128),), "prefill_lse_base": "e", "prefill_empty_row": "+inf"}
     sparse = declarations(get_op("flashmla-sparse"))
     assert sparse["kv_formats"] == ("fp8-e4m3-flashmla",) and sparse["fp8_scale_format"] == "pow2"
     # the adapter remaps every index outside the cache to -1 (the decode kernel special-cases only -1)
@@ -183,9 +184,28 @@ def fake_flash_mla(interface: str = "current", calls: list | None = None):
                                                   topk_length=topk_length, attn_sink=attn_sink)
         return out.to(BF16), max_logits, lse
 
+    def varlen(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, dropout_p=0.0,
+               softmax_scale=None, causal=False, deterministic=False, is_varlen=True):
+        """flash_attn_varlen_func's signature and layout (flash_mla_interface.py: out [total_q, h, dv], lse a
+        [total_q, h] view of an [h, total_q] buffer), ReferenceOp's arithmetic; what it leaves for a query with
+        no key is NaN here (FlashMLA's tests make none, so nothing is promised)."""
+        assert q.dtype == k.dtype == v.dtype == BF16 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        assert cu_seqlens_qo.dtype == cu_seqlens_kv.dtype == torch.int32 and dropout_p == 0.0 and not deterministic
+        assert max_seqlen_qo == int((cu_seqlens_qo[1:] - cu_seqlens_qo[:-1]).max())
+        assert max_seqlen_kv == int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max())
+        calls.append(("varlen", int(cu_seqlens_qo.numel() - 1), q.shape[1], k.shape[1], bool(causal)))
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        out, lse = ref.prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, softmax_scale=scale, causal=causal)
+        lse_buf = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        lse_buf.copy_(lse.T)
+        nokey = torch.isposinf(lse)
+        out = torch.where(nokey[..., None], torch.full((), math.nan), out.float())
+        lse_view = torch.where(nokey, torch.full((), -math.inf), lse_buf.T)
+        return out.to(BF16), lse_view
+
     if interface == "current":
         return types.SimpleNamespace(get_mla_metadata=get_current, flash_mla_with_kvcache=kernel, calls=calls,
-                                     flash_mla_sparse_fwd=sparse_fwd)
+                                     flash_mla_sparse_fwd=sparse_fwd, flash_attn_varlen_func=varlen)
 
     def kernel_sep2025(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                        softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
@@ -514,6 +534,7 @@ METHOD_KERNELS = [
     (lambda: FlashInferOp(), "merge", "flashinfer/merge_state"),
     (lambda: FlashInferOp(), "write", "flashinfer/append_paged_mla_kv_cache"),
     (lambda: FlashMLASparseOp(), "sparse_prefill", "flashmla/sparse_prefill"),
+    (lambda: FlashMLAOp(), "prefill", "flashmla/dense_prefill"),
     (lambda: VLLMOp(), "merge", "vllm/merge_attn_states"),
     (lambda: VLLMOp(), "write", "vllm/concat_and_cache_mla"),
 ]
@@ -624,6 +645,26 @@ def test_flashmla_sparse_prefill_glue_passes_the_sparse_prefill_checks(on_h200, 
                                         all_invalid_rows=(1,), topk_length=True, attn_sink=True, seed=7)
         sparse_checks.check_against_oracle(op, spec, check="sparse prefill glue on the stand-in", figures=mla_figures)
     assert calls == [("sparse_fwd", 4, 64, 128)] * 2
+
+
+def test_flashmla_dense_prefill_glue_passes_the_prefill_checks(monkeypatch, mla_figures):
+    """On an SM100 device (the kernel's only target): rows with kv_len 0 and q_len > kv_len (causal: queries with
+    no key, which the stand-in leaves NaN and the adapter sets to out 0, lse +inf), strided k / v made contiguous,
+    h_k 1 and 8 under h_q 8."""
+    info = _device((10, 0), "NVIDIA B200", packages=("flash_mla",))
+    monkeypatch.setattr(arch, "detect", lambda device=None: info)
+    calls = []
+    op = FlashMLAOp(flash_mla_module=fake_flash_mla(calls=calls))
+    for causal, strided, h_k in ((True, False, 1), (False, True, 8)):
+        spec = prefill_checks.PrefillSpec(rows=((3, 0), (5, 2), (4, 9)), h_q=8, h_k=h_k, causal=causal,
+                                          strided=strided, seed=12)
+        prefill_checks.check_against_oracle(op, spec, check="dense prefill glue on the stand-in", figures=mla_figures)
+    assert calls == [("varlen", 3, 8, 1, True), ("varlen", 3, 8, 8, False)]
+    old = FlashMLAOp(flash_mla_module=fake_flash_mla("sep2025"))
+    assert "no flash_attn_varlen_func" in old.unsupported_reason(METHOD_CASES["prefill"])
+    h200 = _device((9, 0), "NVIDIA H200", packages=("flash_mla",))
+    monkeypatch.setattr(arch, "detect", lambda device=None: h200)
+    assert op.unsupported_reason(METHOD_CASES["prefill"]) == arch.why_not("flashmla/dense_prefill", h200)
 
 
 def test_vllm_merge_and_write_glue(on_h200, mla_figures):

@@ -178,12 +178,13 @@ def test_adapters_map_to_the_kernels_the_ops_run():
     from mla_conformance import arch
     from mla_conformance.contract.op import BUILTIN_OPS
     from mla_conformance.impl.ops.flashinfer import FlashInferFA2Op, FlashInferOp
-    from mla_conformance.impl.ops.flashmla import SPARSE_PREFILL_KERNEL, FlashMLAOp, FlashMLASparseOp
+    from mla_conformance.impl.ops.flashmla import (DENSE_PREFILL_KERNEL, SPARSE_PREFILL_KERNEL, FlashMLAOp,
+                                                   FlashMLASparseOp)
     from mla_conformance.impl.ops.vllm_ops import MERGE_KERNEL, WRITE_KERNEL, VLLMOp
 
     sm90, sm80 = arch.DeviceInfo.from_capability((9, 0), "H100"), arch.DeviceInfo.from_capability((8, 0), "A100")
     runs = {(FlashMLAOp.name, FlashMLAOp.kernel_id), (FlashMLASparseOp.name, FlashMLASparseOp.kernel_id),
-            (FlashMLASparseOp.name, SPARSE_PREFILL_KERNEL),
+            (FlashMLASparseOp.name, SPARSE_PREFILL_KERNEL), (FlashMLAOp.name, DENSE_PREFILL_KERNEL),
             (FlashInferOp.name, FlashInferOp().kernel_id(sm90)), (FlashInferOp.name, FlashInferOp().kernel_id(sm80)),
             (FlashInferFA2Op.name, FlashInferFA2Op().kernel_id(sm90)),
             (VLLMOp.name, MERGE_KERNEL), (VLLMOp.name, WRITE_KERNEL)}

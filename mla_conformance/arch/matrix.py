@@ -566,6 +566,7 @@ ADAPTERS: dict[str, tuple[str, ...]] = {
     "flashinfer/fa3_mla": ("flashinfer",),
     "flashinfer/fa2_mla": ("flashinfer", "flashinfer-fa2"),
     "flashmla/sparse_prefill": ("flashmla-sparse",),
+    "flashmla/dense_prefill": ("flashmla",),
     "flashinfer/fa2_prefill": ("flashinfer", "flashinfer-fa2"),
     "flashinfer/fa3_prefill": ("flashinfer",),
     "flashinfer/merge_state": ("flashinfer", "flashinfer-fa2"),

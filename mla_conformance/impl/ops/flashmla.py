@@ -19,6 +19,12 @@ Both call ``flash_mla.flash_mla_with_kvcache`` (deepseek-ai/FlashMLA, ``flash_ml
   ``[0, num_blocks * page_block_size)`` is set to -1 before the call: the adapter gives the sparse
   *prefill*'s rule (``invalid_index = "out-of-range"``) and never hands the kernel an out-of-bounds index.
 
+:class:`FlashMLAOp` also has the optional ``prefill`` (kernel ``flashmla/dense_prefill``, SM100):
+``flash_mla.flash_attn_varlen_func(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
+softmax_scale=, causal=) -> (out, lse)``, ragged bfloat16 q / k / v as the contract's prefill takes them, causal
+aligned bottom-right and lse in natural log [total_q, h_q] (its tests/test_fmha_sm100.py); a query with no key,
+which FlashMLA's tests never make, is set to out 0 and lse +inf by the adapter.
+
 :class:`FlashMLASparseOp` also has the optional ``sparse_prefill`` (kernel ``flashmla/sparse_prefill``, SM90 and
 SM100): ``flash_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None) ->
 (out, max_logits, lse)`` (``flash_mla/flash_mla_interface.py`` and ``csrc/api/sparse_fwd.h`` at
@@ -59,6 +65,7 @@ from mla_conformance.contract.op import D_V
 DENSE_KERNEL = "flashmla/dense_decode"
 SPARSE_KERNEL = "flashmla/sparse_decode"
 SPARSE_PREFILL_KERNEL = "flashmla/sparse_prefill"
+DENSE_PREFILL_KERNEL = "flashmla/dense_prefill"
 #: top-k entries the sparse prefill adapter pads indices to a multiple of (FlashMLA's tests run multiples of 128)
 PREFILL_TOPK_BLOCK = 128
 DENSE_PAGE = 64
@@ -131,13 +138,17 @@ class _FlashMLABase:
 
 
 class FlashMLAOp(_FlashMLABase):
-    """FlashMLA dense decode (SM90, bfloat16, page block 64) behind the op contract."""
+    """FlashMLA dense decode (SM90, bfloat16, page block 64) behind the op contract, and its dense prefill (SM100,
+    ``flash_attn_varlen_func``) as the optional ``prefill``."""
 
     name = "flashmla"
     kernel_id = DENSE_KERNEL
     kernel_name = "FlashMLA dense decode"
     lse_base = "e"
     empty_row = "+inf"
+    # prefill: FlashMLA's dense prefill (SM100), DeepSeek-V3's MHA-mode dims (the default prefill_head_dims)
+    prefill_lse_base = "e"
+    prefill_empty_row = "+inf"
     page_block_sizes = (DENSE_PAGE,)
     kv_formats = ("latent",)
     # split-KV with a schedule fixed by the inputs, a fixed-order combine: the same call gives the same bits.
@@ -147,6 +158,8 @@ class FlashMLAOp(_FlashMLABase):
     batch_invariant = False
 
     def unsupported_reason(self, case):
+        if getattr(case, "method", "decode") == "prefill":
+            return self._prefill_reason(case)
         reason = self._arch_reason(case)
         if reason:
             return reason
@@ -180,6 +193,48 @@ class FlashMLAOp(_FlashMLABase):
         out, lse = fm.flash_mla_with_kvcache(q.contiguous(), kv_cache, block_table, cache_seqlens, D_V,
                                              tile_scheduler_metadata, num_splits,
                                              softmax_scale=softmax_scale, causal=causal)
+        return out, lse
+
+    # ----------------------------------------------------------------------- prefill: FlashMLA's dense prefill
+
+    def _prefill_reason(self, case) -> str | None:
+        name = "FlashMLA dense prefill"
+        reason = arch.why_not(DENSE_PREFILL_KERNEL, arch.detect(case.device))
+        if reason:
+            return reason
+        if case.dtype != torch.bfloat16:
+            return f"{name} takes bfloat16 q, k and v, not {_dtype_name(case.dtype)}"
+        reason = self._import_reason()
+        if reason:
+            return reason
+        if not hasattr(self._flash_mla(), "flash_attn_varlen_func"):
+            return f"{name}: the installed flash_mla has no flash_attn_varlen_func (a release before SM100 prefill)"
+        return None
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
+        """``flash_attn_varlen_func(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
+        softmax_scale=, causal=) -> (out, lse)`` (flash_mla/flash_mla_interface.py; its tests/test_fmha_sm100.py
+        oracle: causal aligned bottom-right, ``tril(diagonal=s_k - s_q)``, lse a natural-log logsumexp
+        [total_q, h_q]). Strided k / v are made contiguous first. FlashMLA's tests give every query a key
+        (s_k >= s_q >= 1); a query without one (kv_len 0, or a causal query before its row's first key) gets
+        out 0 and lse +inf here, whatever the kernel left there."""
+        fm = self._flash_mla()
+        dev = q.device
+        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
+        cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int32)
+        cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int32)
+        q_lens, k_lens = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
+        total_q = q.shape[0]
+        out, lse = fm.flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(q_lens.max()) if q_lens.numel() else 0,
+                                             int(k_lens.max()) if k_lens.numel() else 0,
+                                             softmax_scale=float(softmax_scale), causal=bool(causal))
+        lse = lse.to(torch.float32).contiguous()                                     # [total_q, h_q]
+        row = torch.repeat_interleave(torch.arange(q_lens.numel(), device=dev), q_lens, output_size=total_q)
+        i = torch.arange(total_q, device=dev) - cu_q.long()[row]
+        empty = (k_lens[row] == 0) | ((i < (q_lens - k_lens)[row]) if causal else False)
+        if bool(empty.any()):
+            out = torch.where(empty[:, None, None], torch.zeros((), dtype=out.dtype, device=dev), out)
+            lse = torch.where(empty[:, None], torch.full((), math.inf, device=dev), lse)
         return out, lse
 
 
