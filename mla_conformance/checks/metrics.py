@@ -7,12 +7,10 @@ import math
 
 import torch
 
+from mla_conformance.dtypes import dtype_name  # noqa: F401  (re-exported: the checks name dtypes through here)
+
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

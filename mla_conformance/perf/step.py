@@ -29,6 +29,7 @@ import torch
 from mla_conformance.checks.driver import weights_for
 from mla_conformance.checks.metrics import DTYPES
 from mla_conformance.contract.layer import cache_format_of, support_reason
+from mla_conformance.dtypes import dtype_name
 from mla_conformance.errors import MLAInputError
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.perf import gate
@@ -135,7 +136,7 @@ class Prepared:
     def describe(self) -> dict[str, Any]:
         """The configuration, without timings."""
         return {"backend": self.backend.name, "kv_codec": self.kv_codec, "context": self.context, "batch": self.batch,
-                "dtype": str(self.dtype).removeprefix("torch."), "preset": self.preset, "device": self.device,
+                "dtype": dtype_name(self.dtype), "preset": self.preset, "device": self.device,
                 "cache_format": cache_format_of(self.backend, self.cache), "fill": self.fill,
                 "correctness": self.correctness.record() if self.correctness else None}
 

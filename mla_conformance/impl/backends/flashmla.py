@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from mla_conformance.contract.op import OpCase
+from mla_conformance.dtypes import dtype_name
 from mla_conformance.impl.backends.reference import ReferenceDSA
 from mla_conformance.impl.ops.flashmla import DENSE_KERNEL, FlashMLAOp, FlashMLASparseOp, mla_metadata
 from mla_conformance.impl.ops.layer import OpBackend
@@ -71,7 +72,7 @@ class FlashMLA(OpBackend):
             return f"FlashMLA dense decode reads an unquantized bfloat16 cache; kv_codec {kv_codec!r} is not supported"
         if dtype != torch.bfloat16:
             return (f"FlashMLA dense decode takes bfloat16 only (the BF16 cache of FlashMLA's README), "
-                    f"not {str(dtype).removeprefix('torch.')}")
+                    f"not {dtype_name(dtype)}")
         if config.kv_lora_rank != HEAD_DIM_V or config.qk_rope_head_dim != ROPE_DIM:
             return (f"FlashMLA dense decode has fixed head dims 576 (K) / 512 (V): it needs kv_lora_rank 512 and "
                     f"qk_rope_head_dim 64, this config has {config.kv_lora_rank} and {config.qk_rope_head_dim}")

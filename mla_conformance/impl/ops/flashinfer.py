@@ -66,6 +66,7 @@ import torch
 
 from mla_conformance import arch
 from mla_conformance.contract.op import D_QK, D_ROPE, D_V, PREFILL_D_QK, PREFILL_D_V, declared
+from mla_conformance.dtypes import dtype_name
 
 FA2_KERNEL = "flashinfer/fa2_mla"
 FA3_KERNEL = "flashinfer/fa3_mla"
@@ -79,10 +80,6 @@ METHOD_API = {"prefill": "BatchPrefillWithRaggedKVCacheWrapper", "merge": "merge
 MERGE_HEAD_DIMS = (64, 128, 256, 512)
 BACKENDS = ("auto", "fa2", "fa3")
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class FlashInferOp:
@@ -150,7 +147,7 @@ class FlashInferOp:
             return "FlashInfer's BatchMLAPagedAttentionWrapper.run takes no attention sink"
         if case.dtype not in (torch.float16, torch.bfloat16):
             return (f"FlashInfer's MLA wrapper takes a float16 or bfloat16 q and cache, not "
-                    f"{_dtype_name(case.dtype)}")
+                    f"{dtype_name(case.dtype)}")
         if case.kv_format != "latent":
             return (f"FlashInfer's MLA wrapper reads the latent as ckv and kpe in q's dtype (its FP8 cache is e4m3 "
                     f"ckv and kpe with per-tensor or per-128-channel scales, SM90 only), not the {case.kv_format} "
@@ -172,7 +169,7 @@ class FlashInferOp:
             return reason
         if case.dtype not in (torch.float16, torch.bfloat16):
             what = {"prefill": "q, k and v", "merge": "v_a and v_b", "write": "the appended ckv / kpe"}[method]
-            return f"FlashInfer's {METHOD_API[method]} takes float16 or bfloat16 {what}, not {_dtype_name(case.dtype)}"
+            return f"FlashInfer's {METHOD_API[method]} takes float16 or bfloat16 {what}, not {dtype_name(case.dtype)}"
         if method == "merge":
             if case.d_v not in MERGE_HEAD_DIMS:
                 return (f"FlashInfer's merge_state dispatches head_dim {', '.join(map(str, MERGE_HEAD_DIMS))}, "

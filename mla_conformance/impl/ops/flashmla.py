@@ -61,6 +61,7 @@ import torch
 
 from mla_conformance import arch
 from mla_conformance.contract.op import D_V
+from mla_conformance.dtypes import dtype_name
 
 DENSE_KERNEL = "flashmla/dense_decode"
 SPARSE_KERNEL = "flashmla/sparse_decode"
@@ -95,10 +96,6 @@ def mla_metadata(get_mla_metadata, cache_seqlens: torch.Tensor, s_q: int, h_q: i
     if is_fp8_kvcache or topk is not None:
         raise ValueError("the installed flash_mla.get_mla_metadata predates sparse / FP8 decode (no topk argument)")
     return get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _kernel_params(fm) -> set[str] | None:
@@ -170,7 +167,7 @@ class FlashMLAOp(_FlashMLABase):
             return f"{self.kernel_name} takes no attn_sink (flash_mla_with_kvcache accepts one with indices only)"
         if case.dtype != torch.bfloat16:
             return (f"{self.kernel_name} takes bfloat16 only (the BF16 cache of FlashMLA's README), "
-                    f"not {_dtype_name(case.dtype)}")
+                    f"not {dtype_name(case.dtype)}")
         if case.page_block_size != DENSE_PAGE:
             return f"{self.kernel_name} reads pages of {DENSE_PAGE} tokens, not {case.page_block_size}"
         if case.kv_format != "latent":
@@ -203,7 +200,7 @@ class FlashMLAOp(_FlashMLABase):
         if reason:
             return reason
         if case.dtype != torch.bfloat16:
-            return f"{name} takes bfloat16 q, k and v, not {_dtype_name(case.dtype)}"
+            return f"{name} takes bfloat16 q, k and v, not {dtype_name(case.dtype)}"
         reason = self._import_reason()
         if reason:
             return reason
@@ -269,7 +266,7 @@ class FlashMLASparseOp(_FlashMLABase):
         if case.causal:
             return f"{self.kernel_name} is not causal (flash_mla_with_kvcache asserts causal False with indices)"
         if case.dtype != torch.bfloat16:
-            return f"{self.kernel_name} takes a bfloat16 q, not {_dtype_name(case.dtype)}"
+            return f"{self.kernel_name} takes a bfloat16 q, not {dtype_name(case.dtype)}"
         if case.kv_format != FP8_FORMAT:
             return (f"{self.kernel_name} reads the FP8 656-byte cache ({FP8_FORMAT}), not a {case.kv_format} "
                     "cache")
@@ -294,7 +291,7 @@ class FlashMLASparseOp(_FlashMLABase):
         if reason:
             return reason
         if case.dtype != torch.bfloat16:
-            return f"{name} takes bfloat16 q and kv, not {_dtype_name(case.dtype)}"
+            return f"{name} takes bfloat16 q and kv, not {dtype_name(case.dtype)}"
         if case.h_k != 1:
             return f"{name} is run here in MQA mode (h_kv 1, FlashMLA's README and tests), not h_kv {case.h_k}"
         if case.h_q > SPARSE_HEADS[-1]:

@@ -35,15 +35,12 @@ import torch
 
 from mla_conformance import arch
 from mla_conformance.contract.op import D_QK, D_V, declared
+from mla_conformance.dtypes import dtype_name
 
 MERGE_KERNEL = "vllm/merge_attn_states"
 WRITE_KERNEL = "vllm/concat_and_cache_mla"
 #: op contract kv format -> vLLM's kv_cache_dtype string
 CACHE_DTYPES = {"latent": "auto", "fp8-e4m3-flashmla": "fp8_ds_mla"}
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class VLLMOp:
@@ -78,13 +75,13 @@ class VLLMOp:
             return reason
         if method == "merge" and case.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return (f"vLLM's merge_attn_states takes float32, float16 or bfloat16 outputs (FP8 only with an output "
-                    f"scale), not {_dtype_name(case.dtype)}")
+                    f"scale), not {dtype_name(case.dtype)}")
         if method == "write":
             if case.kv_format not in CACHE_DTYPES:
                 return f"vLLM's concat_and_cache_mla writes formats {', '.join(CACHE_DTYPES)}, not {case.kv_format}"
             if case.kv_format != "latent" and (case.dtype != torch.bfloat16 or (case.d_qk, case.d_v) != (D_QK, D_V)):
                 return (f"vLLM's fp8_ds_mla writer takes a bfloat16 kv_c of 512 and k_pe of 64, not "
-                        f"{_dtype_name(case.dtype)} {case.d_v} + {case.d_qk - case.d_v}")
+                        f"{dtype_name(case.dtype)} {case.d_v} + {case.d_qk - case.d_v}")
             if case.page_block_size not in declared(self, "write_page_block_sizes"):
                 return (f"{self.name} writes pages of {', '.join(map(str, self.write_page_block_sizes))} tokens, "
                         f"not {case.page_block_size}")

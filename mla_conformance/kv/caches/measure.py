@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from mla_conformance.dtypes import dtype_name
+
 #: A buffer with at most BOOKKEEPING_FACTOR x batch x pages + BOOKKEEPING_SLACK elements is bookkeeping.
 BOOKKEEPING_FACTOR = 2
 BOOKKEEPING_SLACK = 16
@@ -161,7 +163,7 @@ def written_bytes(tensors: dict[str, torch.Tensor], masks: list[dict[str, torch.
 
 
 def describe_buffers(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for k, t in tensors.items()}
+    return {k: f"{tuple(t.shape)} {dtype_name(t.dtype)}" for k, t in tensors.items()}
 
 
 def slot_figures(storage_bytes: int, per_token: int, requested: int, preallocated: bool) -> dict[str, Any]:
