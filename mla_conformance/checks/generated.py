@@ -31,6 +31,7 @@ import torch
 from hypothesis import configuration, errors, given, reject
 
 from mla_conformance.checks import op as oc
+from mla_conformance.checks.op_inputs import not_declared
 from mla_conformance.checks.driver import inputs_for, require_support, run_scenario, scenario_lengths
 from mla_conformance.checks.driver import Scenario, diagnosis
 from mla_conformance.checks.layer_numerics import check_rows, likely_cause_message
@@ -138,8 +139,7 @@ def check_op_property(op, prop: str, *, device: str, figures: dict, generation) 
     support = op_support(op, device, generation.sizes)
     strata = op_strata(prop, support)
     if not strata:
-        pytest.skip(f"{op.name}: does not declare sparse_decode (the op contract's optional declaration "
-                    "`sparse_decode = True`), so generated sparse cases are not tested")
+        pytest.skip(f"{op.name}: {not_declared('sparse_decode', 'generated sparse cases')}")
     _run_strata(op.name, prop, strata, generation, figures,
                 declined=lambda c: op_case_declined(op, c, device),
                 check=lambda c, f: check_op_case(op, c, device=device, figures=f))

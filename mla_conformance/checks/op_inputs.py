@@ -67,6 +67,17 @@ def op_reason(op, case) -> str | None:
                            f"{exc}") from exc
 
 
+def not_declared(key: str, what: str) -> str:
+    """The sentence of an optional part a flag declaration opts into (``key = True``) that the op does not make."""
+    return f"does not declare {key} (the op contract's optional declaration `{key} = True`), so {what} is not tested"
+
+
+def declared_otherwise(op, key: str, value, what: str = "it") -> str:
+    """The sentence of a value declaration (page sizes, formats, head dims) that does not include ``value``."""
+    src = "declared" if getattr(op, key, None) is not None else "the default: not declared"
+    return f"{key} is {declared(op, key)!r} ({src}), not {value!r}: declare {key} with {value!r} to have {what} tested"
+
+
 def unsupported(op, case: OpCase) -> str | None:
     """The op's sentence for a case it declines (a raising unsupported_reason is a BackendError)."""
     __tracebackhide__ = True
@@ -76,19 +87,17 @@ def unsupported(op, case: OpCase) -> str | None:
     if reason:
         return reason
     if case.sparse and not declared(op, "sparse_decode"):
-        return (f"does not declare sparse_decode (the op contract's optional declaration `sparse_decode = True`), so "
-                f"sparse decode (top-{case.topk} indices) is not tested")
+        return not_declared("sparse_decode", f"sparse decode (top-{case.topk} indices)")
     if case.attn_sink and not declared(op, "attn_sink"):
-        return ("does not declare attn_sink (the op contract's optional declaration `attn_sink = True`), so the "
-                "attention sink is not tested")
+        return not_declared("attn_sink", "the attention sink")
     for key, value in (("kv_formats", case.kv_format), ("page_block_sizes", case.page_block_size)):
         if value not in declared(op, key):
-            src = "declared" if getattr(op, key, None) is not None else "the default: not declared"
-            return f"{key} is {declared(op, key)} ({src}), not {value!r}: declare {key} with {value!r} to have it tested"
+            return declared_otherwise(op, key, value)
     return None
 
 
-def require(op, case: OpCase) -> OpCase:
+def require(op, case, unsupported=unsupported):
+    """``case``, else skip with the op's sentence (``unsupported``: decode's, or a method's)."""
     __tracebackhide__ = True
     reason = unsupported(op, case)
     if reason:
@@ -96,7 +105,7 @@ def require(op, case: OpCase) -> OpCase:
     return case
 
 
-def first_supported(op, cases) -> OpCase:
+def first_supported(op, cases, unsupported=unsupported):
     """The first of ``cases`` the op accepts (e.g. float32 before bfloat16, latent before FP8), else skip
     with the op's sentences."""
     __tracebackhide__ = True
@@ -149,8 +158,7 @@ def make_case_and_lens(op, lens_options, **kw) -> tuple[OpCase, tuple[int, ...]]
 def require_declared(op, key: str, what: str) -> None:
     __tracebackhide__ = True
     if not declared(op, key):
-        pytest.skip(f"{op.name}: does not declare {key} (the op contract's optional declaration `{key} = True`), "
-                    f"so {what} is not checked")
+        pytest.skip(f"{op.name}: {not_declared(key, what)}")
 
 
 

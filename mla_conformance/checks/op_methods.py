@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from mla_conformance.checks import op as oc
-from mla_conformance.checks.op_inputs import op_reason
+from mla_conformance.checks import op_inputs
+from mla_conformance.checks.op_inputs import declared_otherwise, not_declared, op_reason
 from mla_conformance.contract.op import SIGNATURES, declared, has_method
 from mla_conformance.errors import BackendError, BackendOutputError
 from mla_conformance.model.attention_oracles import to_natural
@@ -54,11 +55,6 @@ def require_method(op, *methods: str) -> None:
             pytest.skip(missing_method_reason(op, method))
 
 
-def _declared_sentence(op, key: str, value, what: str) -> str:
-    src = "declared" if getattr(op, key, None) is not None else "the default: not declared"
-    return f"{key} is {declared(op, key)!r} ({src}), not {value!r}: declare {key} with {value!r} to have {what} tested"
-
-
 def unsupported(op, case) -> str | None:
     """The op's sentence for a case it declines (a raising unsupported_reason is a BackendError), else the
     sentence of a declaration the case needs and the op does not make."""
@@ -70,38 +66,27 @@ def unsupported(op, case) -> str | None:
     if m in ("prefill", "sparse_prefill"):
         dims = declared(op, f"{m}_head_dims")
         if dims != "any" and (case.d_qk, case.d_v) not in dims:
-            return _declared_sentence(op, f"{m}_head_dims", (case.d_qk, case.d_v), f"{m} at these head dims")
+            return declared_otherwise(op, f"{m}_head_dims", (case.d_qk, case.d_v), f"{m} at these head dims")
     if m == "sparse_prefill":
         for flag in ("topk_length", "attn_sink"):
             if getattr(case, flag) and not declared(op, f"sparse_prefill_{flag}"):
-                return (f"does not declare sparse_prefill_{flag} (the op contract's optional declaration "
-                        f"`sparse_prefill_{flag} = True`), so sparse prefill with {flag} is not tested")
+                return not_declared(f"sparse_prefill_{flag}", f"sparse prefill with {flag}")
     if m == "write":
         for key, value in (("write_kv_formats", case.kv_format), ("write_page_block_sizes", case.page_block_size)):
             if value not in declared(op, key):
-                return _declared_sentence(op, key, value, "write")
+                return declared_otherwise(op, key, value, "write")
     return None
 
 
 def require(op, case):
     __tracebackhide__ = True
-    reason = unsupported(op, case)
-    if reason:
-        pytest.skip(f"{op.name}: {reason}")
-    return case
+    return op_inputs.require(op, case, unsupported)
 
 
 def first_supported(op, cases):
     """The first of ``cases`` the op accepts, else skip with the op's sentences."""
     __tracebackhide__ = True
-    reasons: list[str] = []
-    for case in cases:
-        reason = unsupported(op, case)
-        if not reason:
-            return case
-        if reason not in reasons:
-            reasons.append(reason)
-    pytest.skip(f"{op.name}: {'; '.join(reasons)}")
+    return op_inputs.first_supported(op, cases, unsupported)
 
 
 # --------------------------------------------------------------------------- buffers
