@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 
 from mla_conformance.pytest_plugin import selection
 from mla_conformance import __version__
+from mla_conformance.arch.device import installed_version
 
 #: how to run the decode benchmarks the default run deselects
 BENCHMARK_HINT = "pytest -m benchmark --benchmark-only -p no:xdist"
@@ -42,26 +42,13 @@ def header_lines(config) -> list[str]:
                      f"(capability {cap[0]}.{cap[1]}), CUDA {torch.version.cuda}")
     else:
         lines.append(f"device cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    lines.append(f"torch {_version('torch')}, transformers {_version('transformers')}, "
+    lines.append(f"torch {installed_version('torch') or 'not installed'}, transformers "
+                 f"{installed_version('transformers') or 'not installed'}, "
                  f"python {platform.python_version()}")
     ckpt = config.getoption("--mla-checkpoint")
     if ckpt:
         lines.append(f"checkpoint {ckpt}")
     return lines
-
-
-def _version(package: str) -> str:
-    """A package's version without importing it where it is not imported yet (torch costs ~1.5 s, transformers
-    ~0.45 s in every pytest process and xdist worker): the module's own, else its distribution's."""
-    module = sys.modules.get(package)
-    if module is not None and hasattr(module, "__version__"):
-        return str(module.__version__)
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def skip_reasons(stats: dict) -> dict[str, int]:

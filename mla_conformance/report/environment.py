@@ -5,11 +5,10 @@ prints) and each kernel's gating on that device, judged when the run happens."""
 from __future__ import annotations
 
 import platform
-from importlib import metadata
 from typing import Any
 
 from mla_conformance import __version__
-from mla_conformance.arch.device import device_description
+from mla_conformance.arch.device import device_description, installed_version
 from mla_conformance.arch.gating import kernel_skip_reason
 from mla_conformance.arch.matrix import kernel_ids
 
@@ -21,10 +20,7 @@ def environment(device: str) -> dict[str, Any]:
     described.pop("threads", None)
     env: dict[str, Any] = {"suite_version": __version__, "python": platform.python_version(),
                            "platform": platform.platform(terse=True), "machine": platform.machine(), **described}
-    try:  # the installed release, read without importing it (0.5 s)
-        env["transformers"] = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        env["transformers"] = None
+    env["transformers"] = installed_version("transformers")
     # judged when the run happens, on the device it ran on: rendering reads this, never the renderer's host
     env["kernel_gating"] = {kid: kernel_skip_reason(kid, device) for kid in kernel_ids()}
     return env
