@@ -50,13 +50,16 @@ def pytest_sessionstart(session):
 
     from tests.meta import background
 
-    for path in sorted((HERE / "meta").glob("test_*.py")):
-        if "\nBACKGROUND = " in path.read_text(encoding="utf-8"):
-            module = importlib.import_module(f"tests.meta.{path.stem}")
-            for key, (_, _, fn) in module.BACKGROUND.items():
-                background.start(key, fn)
-    if not session.config.getoption("--mla-threads", None):
-        import torch  # the jobs take one core: the session keeps to one thread (figures as under -n)
+    for path in background.job_modules():
+        for key, (_, _, fn) in importlib.import_module(f"tests.meta.{path.stem}").BACKGROUND.items():
+            background.start(key, fn)
+    _one_thread(session.config)
+
+
+def _one_thread(config) -> None:
+    """The jobs take one core: the session keeps to one torch thread (figures as under -n), unless told."""
+    if not config.getoption("--mla-threads", None):
+        import torch
 
         torch.set_num_threads(1)
 
@@ -80,10 +83,8 @@ def pytest_collection_finish(session):
             if fixture in item.fixturenames and (param is None or params.get(fixture) == param):
                 background.start(key, fn)
                 started = True
-    if started and not session.config.getoption("--mla-threads", None):
-        import torch  # the jobs take one core: the session keeps to one thread (figures as under -n)
-
-        torch.set_num_threads(1)
+    if started:
+        _one_thread(session.config)
 
 
 def pytest_sessionfinish(session):

@@ -106,13 +106,9 @@ def _exit_without_a_final_collection() -> None:
     gc.freeze()
 
 
-_EXIT_REGISTERED: list[bool] = []
-
-
 def pytest_configure(config):
-    if not _EXIT_REGISTERED:
-        atexit.register(_exit_without_a_final_collection)
-        _EXIT_REGISTERED.append(True)
+    atexit.unregister(_exit_without_a_final_collection)  # once per process, however many sessions it runs
+    atexit.register(_exit_without_a_final_collection)
     footprint.benchmark_storage(config)  # first: pytest-benchmark creates its storage in its own pytest_configure
     for line in MARKERS:
         config.addinivalue_line("markers", line)

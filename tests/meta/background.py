@@ -34,6 +34,12 @@ def env(**extra: str) -> dict[str, str]:
     return {**_ENV, **extra}
 
 
+def job_modules() -> list[Path]:
+    """The tests/meta modules that declare ``BACKGROUND`` jobs (their text is read: nothing is imported)."""
+    here = Path(__file__).resolve().parent
+    return sorted(p for p in here.glob("test_*.py") if "\nBACKGROUND = " in p.read_text(encoding="utf-8"))
+
+
 def scratch(prefix: str) -> Path:
     """A fresh directory for one job, removed at the end of the session (:func:`shutdown`)."""
     d = Path(tempfile.mkdtemp(prefix=prefix))

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from . import background
+
 HERE = Path(__file__).resolve().parent
 SPAWNS = {"run", "Popen", "check_output", "check_call", "call"}
 
@@ -15,8 +17,7 @@ pytestmark = pytest.mark.meta
 
 
 def _job_modules() -> list[Path]:
-    return sorted(p for p in HERE.glob("*.py") if "\nBACKGROUND = " in p.read_text(encoding="utf-8")) + \
-        [HERE / "harness.py"]
+    return [*background.job_modules(), HERE / "harness.py"]
 
 
 def test_there_are_job_modules():
