@@ -67,6 +67,7 @@ import torch
 from mla_conformance import arch
 from mla_conformance.contract.op import D_QK, D_ROPE, D_V, PREFILL_D_QK, PREFILL_D_V, declared
 from mla_conformance.dtypes import dtype_name
+from mla_conformance.impl.ops.ragged import queries_without_keys, with_empty_queries
 
 FA2_KERNEL = "flashinfer/fa2_mla"
 FA3_KERNEL = "flashinfer/fa3_mla"
@@ -268,16 +269,10 @@ class FlashInferOp:
         wrapper.plan(qo_indptr, kv_indptr, h_q, h_k, d_qk, head_dim_vo=d_v, causal=bool(causal),
                      sm_scale=float(softmax_scale), q_data_type=q.dtype, kv_data_type=k.dtype)
         out, lse = wrapper.run(q, k, v, return_lse=True)                              # lse [total_q, h_q], base 2
-        if causal:
-            # causal queries before their row's first key (qo_len > kv_len; none in FlashInfer's tests): no keys
-            q_lens, k_lens = (qo_indptr[1:] - qo_indptr[:-1]).long(), (kv_indptr[1:] - kv_indptr[:-1]).long()
-            row = torch.repeat_interleave(torch.arange(q_lens.numel(), device=dev), q_lens, output_size=total_q)
-            i = torch.arange(total_q, device=dev) - qo_indptr.long()[row]
-            empty = i < (q_lens - k_lens)[row]                                           # sees n - m + i + 1 <= 0
-            if bool(empty.any()):
-                out = torch.where(empty[:, None, None], torch.zeros((), dtype=out.dtype, device=dev), out)
-                lse = torch.where(empty[:, None], torch.full((), -math.inf, device=dev), lse)
-        return out, lse.to(torch.float32)
+        # causal queries before their row's first key (qo_len > kv_len; none in FlashInfer's tests) have no keys
+        out, lse = with_empty_queries(out, lse.to(torch.float32), queries_without_keys(qo_indptr, kv_indptr, causal),
+                                      -math.inf)
+        return out, lse
 
     def merge(self, out_a, lse_a, out_b, lse_b):
         fi = self._flashinfer()

@@ -62,6 +62,7 @@ import torch
 from mla_conformance import arch
 from mla_conformance.contract.op import D_V
 from mla_conformance.dtypes import dtype_name
+from mla_conformance.impl.ops.ragged import queries_without_keys, with_empty_queries
 
 DENSE_KERNEL = "flashmla/dense_decode"
 SPARSE_KERNEL = "flashmla/sparse_decode"
@@ -220,19 +221,12 @@ class FlashMLAOp(_FlashMLABase):
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         cu_q = cu_seqlens_q.to(device=dev, dtype=torch.int32)
         cu_k = cu_seqlens_k.to(device=dev, dtype=torch.int32)
-        q_lens, k_lens = (cu_q[1:] - cu_q[:-1]).long(), (cu_k[1:] - cu_k[:-1]).long()
-        total_q = q.shape[0]
+        q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
         out, lse = fm.flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(q_lens.max()) if q_lens.numel() else 0,
                                              int(k_lens.max()) if k_lens.numel() else 0,
                                              softmax_scale=float(softmax_scale), causal=bool(causal))
         lse = lse.to(torch.float32).contiguous()                                     # [total_q, h_q]
-        row = torch.repeat_interleave(torch.arange(q_lens.numel(), device=dev), q_lens, output_size=total_q)
-        i = torch.arange(total_q, device=dev) - cu_q.long()[row]
-        empty = (k_lens[row] == 0) | ((i < (q_lens - k_lens)[row]) if causal else False)
-        if bool(empty.any()):
-            out = torch.where(empty[:, None, None], torch.zeros((), dtype=out.dtype, device=dev), out)
-            lse = torch.where(empty[:, None], torch.full((), math.inf, device=dev), lse)
-        return out, lse
+        return with_empty_queries(out, lse, queries_without_keys(cu_q, cu_k, causal), math.inf)
 
 
 class FlashMLASparseOp(_FlashMLABase):
