@@ -190,7 +190,6 @@ def _intended(spec: CompositionSpec):
 
 @functools.lru_cache(maxsize=8)
 def _new_kv(spec: CompositionSpec):
-    inp = build(spec)
     return up_project(spec, torch.cat([_intended(spec)(b, C, C + N) for b, (C, N) in enumerate(zip(spec.context,
                                                                                                     spec.new))]))
 
@@ -243,7 +242,6 @@ def run_composition(op, spec: CompositionSpec, *, figures: dict):
     for case in (spec.prefill_case(False, [0]), spec.prefill_case(True, spec.new), spec.merge_case(merge_base, True)):
         om.require(op, case)
     inp = build(spec)
-    dt = getattr(torch, spec.dtype)
     figures.update(op=op.name, case=f"composition: context {spec.context}, new {spec.new}, chunks of {spec.chunk} "
                                     f"({spec.chunks}), page {spec.page}, h={spec.heads}, {spec.dtype}",
                    check="chunked prefill over cached context, merged, equals one causal pass", chunks=spec.chunks)

@@ -32,7 +32,6 @@ from mla_conformance.errors import CheckpointError, MLAInputError
 from mla_conformance.resources import fixtures_dir, prompts_file, read_json, tiny_model_dir
 from mla_conformance.model.config import expected_shapes
 from mla_conformance.model.weights import MLAWeights
-from mla_conformance.specs import get_backend
 from mla_conformance.dtypes import dtype_name
 
 #: the embedded tiny model and its prompts (package data; the checkout's fixtures/ in an editable install)

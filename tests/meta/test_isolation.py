@@ -11,7 +11,6 @@ the background when the session has collected this module (tests/meta/background
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -114,28 +114,11 @@ def method_tests() -> set[str]:
     return found
 
 
-class _Select:
-    """Keeps the named cells of the broken ops and every method test of the correct ops."""
-
-    def __init__(self, wanted: set[str], correct: set[str]):
-        self.wanted, self.correct = wanted, correct
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config, items):
-        def keep(item):
-            op = getattr(getattr(item, "callspec", None), "params", {}).get("mla_op")
-            return item.nodeid in self.wanted or getattr(op, "name", None) in self.correct
-        kept = [item for item in items if keep(item)]
-        config.hook.pytest_deselected(items=[item for item in items if not keep(item)])
-        items[:] = kept
-
-
 def _methods_run(pytester) -> harness.SuiteRun:
     """One pytest session, in this process, over the method suites with every op of the tables."""
     return harness.run_inprocess(pytester, [str(SUITES / name) for name in METHOD_SUITES],
                                  ops=[spec for spec, *_ in [*BROKEN_OPS.values(), *CORRECT_OPS.values()]],
-                                 extra=["-p", "no:unraisableexception"],
-                                 plugins=[_Select({n for _, _, n in CELLS}, {n for _, n in CORRECT_OPS.values()})],
+                                 plugins=[harness.Keep({n for _, _, n in CELLS}, {n for _, n in CORRECT_OPS.values()})],
                                  expect=1)
 
 
