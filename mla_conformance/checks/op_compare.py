@@ -186,14 +186,9 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
         if bool(wrong.any()):
             b, h, s = (int(i) for i in wrong.nonzero()[0])
             got = float(raw_lse[b, h, s])
-            said = ("declared" if getattr(op, "empty_row", None) is not None else
-                    "the op contract's default: the op declares no empty_row")
-            other = {math.inf: "+inf", -math.inf: "-inf"}.get(got)
-            hint = (f"; if {other} is the op's convention for a query with no keys, declare empty_row = {other!r}"
-                    if other and other != declared(op, "empty_row") else "")
-            raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys: lse must be {empty_lse} (empty_row = "
-                                 f"{declared(op, 'empty_row')!r}, {said}), got {got} at head {h} "
-                                 f"({int(wrong.sum())} such value(s)){hint}")
+            said, hint = empty_row_sentences(op, "empty_row", got)
+            raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys: lse must be {empty_lse} ({said}), got {got} "
+                                 f"at head {h} ({int(wrong.sum())} such value(s)){hint}")
     # lse of queries with keys
     if lse is not None:
         over = lse_err > lse_b
@@ -228,6 +223,17 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
             f"{'; both sides bounded' if ref_dtype is not None else ''}); {int(over.sum())} of "
             f"{int(valid_out.sum())} values over, rel_fro {figures['out_rel_fro']:.3e}")
     return figures
+
+
+def empty_row_sentences(op, key: str, got: float) -> tuple[str, str]:
+    """For a query with no keys whose lse is ``got``: what the op declared (``key``: empty_row or a method's), and a
+    hint to declare the other infinity when ``got`` is that one."""
+    said = f"{key} = {declared(op, key)!r}, " + ("declared" if getattr(op, key, None) is not None else
+                                                 "the default: not declared")
+    other = {math.inf: "+inf", -math.inf: "-inf"}.get(got)
+    hint = (f"; if {other} is the op's convention for a query with no keys, declare {key} = {other!r}"
+            if other and other != declared(op, key) else "")
+    return said, hint
 
 
 def _acc_of(tol, mags: dict, b: int, s: int) -> float:

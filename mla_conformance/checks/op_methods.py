@@ -26,6 +26,7 @@ import torch
 
 from mla_conformance.checks import op as oc
 from mla_conformance.checks import op_inputs
+from mla_conformance.checks.op_compare import empty_row_sentences
 from mla_conformance.checks.op_inputs import declared_otherwise, not_declared, op_reason
 from mla_conformance.contract.op import SIGNATURES, declared, has_method
 from mla_conformance.errors import BackendError, BackendOutputError
@@ -291,14 +292,8 @@ def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, 
         if bool(wrong.any()):
             t, h = _first(wrong)
             value = float(raw[t, h])
-            if empty_key is None:
-                said, hint = "the op contract's, as FlashMLA's ref.py", ""
-            else:
-                said = (f"{empty_key} = {declared(op, empty_key)!r}, " +
-                        ("declared" if getattr(op, empty_key, None) is not None else "the default: not declared"))
-                other = {math.inf: "+inf", -math.inf: "-inf"}.get(value)
-                hint = (f"; if {other} is the op's convention for a query with no keys, declare {empty_key} = "
-                        f"{other!r}" if other and other != declared(op, empty_key) else "")
+            said, hint = (("the op contract's, as FlashMLA's ref.py", "") if empty_key is None else
+                          empty_row_sentences(op, empty_key, value))
             raise AssertionError(f"{w}: query t={t} ({locate(t)}) has no keys: lse must be {empty_lse} ({said}), got "
                                  f"{value} at head {h} ({int(wrong.sum())} such value(s)){hint}")
     over = (lse_err > lse_b) & ~empty
