@@ -194,6 +194,7 @@ BUILTIN_OPS: dict[str, str] = {
     "flashinfer": "mla_conformance.impl.ops.flashinfer:FlashInferOp",
     "flashinfer-fa2": "mla_conformance.impl.ops.flashinfer:FlashInferFA2Op",
     "vllm": "mla_conformance.impl.ops.vllm_ops:VLLMOp",
+    "triton": "mla_conformance.impl.ops.triton_mla:TritonMLAOp",
 }
 
 #: Ops a default run checks.
