@@ -157,7 +157,8 @@ same queries merged by their log-sum-exp (vLLM's ``merge_attn_states``, FlashInf
 * ``kv_c`` [T, 512] and ``k_pe`` [T, 64] in the model dtype (possibly views of one projection output);
   ``kv_cache`` as ``decode`` reads it for ``kv_format`` (one of ``write_kv_formats``); ``slot_mapping`` int64
   [T]: token t goes to slot block * page_block_size + offset; a negative slot writes nothing (a slot twice in
-  one call is the caller's error); nothing else of the cache changes;
+  one call is the caller's error; under ``write_padding_slot = "dummy-slot-0"`` the padding tokens come with
+  slot 0 instead, never a negative slot); nothing else of the cache changes;
 * ``"latent"``: the row [kv_c | k_pe] as is (bit for bit); ``"fp8-e4m3-flashmla"``: the 656-byte row exactly
   as FlashMLA's tests/quant.py encodes it (tile scale max(amax / 448, 1e-4), rounded up to a power of two
   under ``write_fp8_scale_format = "pow2"``, kept as float32 under ``"fp32"``; e4m3 of value / scale; k_pe as
@@ -175,7 +176,10 @@ The methods' declarations (an op without the method never has them read; none is
   ``merge_state``); ``merge_empty_row``: the lse of two empty sides, ``"+inf"`` (default) or ``"-inf"``;
 * ``write_kv_formats``: ``("latent",)`` by default, any of :data:`WRITE_KV_FORMATS`;
   ``write_fp8_scale_format``: ``"pow2"`` (default) or ``"fp32"``, as decode's ``fp8_scale_format``;
-  ``write_page_block_sizes``: ``(64,)`` by default.
+  ``write_page_block_sizes``: ``(64,)`` by default; ``write_padding_slot``: how the caller marks a padding token
+  (a batch padded to a captured size), ``"negative"`` (default, vLLM's: slot -1, which writes nothing) or
+  ``"dummy-slot-0"`` (SGLang's: the caller reserves slot 0, pads to it and never reads it; the op is never handed
+  a negative slot, and anything may land in slot 0).
 """
 
 from __future__ import annotations
@@ -259,6 +263,7 @@ DECLARATIONS: dict[str, Any] = {
     "write_kv_formats": ("latent",),
     "write_fp8_scale_format": "pow2",
     "write_page_block_sizes": (64,),
+    "write_padding_slot": "negative",
 }
 
 #: Which method each declaration belongs to (what the report prints for an op: the declarations of the
@@ -272,7 +277,7 @@ METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
     "sparse_prefill": ("sparse_prefill_head_dims", "sparse_prefill_lse_base", "sparse_prefill_topk_length",
                        "sparse_prefill_attn_sink"),
     "merge": ("merge_lse_base", "merge_empty_row"),
-    "write": ("write_kv_formats", "write_fp8_scale_format", "write_page_block_sizes"),
+    "write": ("write_kv_formats", "write_fp8_scale_format", "write_page_block_sizes", "write_padding_slot"),
 }
 
 _ALLOWED = {
@@ -292,6 +297,7 @@ _ALLOWED = {
     "merge_lse_base": ("e", "2"),
     "merge_empty_row": ("+inf", "-inf"),
     "write_fp8_scale_format": ("pow2", "fp32"),
+    "write_padding_slot": ("negative", "dummy-slot-0"),
 }
 _HEAD_DIMS = ("head_dims", "prefill_head_dims", "sparse_prefill_head_dims")
 _FORMATS = {"kv_formats": KV_FORMATS, "write_kv_formats": WRITE_KV_FORMATS}

@@ -233,6 +233,32 @@ class MinusOneToSlotZero(ReferenceOp):
         super().write(kv_c, k_pe, kv_cache, slot_mapping.clamp_min(0), kv_format=kv_format)
 
 
+class MinusOneToLastSlot(ReferenceOp):
+    """Writes padding tokens (slot_mapping -1) to the cache's last slot: the slot used as a Python index, where -1
+    is the last element (a writer that indexes the flat cache with slot_mapping as given)."""
+
+    name = "broken-write-minus-one-last-slot"
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        slots = kv_cache.shape[0] * kv_cache.shape[1]
+        super().write(kv_c, k_pe, kv_cache, torch.where(slot_mapping < 0, slot_mapping + slots, slot_mapping),
+                      kv_format=kv_format)
+
+
+class DummyPageWriter(ReferenceOp):
+    """Declares write_padding_slot = "dummy-slot-0" but gives each padding token its own slot of the first page (a
+    dummy *page* reserved): slots 1, 2, ... of block 0 change, which no token owns."""
+
+    name = "broken-write-dummy-page"
+    write_padding_slot = "dummy-slot-0"
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        pad = slot_mapping == 0
+        slots = slot_mapping.clone()
+        slots[pad] = torch.arange(int(pad.sum()), device=slots.device) % kv_cache.shape[1]
+        super().write(kv_c, k_pe, kv_cache, slots, kv_format=kv_format)
+
+
 class NoScaleFloorWriter(ReferenceOp):
     """FP8 656-byte rows without the 1e-4 floor on amax / 448: an all-zero tile gets scale 0 and e4m3 of 0 / 0."""
 
