@@ -123,7 +123,9 @@ in "MHA mode" (the latent up-projected to per-head K / V), as FlashAttention's `
   (v may be a slice of a buffer padded to d_qk); h_q % h_k == 0 and query head h reads kv head
   h // (h_q / h_k); (d_qk, d_v) among ``prefill_head_dims`` (default ((192, 128),): DeepSeek-V3's 128 nope +
   64 rope, value 128); ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 [B + 1]: row b's queries are
-  q[cu_q[b]:cu_q[b + 1]], its keys k[cu_k[b]:cu_k[b + 1]] (0 keys allowed);
+  q[cu_q[b]:cu_q[b + 1]], its keys k[cu_k[b]:cu_k[b + 1]] (0 keys allowed; 0 queries and 0 keys is a padding
+  sequence, as engines pad a batch by repeating cu_seqlens' last value: it writes nothing, and
+  ``MethodCase.padding_rows`` counts them);
 * ``causal`` aligns bottom-right: query i of a row of m queries and n keys sees keys j <= n - m + i (so a row
   with q_len > kv_len has first queries with no key);
 * ``out`` [total_q, h_q, d_v] in q's dtype; ``lse`` float32 [total_q, h_q] in ``prefill_lse_base``; a query
@@ -354,7 +356,8 @@ class MethodCase:
     ``batch``: varlen rows (prefill); ``rows_without_keys``: a query with no key (prefill: a row with no keys or
     a causal query before its row's first key; sparse_prefill: a row with no valid index; merge: an empty side);
     ``topk``, ``topk_length``, ``attn_sink``: sparse_prefill's; ``kv_format``, ``page_block_size``: write's;
-    ``lse_base``: the base of the lse merge is handed; ``strided``: some input is a non-contiguous view.
+    ``lse_base``: the base of the lse merge is handed; ``strided``: some input is a non-contiguous view;
+    ``padding_rows``: prefill's zero-length padding sequences (0 queries, 0 keys) among the rows.
     """
 
     method: str
@@ -375,6 +378,7 @@ class MethodCase:
     lse_base: str = "e"
     strided: bool = False
     device: str = "cpu"
+    padding_rows: int = 0
 
     def describe(self) -> str:
         dt = dtype_name(self.dtype)
@@ -394,6 +398,8 @@ class MethodCase:
             parts.append("empty sides" if self.method == "merge" else "rows without keys")
         if self.strided:
             parts.append("strided")
+        if self.padding_rows:
+            parts.append(f"{self.padding_rows} padding rows")
         parts.append(self.device)
         return ", ".join(parts)
 

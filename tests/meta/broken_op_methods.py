@@ -52,6 +52,23 @@ class NanForEmptyPrefill(ReferenceOp):
         return torch.where(empty[..., None], math.nan, out), torch.where(empty, math.nan, lse)
 
 
+class PaddingRowWritesStart(ReferenceOp):
+    """One program per sequence, each writing at least its first query: a zero-length padding sequence writes its
+    empty result (out 0, lse +inf) at its start offset -- the next sequence's first query, or past the end, which
+    the kernel clamps to the batch's last query."""
+
+    name = "broken-prefill-padding-row-writes"
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
+        out, lse = super().prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal)
+        cq = cu_seqlens_q.tolist()
+        for b in range(len(cq) - 1):
+            if cq[b + 1] == cq[b] and q.shape[0]:
+                t = min(cq[b], q.shape[0] - 1)
+                out[t], lse[t] = 0, math.inf
+        return out, lse
+
+
 class AlwaysCausalPrefill(ReferenceOp):
     """Applies the causal mask whatever ``causal`` says (a kernel instantiated for causal only): the context
     chunks of chunked prefill lose their later keys."""
