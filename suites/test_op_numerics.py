@@ -42,7 +42,7 @@ def test_split_kv_merge(mla_op, s_q, mla_device, mla_figures):
     with_empty, without = (100, 37, 5, 64), (100, 70, 130, 66)  # one-page rows (empty first parts), or none
     try:
         case, lens = oc.make_case(mla_op, lens=with_empty, s_q=s_q, h_q=8, device=mla_device,
-                                  rows_without_keys=True), with_empty
+                                  zero_length_rows=True), with_empty
     except pytest.skip.Exception:
         case, lens = oc.make_case(mla_op, lens=without, s_q=s_q, h_q=8, device=mla_device,
                                   rows_without_keys=False), without

@@ -46,7 +46,7 @@ def test_sparse_topk_length(mla_op, mla_device, mla_figures):
 def test_sparse_all_invalid_rows(mla_op, mla_device, mla_figures):
     """A row whose every index is -1: out 0 and lse the declared empty_row infinity."""
     case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, topk=TOPK, kv_formats=FORMATS, device=mla_device,
-                        rows_without_keys=True)
+                        zero_length_rows=True)
     spec = oc.declared_spec(mla_op, case, LENS, seed=23, invalid="minus-one", all_invalid_rows=(1,))
     oc.check_against_oracle(mla_op, spec, check="sparse row with every index invalid", figures=mla_figures)
 

@@ -70,7 +70,7 @@ class CompositionSpec:
         m = sum(self.new)
         empty = any(n == 0 for n in kv_lens) if not causal else False
         return MethodCase("prefill", getattr(torch, self.dtype), h_q=self.heads, h_k=self.heads, d_qk=NOPE + ROPE,
-                          d_v=V_DIM, tokens=m, batch=len(self.new), causal=causal, rows_without_keys=empty,
+                          d_v=V_DIM, tokens=m, batch=len(self.new), causal=causal, zero_length_rows=empty,
                           device=self.device)
 
     def merge_case(self, base: str, empty: bool) -> MethodCase:

@@ -102,15 +102,16 @@ def op_spec(op, case: OpDraw, device: str) -> oc.Spec:
     opcase = OpCase(batch=case.batch, s_q=case.s_q, h_q=case.h_q, page_block_size=case.page,
                     dtype=getattr(torch, case.dtype), kv_format=case.kv_format, topk=case.topk, attn_sink=case.sink,
                     causal=case.causal and not sparse, device=device,
-                    rows_without_keys=oc.has_rows_without_keys(case.lens, case.s_q, case.causal, sparse)
-                    or bool(case.all_invalid))
+                    **oc.kinds_of_rows_without_keys(case.lens, case.s_q, case.causal, sparse))
+    if case.all_invalid:
+        opcase = dataclasses.replace(opcase, zero_length_rows=True)
     spec = oc.Spec(opcase, case.lens, seed=case.seed, scale_format=declared(op, "fp8_scale_format"),
                    noncontig_q=case.noncontig, invalid=case.invalid, all_invalid_rows=case.all_invalid,
                    topk_length=case.topk_length)
     if sparse and not opcase.rows_without_keys:
         # invalid entries and topk_length together can leave a sparse query no valid index: ask the oracle
         if bool(torch.isinf(oc.oracle_of(spec)[1]).any()):
-            spec = dataclasses.replace(spec, case=dataclasses.replace(opcase, rows_without_keys=True))
+            spec = dataclasses.replace(spec, case=dataclasses.replace(opcase, zero_length_rows=True))
     return spec
 
 

@@ -122,23 +122,37 @@ def first_supported(op, cases, unsupported=unsupported):
 def has_rows_without_keys(lens, s_q: int, causal: bool, sparse: bool = False) -> bool:
     """Whether dense inputs of these row lengths hold a query with no key (a zero-length row; causal: a row
     shorter than s_q, whose first queries come before its first key)."""
-    return not sparse and any(L == 0 or (causal and L < s_q) for L in lens)
+    return any(kinds_of_rows_without_keys(lens, s_q, causal, sparse).values())
+
+
+def kinds_of_rows_without_keys(lens, s_q: int, causal: bool, sparse: bool = False) -> dict:
+    """OpCase's two kinds of a query without a key for dense inputs of these row lengths: ``zero_length_rows``
+    (a row of 0 keys) and ``queries_before_first_key`` (causal: a row of 1 .. s_q - 1 keys)."""
+    return {"zero_length_rows": not sparse and any(L == 0 for L in lens),
+            "queries_before_first_key": not sparse and causal and any(0 < L < s_q for L in lens)}
 
 
 def make_case(op, *, lens, s_q=1, h_q=8, page=None, dtypes=("float32", "bfloat16", "float16"), kv_formats=("latent",),
-              topk=None, attn_sink=False, causal=False, device="cpu", rows_without_keys=None) -> OpCase:
+              topk=None, attn_sink=False, causal=False, device="cpu", rows_without_keys=None,
+              zero_length_rows=False, padding_rows=0) -> OpCase:
     """The first case the op accepts over ``kv_formats`` x ``dtypes`` (an FP8 cache takes a bfloat16 q).
-    ``rows_without_keys`` defaults to what the lengths say (:func:`has_rows_without_keys`)."""
+    ``rows_without_keys`` and its kinds default to what the lengths say (:func:`kinds_of_rows_without_keys`);
+    ``zero_length_rows``: the case holds a row without any key the lengths do not show (an empty part of a
+    split-KV call, a sparse row whose every index is invalid); ``padding_rows``: how many rows are padding."""
     __tracebackhide__ = True
     page = pick_page(op) if page is None else page
+    kinds = kinds_of_rows_without_keys(lens, s_q, causal, topk is not None)
+    kinds["zero_length_rows"] |= bool(zero_length_rows)
     if rows_without_keys is None:
-        rows_without_keys = has_rows_without_keys(lens, s_q, causal, topk is not None)
+        rows_without_keys = any(kinds.values())
+    elif not rows_without_keys:
+        kinds = {}
     cases = []
     for fmt in kv_formats:
         for dt in (("bfloat16",) if fmt != "latent" else dtypes):
             cases.append(OpCase(batch=len(lens), s_q=s_q, h_q=h_q, page_block_size=page, dtype=getattr(torch, dt),
                                 kv_format=fmt, topk=topk, attn_sink=attn_sink, causal=causal, device=device,
-                                rows_without_keys=rows_without_keys))
+                                rows_without_keys=rows_without_keys, padding_rows=padding_rows, **kinds))
     return first_supported(op, cases)
 
 

@@ -47,11 +47,12 @@ class PrefillSpec:
         return max(0, min(n, n - m + i + 1)) if self.causal else n
 
     def case(self) -> MethodCase:
-        empty = any(self.seen(i, m, n) == 0 for m, n in self.rows for i in range(m))
+        zero = any(m and not n for m, n in self.rows)
+        before = any(n and self.seen(i, m, n) == 0 for m, n in self.rows for i in range(m))
         return MethodCase(METHOD, getattr(torch, self.dtype), h_q=self.h_q, h_k=self.h_k, d_qk=self.d_qk,
                           d_v=self.d_v, tokens=sum(m for m, _ in self.rows), batch=len(self.rows), causal=self.causal,
-                          rows_without_keys=empty, strided=self.strided, device=self.device,
-                          padding_rows=sum(1 for m, n in self.rows if m == n == 0))
+                          zero_length_rows=zero, queries_before_first_key=before, strided=self.strided,
+                          device=self.device, padding_rows=sum(1 for m, n in self.rows if m == n == 0))
 
     def locate(self, t: int) -> str:
         for b, (m, n) in enumerate(self.rows):

@@ -49,7 +49,7 @@ class SparseSpec:
     def case(self) -> MethodCase:
         return MethodCase(METHOD, getattr(torch, self.dtype), h_q=self.h_q, h_k=1, d_qk=self.d_qk, d_v=self.d_v,
                           tokens=self.s_q, topk=self.topk, topk_length=self.topk_length, attn_sink=self.attn_sink,
-                          rows_without_keys=bool(self.all_invalid_rows), strided=True, device=self.device)
+                          zero_length_rows=bool(self.all_invalid_rows), strided=True, device=self.device)
 
 
 @functools.lru_cache(maxsize=32)

@@ -100,12 +100,34 @@ declares nothing gets an explicit skip naming the declaration that would opt it 
   then called with the keyword ``head_dim_v=d_v``: q and the latent cache are [..., d_qk], the value is
   the first d_v elements of the key, out is [..., d_v]. An op that declares only the default never gets
   the keyword.
+* ``padding_rows``: ``"defined"`` (default: a padding row is a zero-length row, out 0 and lse ``empty_row``) or
+  ``"undefined"``: the zero-length rows of a padded case (``case.padding_rows > 0``) are not looked at (see
+  *Padded batches* below).
 
 A case the op cannot run is declined by ``unsupported_reason`` with a sentence (the test skips with it).
 :class:`OpCase` says what the case holds, so an op can decline what its own contract leaves undefined:
 ``rows_without_keys`` (a zero-length row, a causal query before its row's first key, a sparse row whose
-every index is invalid: vLLM's and SGLang's Triton kernels compute ``acc / e_sum`` = 0/0 there),
-``attn_sink``, ``topk`` (sparse), ``causal``, the dtype, page size and KV format.
+every index is invalid: vLLM's and SGLang's Triton kernels compute ``acc / e_sum`` = 0/0 there), and which
+kind: ``zero_length_rows`` or ``queries_before_first_key`` (an op may define one and decline the other),
+``padding_rows`` (how many rows are an engine's padding), ``attn_sink``, ``topk`` (sparse), ``causal``, the
+dtype, page size and KV format.
+
+Padded batches and state between calls (true of every op, nothing to declare but ``padding_rows``):
+
+* **A padding row** is a row of ``cache_seqlens`` 0 that an engine adds to fill a batch captured in a CUDA
+  graph; its block-table row holds whatever the engine left there (-1 in vLLM, 0, or stale ids of an earlier
+  batch: pages now poisoned or other rows' pages) and a sparse one has every index -1 and ``topk_length`` 0.
+  It is a zero-length row of the base contract: out 0, lse ``empty_row``; the real rows' out and lse are what
+  the same rows give unpadded (within the op's bound; bitwise under ``batch_invariant``); no page is read
+  through a padding row (FlashInfer #2883 / vLLM #37815: NaN in padded rows at large max_seq_len; vLLM #35969:
+  ``block_table[-1]`` read for seq_lens 0; xLLM #1939: metadata sized for the real rows). An op that declares
+  ``padding_rows = "undefined"`` leaves the out and lse of a padded case's zero-length rows undefined (they are
+  not looked at); its real rows are held as above, and no NaN of a padding row reaches them.
+* **State between calls**: an op may keep what it computes from its inputs (a plan from ``cache_seqlens``, a
+  work list, a workspace) only as long as a call's result is what a fresh call on the same values gives: an
+  engine replays a captured graph on the *same* tensors (same storage, shapes sized for its largest batch)
+  refilled in place with every step's batch, smaller ones padded up. A plan keyed on a tensor's storage
+  (``data_ptr``) or identity is stale after the refill; one keyed on the values, or recomputed per call, is not.
 An op is named on the command line by a spec (``--mla-op``): a built-in name (:data:`BUILTIN_OPS`),
 ``package.module:attr`` or ``path/to/file.py:attr``, as backends are.
 
@@ -250,6 +272,7 @@ DECLARATIONS: dict[str, Any] = {
     "deterministic": False,
     "batch_invariant": False,
     "head_dims": ((D_QK, D_V),),
+    "padding_rows": "defined",
     # prefill: the (d_qk, d_v) pairs it takes; the base of its lse; the lse of a query with no keys
     "prefill_head_dims": ((PREFILL_D_QK, PREFILL_D_V),),
     "prefill_lse_base": "e",
@@ -275,7 +298,7 @@ METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
     "decode": ("lse_base", "returns_lse", "empty_row", "sparse_decode", "sparse_decode_extra_cache", "invalid_index",
                "attn_sink",
                "page_block_sizes", "kv_formats", "fp8_scale_format", "deterministic", "batch_invariant",
-               "head_dims"),
+               "head_dims", "padding_rows"),
     "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row"),
     "sparse_prefill": ("sparse_prefill_head_dims", "sparse_prefill_lse_base", "sparse_prefill_topk_length",
                        "sparse_prefill_attn_sink"),
@@ -301,6 +324,7 @@ _ALLOWED = {
     "merge_empty_row": ("+inf", "-inf"),
     "write_fp8_scale_format": ("pow2", "fp32"),
     "write_padding_slot": ("negative", "dummy-slot-0"),
+    "padding_rows": ("defined", "undefined"),
 }
 _HEAD_DIMS = ("head_dims", "prefill_head_dims", "sparse_prefill_head_dims")
 _FORMATS = {"kv_formats": KV_FORMATS, "write_kv_formats": WRITE_KV_FORMATS}
@@ -312,8 +336,15 @@ class OpCase:
 
     ``dtype`` is q's dtype (a torch dtype); ``kv_format`` one of :data:`KV_FORMATS`; ``topk`` the sparse
     top-k (None: dense decode); ``attn_sink`` whether an attention sink is passed; ``rows_without_keys``
-    whether some query of the case has no key (a zero-length row, a causal query before its row's first
-    key, a sparse row whose every index is invalid, an empty part of a split-KV call).
+    whether some query of the case has no key, of either kind: ``zero_length_rows`` (a row with no key at all:
+    cache_seqlens 0, a sparse row whose every index is invalid, an empty part of a split-KV call, a padding
+    row) or ``queries_before_first_key`` (a causal query of a row shorter than s_q, before its first key).
+    An op that defines one kind and not the other declines only that one (SGLang's extend kernel handles
+    causal queries before the first key, not kv length 0; vLLM's decode zeroes zero-length rows after the
+    call). ``padding_rows``: how many of the batch's rows are padding, as an engine pads a batch for a
+    captured CUDA graph (cache_seqlens 0; block-table rows of -1, 0 or stale ids): they are zero-length rows.
+    A case that says ``rows_without_keys`` without saying which kind holds both kinds (an op that declines
+    either declines it); either kind, or padding rows, make ``rows_without_keys`` true.
     """
 
     batch: int
@@ -327,6 +358,12 @@ class OpCase:
     causal: bool = False
     device: str = "cpu"
     rows_without_keys: bool = False
+    zero_length_rows: bool = False
+    queries_before_first_key: bool = False
+    padding_rows: int = 0
+
+    def __post_init__(self):
+        _kinds_of_rows_without_keys(self, zero_length=bool(self.padding_rows))
 
     @property
     def sparse(self) -> bool:
@@ -342,8 +379,22 @@ class OpCase:
             parts.append("attn_sink")
         if self.rows_without_keys:
             parts.append("rows without keys")
+        if self.padding_rows:
+            parts.append(f"{self.padding_rows} padding rows")
         parts.append(self.device)
         return ", ".join(parts)
+
+
+def _kinds_of_rows_without_keys(case, zero_length: bool = False) -> None:
+    """A case's ``rows_without_keys`` and its two kinds made consistent: a kind (or ``zero_length``: padding rows)
+    makes it true; said without a kind, it holds both (what an op declining either declines: today's verdicts)."""
+    if zero_length and not case.zero_length_rows:
+        object.__setattr__(case, "zero_length_rows", True)
+    if case.zero_length_rows or case.queries_before_first_key:
+        object.__setattr__(case, "rows_without_keys", True)
+    elif case.rows_without_keys:
+        object.__setattr__(case, "zero_length_rows", True)
+        object.__setattr__(case, "queries_before_first_key", True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,7 +406,9 @@ class MethodCase:
     kv heads (merge: the heads of out); ``d_qk`` / ``d_v``: head dims (merge: out's d; write: kv_c's width as d_v
     and kv_c + k_pe as d_qk); ``tokens``: total_q (prefill), s_q (sparse_prefill), T (merge, write);
     ``batch``: varlen rows (prefill); ``rows_without_keys``: a query with no key (prefill: a row with no keys or
-    a causal query before its row's first key; sparse_prefill: a row with no valid index; merge: an empty side);
+    a causal query before its row's first key; sparse_prefill: a row with no valid index; merge: an empty side),
+    and for prefill and sparse_prefill which kind, as :class:`OpCase` says it: ``zero_length_rows`` (a row with
+    no key, or no valid index) and ``queries_before_first_key`` (causal prefill, a row of more queries than keys);
     ``topk``, ``topk_length``, ``attn_sink``: sparse_prefill's; ``kv_format``, ``page_block_size``: write's;
     ``lse_base``: the base of the lse merge is handed; ``strided``: some input is a non-contiguous view;
     ``padding_rows``: prefill's zero-length padding sequences (0 queries, 0 keys) among the rows.
@@ -380,6 +433,12 @@ class MethodCase:
     strided: bool = False
     device: str = "cpu"
     padding_rows: int = 0
+    zero_length_rows: bool = False
+    queries_before_first_key: bool = False
+
+    def __post_init__(self):
+        if self.method in ("prefill", "sparse_prefill"):  # merge's "empty side" and write have no kinds
+            _kinds_of_rows_without_keys(self)
 
     def describe(self) -> str:
         dt = dtype_name(self.dtype)

@@ -52,7 +52,7 @@ def gating_cases(config, *, dtype, device, merge_lse_base: str = "e") -> list[Me
     h = int(config.num_attention_heads)
     common = dict(h_q=h, h_k=h, d_qk=d_qk, d_v=d_v, tokens=GATING_TOKENS, batch=1, strided=True, device=str(device))
     return [MethodCase("prefill", dtype, causal=True, **common),
-            MethodCase("prefill", dtype, causal=False, rows_without_keys=True, **common),
+            MethodCase("prefill", dtype, causal=False, zero_length_rows=True, **common),
             MethodCase("merge", dtype, h_q=h, d_v=d_v, tokens=GATING_TOKENS, rows_without_keys=True,
                        lse_base=merge_lse_base, device=str(device))]
 
