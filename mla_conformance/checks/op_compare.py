@@ -51,23 +51,25 @@ def _key_counts(inp: OpInputs, align: str) -> dict:
     return key_magnitudes(*oracle(**kw, align=align))
 
 
+def oracle_of_inputs(inp: OpInputs, align: str = "bottom-right") -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The float64 oracle of built inputs as they are now (not cached: inputs refilled in place between calls
+    have one per call): (out [B, s_q, h_q, 512], natural lse [B, h_q, s_q] with +inf for no keys, the
+    magnitudes the error bounds scale with: see ``oracle(magnitudes=True)``, and :func:`key_magnitudes`)."""
+    out, lse, mags = oracle(**_oracle_inputs(inp), magnitudes=True, align=align)
+    return out, lse, mags if "keys" in mags else {**mags, **_key_counts(inp, align)}
+
+
 @functools.lru_cache(maxsize=64)
 def oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The float64 oracle of a spec, computed once: (out [B, s_q, h_q, 512], natural lse [B, h_q, s_q] with
-    +inf for no keys, the magnitudes the error bounds scale with: see ``oracle(magnitudes=True)``, and
-    :func:`key_magnitudes`)."""
-    inp = build(spec)
-    out, lse, mags = oracle(**_oracle_inputs(inp), magnitudes=True)
-    return out, lse, mags if "keys" in mags else {**mags, **_key_counts(inp, "bottom-right")}
+    """The float64 oracle of a spec, computed once (:func:`oracle_of_inputs` of its built inputs)."""
+    return oracle_of_inputs(build(spec))
 
 
 @functools.lru_cache(maxsize=16)
 def top_left_oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The oracle of a causal spec aligned top-left (query i sees keys 0..i): asked only once a causal check
     has failed, to name the likely cause."""
-    inp = build(spec)
-    out, lse, mags = oracle(**_oracle_inputs(inp), magnitudes=True, align="top-left")
-    return out, lse, mags if "keys" in mags else {**mags, **_key_counts(inp, "top-left")}
+    return oracle_of_inputs(build(spec), align="top-left")
 
 
 # --------------------------------------------------------------------------- comparing
@@ -310,7 +312,7 @@ def bitwise_equal(op, case: OpCase, a, b, *, check: str, what: str, figures: dic
             continue
         x, y = x.detach().cpu(), y.detach().cpu()
         same = x.shape == y.shape and x.dtype == y.dtype and torch.equal(
-            x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+            x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8))
         if not same:
             diff = (x.to(torch.float64) - y.to(torch.float64)).abs()
             n = int((x != y).sum()) if x.shape == y.shape else -1
