@@ -115,8 +115,9 @@ def build_padded(p: Padded) -> PaddedInputs:
         elif fill == "stale":
             bt[b] = torch.tensor([stale[j % STALE_PAGES] for j in range(W)], dtype=torch.int32)
             fills[b] = f"stale block ids {stale} of an earlier batch's pages, NaN since"
-        else:
-            bt[b] = real_bt[longest]
+        else:  # every entry a page the longest row uses now
+            pages = real_bt[longest][real_bt[longest] != INVALID_BLOCK]
+            bt[b] = pages[torch.arange(W) % pages.numel()]
             fills[b] = f"the stale block ids of real row {real[longest]}'s pages"
             live[b] = real[longest]
     padded_case = dataclasses.replace(case, batch=B, padding_rows=len(pads))
@@ -258,12 +259,12 @@ def _check_padding_rows(op, p: Padded, pinp: PaddedInputs, out, lse, check: str)
         if bool(bad.any()):
             kind = "NaN" if bool(torch.isnan(o).any()) else "inf"
             raise AssertionError(f"{w}: {row} and its out is {kind} ({int(bad.sum())} of {o.numel()} values); "
-                                 f"{_nan_cause(op, p, pinp, check)}{tail}")
+                                 f"{_trailing_only(pinp, out, b)}{_nan_cause(op, p, pinp, check)}{tail}")
         if bool((o != 0).any()):
             s, h, d = (int(i) for i in (o != 0).nonzero()[0])
             raise AssertionError(f"{w}: {row} but its out is not 0: {float(o[s, h, d]):.6g} at (s, h, d) = "
-                                 f"({s}, {h}, {d}), {int((o != 0).sum())} value(s) not 0{_nonzero_cause(pinp, out, b)}"
-                                 f"{tail}")
+                                 f"({s}, {h}, {d}), {int((o != 0).sum())} value(s) not 0"
+                                 f"{_nonzero_cause(op, pinp, out, b, check)}{tail}")
         if lse is not None:
             l = lse[b].detach().cpu().to(torch.float64)
             wrong = l != empty
@@ -275,12 +276,26 @@ def _check_padding_rows(op, p: Padded, pinp: PaddedInputs, out, lse, check: str)
                                      f"{int(wrong.sum())} such value(s)){hint}{tail}")
 
 
-def _nonzero_cause(pinp: PaddedInputs, out, b: int) -> str:
-    for r in pinp.real:
-        if _close(out[b].detach().cpu(), out[r].detach().cpu()):
-            return (f"; it is real row {r}'s out: the op gave the padding row another row's work (a plan or per-row "
-                    "metadata sized to the real rows and read past its end: xLLM #1939, 112 captured rows for 100 "
-                    "real ones)")
+def _trailing_only(pinp: PaddedInputs, out, b: int) -> str:
+    """'...; ' when the padding rows after the last real row are 0 and this one, between real rows, is not."""
+    after = [t for t in pinp.pads if t > max(pinp.real)]
+    if b > max(pinp.real) or not after or bool(out[after].detach().cpu().ne(0).any()):
+        return ""
+    return (f"the padding rows after the last real row ({after}) are 0 and this one, between real rows, is not: "
+            "the op zeroes the rows past the number of real ones (out[num_real:] = 0), as if padding always trailed "
+            "the batch; ")
+
+
+def _nonzero_cause(op, pinp: PaddedInputs, out, b: int, check: str) -> str:
+    """Why a padding row's out is not 0: it is a real row's (in this call, or run unpadded), or it attended the
+    live pages its stale block-table entries point at."""
+    alone = run_op(op, pinp.unpadded, check + " (telling the cause apart)")[0].detach().cpu()
+    mine = out[b].detach().cpu()
+    for r, real in enumerate(pinp.real):
+        if _close(mine, out[real].detach().cpu()) or _close(mine, alone[r]):
+            return (f"; it is real row {real}'s out: the op gave the padding row another row's work (a plan or "
+                    "per-row metadata sized to the real rows and read past its end: xLLM #1939, 112 captured rows "
+                    "for 100 real ones)")
     if b in pinp.live:
         return (f"; its stale block-table entries point at real row {pinp.live[b]}'s pages: the op attended them "
                 "although the row has no keys")

@@ -21,7 +21,8 @@ import math
 import torch
 
 from mla_conformance.checks.op_compare import bitwise_equal, compare, oracle_of_inputs
-from mla_conformance.checks.op_inputs import INVALID_BLOCK, SOFTMAX_SCALE, Buffer, OpInputs, Spec, where
+from mla_conformance.checks.op_inputs import (INVALID_BLOCK, SOFTMAX_SCALE, Buffer, OpInputs, Spec,
+                                              kinds_of_rows_without_keys)
 from mla_conformance.checks.op_padding import real_rows_only
 from mla_conformance.checks.op_run import run_op
 from mla_conformance.contract.op import D_QK, OpCase, declared
@@ -108,7 +109,9 @@ class ReplayBuffers:
         self.history.append({n: v[n].detach().cpu().clone() for n in ("block_table", "cache_seqlens", "indices",
                                                                         "topk_length") if n in v})
         pads = sum(1 for L in lens if L == 0)
-        case = dataclasses.replace(r.case, padding_rows=pads)
+        kinds = kinds_of_rows_without_keys(lens, r.case.s_q, r.case.causal, r.case.sparse)
+        case = dataclasses.replace(r.case, padding_rows=pads, rows_without_keys=any(kinds.values()) or bool(pads),
+                                   **kinds)
         return OpInputs(Spec(case, tuple(lens)), self.buffers, SOFTMAX_SCALE, [], slots, self.num_blocks)
 
 
