@@ -59,8 +59,9 @@ class Padded:
         B = n + self.pad
         if self.layout == "trailing":
             pads = list(range(n, B))
-        else:  # spread between the real rows, the first at 1
-            pads = sorted({1 + (k * (B - 1)) // self.pad for k in range(self.pad)})
+        else:  # every other row from row 1 (between real rows, and the last row where pad <= n)
+            pads = list(range(1, B, 2))[:self.pad]
+            pads = sorted(pads + [b for b in range(B - 1, -1, -1) if b not in pads][:self.pad - len(pads)])
         return [b for b in range(B) if b not in pads], pads
 
 
@@ -120,6 +121,8 @@ def build_padded(p: Padded) -> PaddedInputs:
             bt[b] = pages[torch.arange(W) % pages.numel()]
             fills[b] = f"the stale block ids of real row {real[longest]}'s pages"
             live[b] = real[longest]
+    if case.sparse:
+        fills = {b: f"every index -1, topk_length 0, {f}" for b, f in fills.items()}
     padded_case = dataclasses.replace(case, batch=B, padding_rows=len(pads))
     dev = case.device
     kv_buf = Buffer("kv_cache", cache, device=dev)
@@ -311,7 +314,11 @@ def _nan_cause(op, p: Padded, pinp: PaddedInputs, check: str) -> str:
 
     kv = pinp.padded.tensor("kv_cache").cpu().clone()
     kv[pinp.poisoned] = 0
-    if pads_finite(pinp.padded.derive(kv_cache=kv)):
+    clean = pads_finite(pinp.padded.derive(kv_cache=kv))
+    if clean and pinp.padded.case.sparse:
+        return ("with the poisoned pages zeroed the NaN is gone: the op read a key through a padding row (an index "
+                "-1 read as flattened slot -1, the last block's last token, or an entry past topk_length 0)")
+    if clean:
         return ("with the poisoned pages its block-table entries point at zeroed the NaN is gone: the op read a page "
                 "through a padding row (vLLM #35969: FlashMLA's decode read block_table[n_block] with n_block = -1 for "
                 "seq_lens 0; a -1 entry is a negative offset on a GPU, kv_cache[-1] here)")

@@ -12,6 +12,8 @@ replays; each is a correct op of tests/meta/engine_ops.py (or reference-op) with
   batch, NaN left in padding rows between real rows;
 * :class:`UndefinedPaddingLeaks` -- declares ``padding_rows = "undefined"`` but an empty row writes its NaN partial
   into the split-KV workspace slot of the next row, which it was allotted none of: NaN in a real row;
+* :class:`SparseReadsAtTopkLengthZero` -- a sparse loop over topk_length that runs once for 0 (loosely
+  FlashInfer #5015): a sparse padding row reads slot -1;
 * :class:`StalePlanOnDataPtr` -- a plan (lengths, block table, indices) cached on the tensors' ``data_ptr`` and
   reused when the graph's tensors are refilled for the next replay.
 """
@@ -119,6 +121,24 @@ class UndefinedPaddingLeaks(UndefinedPaddingOp):
         return out.to(q.dtype), lse
 
 
+class SparseReadsAtTopkLengthZero(ReferenceOp):
+    """Sparse decode whose loop over a row's topk_length runs once before testing it (a do-while), the first
+    index unchecked: a padding row (topk_length 0, every index -1) reads flattened slot -1 (loosely FlashInfer
+    #5015: sparse MLA hangs on a padded batch, a loop over topk_length that mishandles 0)."""
+
+    name = "broken-sparse-reads-at-topk-length-0"
+
+    def decode(self, q, kv_cache, block_table, cache_seqlens, *, indices=None, topk_length=None, **kwargs):
+        if indices is not None and topk_length is not None and bool((topk_length == 0).any()):
+            zero = topk_length == 0
+            indices = indices.clone()
+            first = indices[:, :, 0]
+            first[zero] = torch.where(first[zero] < 0, kv_cache.shape[0] * kv_cache.shape[1] - 1, first[zero])
+            topk_length = torch.where(zero, torch.ones_like(topk_length), topk_length)
+        return super().decode(q, kv_cache, block_table, cache_seqlens, indices=indices, topk_length=topk_length,
+                              **kwargs)
+
+
 class StalePlanOnDataPtr(ReferenceOp):
     """reference-op with a plan -- the lengths, block table and sparse indices it was built from -- cached on the
     tensors' data_ptr (the tensors kept alive with it, so no other tensor gets their address)."""
@@ -139,4 +159,4 @@ class StalePlanOnDataPtr(ReferenceOp):
 
 
 __all__ = ["NanPaddingAtLongMaxLen", "ReadsBlockTableMinusOne", "MetadataSizedToRealRows", "ZeroesTrailingRowsOnly",
-           "UndefinedPaddingLeaks", "StalePlanOnDataPtr"]
+           "UndefinedPaddingLeaks", "SparseReadsAtTopkLengthZero", "StalePlanOnDataPtr"]

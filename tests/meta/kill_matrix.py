@@ -161,6 +161,8 @@ def correct_node_ids() -> list[tuple[str, str, str]]:
 OPS = f"{HERE}/broken_ops.py"
 KERNEL_OPS = f"{HERE}/kernel_ops.py"
 FROZEN = f"{HERE}/frozen_base_op.py"
+ENGINE_OPS = f"{HERE}/engine_ops.py"
+BROKEN_ENGINE = f"{HERE}/broken_engine_ops.py"
 
 #: broken op -> (spec, the name it reports, the op tests (file::function[params after the op name]) that must fail it)
 BROKEN_OPS = {
@@ -200,10 +202,36 @@ BROKEN_OPS = {
     "batch-variant": (f"{OPS}:BatchVariant", "broken-batch-variant", ["test_op_numerics.py::test_batch_invariant[]"]),
     "heads-capped": (f"{OPS}:HeadsCapped", "broken-heads-capped-at-64", ["test_op_paging.py::test_head_counts[-128]"]),
     "assumes-page-64": (f"{OPS}:AssumesPage64", "broken-assumes-page-64", ["test_op_paging.py::test_page_sizes[-16]"]),
+    # engines' padded CUDA-graph batches and graph replays (tests/meta/broken_engine_ops.py: the reports they model)
+    "nan-padding-long-max-len": (f"{BROKEN_ENGINE}:NanPaddingAtLongMaxLen", "broken-nan-padding-at-long-max-len",
+                                 ["test_op_padding.py::test_padded_batch[-trailing]"]),
+    "reads-block-table-minus-one": (f"{BROKEN_ENGINE}:ReadsBlockTableMinusOne", "broken-reads-block-table-minus-one",
+                                    ["test_op_padding.py::test_padded_batch[-trailing]"]),
+    "metadata-sized-to-real-rows": (f"{BROKEN_ENGINE}:MetadataSizedToRealRows", "broken-metadata-sized-to-real-rows",
+                                    ["test_op_padding.py::test_padded_batch[-trailing]",
+                                     "test_op_padding.py::test_padded_batch[-interleaved]"]),
+    "zeroes-trailing-rows-only": (f"{BROKEN_ENGINE}:ZeroesTrailingRowsOnly", "broken-zeroes-trailing-rows-only",
+                                  ["test_op_padding.py::test_padded_batch[-interleaved]"]),
+    "undefined-padding-leaks": (f"{BROKEN_ENGINE}:UndefinedPaddingLeaks", "broken-undefined-padding-leaks",
+                                ["test_op_padding.py::test_padded_batch[-interleaved]"]),
+    "sparse-reads-at-topk-length-0": (f"{BROKEN_ENGINE}:SparseReadsAtTopkLengthZero",
+                                      "broken-sparse-reads-at-topk-length-0",
+                                      ["test_op_padding.py::test_padded_sparse_batch[-trailing]",
+                                       "test_op_padding.py::test_padded_sparse_batch[-interleaved]"]),
+    "stale-plan-on-data-ptr": (f"{BROKEN_ENGINE}:StalePlanOnDataPtr", "broken-stale-plan-on-data-ptr",
+                               ["test_op_replay.py::test_graph_replay[-dense]",
+                                "test_op_replay.py::test_graph_replay[-sparse]"]),
 }
 
 #: a failure message must say this (the likely cause) for the broken op's cells
-HINTS = {"top-left-causal": "likely cause: top-left causal alignment"}
+HINTS = {"top-left-causal": "likely cause: top-left causal alignment",
+         "nan-padding-long-max-len": "only at a long max length",
+         "reads-block-table-minus-one": "the op read a page through a padding row",
+         "metadata-sized-to-real-rows": "xLLM #1939",
+         "zeroes-trailing-rows-only": "as if padding always trailed the batch",
+         "undefined-padding-leaks": "NaN leaked into a real row",
+         "sparse-reads-at-topk-length-0": "the op read a key through a padding row",
+         "stale-plan-on-data-ptr": "state the op kept from an earlier call"}
 
 #: correct ops: every op test runs on them; "all" must pass; otherwise they may skip only with the sentences
 #: of SKIPS[mode] (their own unsupported_reason, or a declaration they do not make)
@@ -216,6 +244,11 @@ CORRECT_OPS = {
     "split-kv": (f"{KERNEL_OPS}:SplitKVOp", "split-kv-op", "dtype"),
     "no-lse-triton": (f"{KERNEL_OPS}:NoLseTritonOp", "no-lse-triton-op", "no-lse"),
     "frozen": (f"{FROZEN}:FrozenBaseOp", "frozen-base-op", "frozen"),
+    # as engines run decode in padded CUDA-graph batches: split-KV by the batch's max length; padding rows zeroed
+    # after the call (vLLM); padding rows left NaN and declared undefined
+    "split-by-max-len": (f"{ENGINE_OPS}:SplitByMaxLenOp", "split-by-max-len-op", "engine"),
+    "zero-padding-after": (f"{ENGINE_OPS}:ZeroPaddingAfterOp", "zero-padding-after-op", "engine"),
+    "undefined-padding": (f"{ENGINE_OPS}:UndefinedPaddingOp", "undefined-padding-op", "engine"),
 }
 #: a skip that names the declaration opting the op in (the op suite's own sentences)
 DECLARATION_SKIPS = ("kv_formats is", "page_block_sizes is", "does not declare sparse_decode",
@@ -228,6 +261,8 @@ SKIPS = {
     "dtype": ("computes with a ",),  # the kernel-style ops take one dtype
     "no-lse": ("computes with a ", "leaves a query with no keys undefined", *DECLARATION_SKIPS),
     "frozen": DECLARATION_SKIPS,
+    "engine": ("decodes dense over a latent cache, without a sink, only", "leaves a causal query before its row's first "
+               "key undefined", "leaves a zero-length row undefined", *DECLARATION_SKIPS),
 }
 
 #: crashes and contract violations are errors, not verdicts
