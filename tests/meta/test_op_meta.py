@@ -79,6 +79,24 @@ def test_declarations_decide_what_runs(run):
     assert by["suites/test_op_paging.py::test_multi_token_decode[no-lse-triton-op-8-causal]"]["outcome"] == "passed"
 
 
+def test_padding_declarations_and_the_two_kinds_of_rows_without_keys(run):
+    """An op declines one kind of query without keys and keeps the other (zero-padding-after-op: zero-length rows
+    yes, causal queries before the first key no); padding_rows = 'undefined' leaves padding rows unlooked at; the
+    frozen base op passes the padded and replayed batches (legal under the base contract)."""
+    by = run.by_id
+    empty = by["suites/test_op_paging.py::test_empty_and_single_key_rows[zero-padding-after-op]"]
+    assert empty["outcome"] == "skipped" and "causal query before its row's first key" in empty["reason"], empty
+    merge = by["suites/test_op_numerics.py::test_split_kv_merge[zero-padding-after-op-1]"]
+    assert merge["outcome"] == "passed" and "rows without keys" in merge["figures"]["case"], merge  # empty parts
+    for op in ("zero-padding-after-op", "undefined-padding-op", "frozen-base-op", "base-contract-op"):
+        for layout in ("trailing", "interleaved"):
+            got = by[f"suites/test_op_padding.py::test_padded_batch[{op}-{layout}]"]
+            assert got["outcome"] == "passed", got
+            assert got["figures"]["padding_rows_compared"] is (op != "undefined-padding-op"), got
+    assert by["suites/test_op_replay.py::test_graph_replay[frozen-base-op-dense]"]["outcome"] == "passed"
+    assert by["suites/test_op_replay.py::test_graph_replay[zero-padding-after-op-dense]"]["figures"]["replay_bitwise"]
+
+
 def test_the_likely_cause_is_named_only_where_it_applies(run):
     """The top-left hint is not handed to ops failing causal tests for other reasons."""
     for t in run.tests:
