@@ -167,24 +167,43 @@ def check_out_buffers(op, spec: Spec, layout: str, *, check: str, figures: dict)
         if got.data_ptr() != v.data_ptr() or tuple(got.shape) != tuple(v.shape) or got.stride() != v.stride():
             written = int((~buf.unwritten()).sum())
             raise AssertionError(
-                f"{w}: decode(..., {name}=) returned a {name} that is not the buffer it was handed ({_describe(got)} "
+                f"{w}: decode(..., {name}=) returned an {name} that is not the buffer it was handed ({_describe(got)} "
                 f"at 0x{got.data_ptr():x}; the buffer: {_describe(v)} at 0x{v.data_ptr():x}; {written} of "
                 f"{v.numel()} of the buffer's elements written): an op that declares out_buffers = True writes into "
                 "the caller's buffer and returns it (a captured CUDA graph's consumers read the buffer; a new tensor "
                 "is never seen)")
+    ref = oracle_of(spec)
+    views = {n: b.view for n, b in given.items()}
     for name, buf in given.items():
         outside = buf.written_outside()
         if outside:
             raise AssertionError(f"{w}: the op wrote {outside} of its {name} buffer {_describe(buf.view)} ({layout}: "
-                                 f"{LAYOUTS[layout]}); the caller owns the rest of the allocation")
+                                 f"{LAYOUTS[layout]}); the caller owns the rest of the allocation"
+                                 f"{_strides_ignored(op, case, views, ref, figures)}")
     for name, buf in given.items():
         missing = _unwritten_sentence(name, buf)
         if missing:
             raise AssertionError(f"{w}: {missing}")
-    ref = oracle_of(spec)
-    lse = given["lse"].view if "lse" in given else None
-    compare(op, case, given["out"].view, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref,
-            against="the float64 oracle (read from the out / lse buffers)")
+    try:
+        compare(op, case, views["out"], views.get("lse"), ref[0], ref[1], check=check, figures=figures, oracle=ref,
+                against="the float64 oracle (read from the out / lse buffers)")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}{_strides_ignored(op, case, views, ref, figures)}") from None
+
+
+def _strides_ignored(op, case: OpCase, views: dict, ref, figures: dict) -> str:
+    """'; likely cause: ... strides ignored' when the buffers' bytes, read as if they were contiguous from their
+    first element, hold the right values."""
+    if all(v.is_contiguous() for v in views.values()):
+        return ""
+    flat = {n: torch.as_strided(v, v.shape, v.contiguous().stride(), v.storage_offset()) for n, v in views.items()}
+    try:
+        compare(op, case, flat["out"], flat.get("lse"), ref[0], ref[1], check="", figures={}, oracle=ref)
+    except AssertionError:
+        return ""
+    figures["likely_cause"] = "buffer strides ignored"
+    return ("; likely cause: the op wrote its out / lse buffers as if they were contiguous (read that way from their "
+            "first element, they hold the right values): their strides ignored")
 
 
 # --------------------------------------------------------------------------- speculative verification

@@ -162,7 +162,8 @@ def test_results_record_ops_and_declarations(run):
                     "sparse_decode_extra_cache": True,
                     "invalid_index": "out-of-range", "attn_sink": True, "page_block_sizes": [1, 16, 64],
                     "kv_formats": ["latent", "fp8-e4m3-flashmla"], "fp8_scale_format": "fp32",
-                    "deterministic": True, "batch_invariant": True, "head_dims": [[576, 512]]}, decl
+                    "deterministic": True, "batch_invariant": True, "head_dims": [[576, 512]],
+                    "out_buffers": True}, decl
     assert run["op_declarations"]["no-lse-triton-op"]["returns_lse"] is False
     assert run["op_declarations"]["base-contract-op"]["page_block_sizes"] == [64]
     row = run.by_id["suites/test_op_numerics.py::test_out_lse_vs_oracle[independent-op-float32]"]
