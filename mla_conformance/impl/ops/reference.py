@@ -279,8 +279,11 @@ class ReferenceOp:
             mix = "bshk,bskd->bshd"
         else:
             lens = cache_seqlens.long()
-            # only the pages some row uses (the block table may be as wide as the capacity)
-            max_blocks = min(block_table.shape[1], -(-int(lens.max()) // page) if B else 0)
+            # only the pages some row uses (the block table may be as wide as the capacity); under CUDA-graph
+            # capture every column (reading the lengths on the host would end the capture)
+            capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            max_blocks = block_table.shape[1] if capturing else min(block_table.shape[1],
+                                                                    -(-int(lens.max()) // page) if B else 0)
             T = max_blocks * page
             used = torch.arange(max_blocks, device=dev) < ((lens + page - 1) // page)[:, None]  # [B, max_blocks]
             bt = torch.where(used, block_table[:, :max_blocks].long(), 0).clamp(0, num_blocks - 1)
@@ -298,7 +301,7 @@ class ReferenceOp:
             allowed = ok[:, :, None, :]
             values = keys[..., :d_v]
             mix = "bsht,btd->bshd"
-        logits = torch.where(allowed, logits, torch.tensor(-math.inf, dtype=acc, device=dev))
+        logits = torch.where(allowed, logits, torch.full((), -math.inf, dtype=acc, device=dev))
         lse = torch.logsumexp(logits, dim=-1)                                   # [B, s_q, h]
         empty = torch.isneginf(lse)
         p = torch.exp(logits - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
