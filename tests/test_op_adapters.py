@@ -60,7 +60,8 @@ def test_declarations():
         "lse_base": "e", "returns_lse": True, "empty_row": "+inf", "sparse_decode": False,
         "sparse_decode_extra_cache": False, "invalid_index": "minus-one", "attn_sink": False, "page_block_sizes": (64,), "kv_formats": ("latent",),
         "fp8_scale_format": "pow2", "deterministic": True, "batch_invariant": False, "head_dims": ((576, 512),),
-        "padding_rows": "defined", "prefill_head_dims": ((192, 128),), "prefill_lse_base": "e", "prefill_empty_row": "+inf"}
+        "padding_rows": "defined", "out_buffers": False, "prefill_head_dims": ((192, 128),), "prefill_lse_base": "e",
+        "prefill_empty_row": "+inf"}
     sparse = declarations(get_op("flashmla-sparse"))
     assert sparse["kv_formats"] == ("fp8-e4m3-flashmla",) and sparse["fp8_scale_format"] == "pow2"
     # the adapter remaps every index outside the cache to -1 (the decode kernel special-cases only -1)

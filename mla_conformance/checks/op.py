@@ -15,7 +15,9 @@
 * **comparing** (:mod:`~mla_conformance.checks.op_compare`: :func:`compare`, :func:`check_against_oracle`): out
   and lse against the oracle (lse converted from the op's declared ``lse_base``; a query with no keys must give
   out exactly 0 and the declared ``empty_row`` infinity; NaN in a query with keys fails), within
-  :data:`mla_conformance.checks.OP_TOLERANCES`.
+  :data:`mla_conformance.checks.OP_TOLERANCES`;
+* **engine calls** (:mod:`~mla_conformance.checks.op_calls`: :func:`check_out_buffers`, :func:`check_speculative`):
+  caller-owned out= / lse= buffers (``out_buffers``), causal multi-token decode over an engine's persistent tables.
 
 Every failure message names the op, the case (:meth:`OpCase.describe`), the check and the measured numbers;
 ``figures`` (the test's ``mla_figures``) is filled before anything is raised.
@@ -34,6 +36,7 @@ from mla_conformance.checks.op_inputs import (CANARY_BYTE, CANARY_BYTES, INT_MAX
                                               page_sizes, pick_page, require, require_declared, require_invalid_kind,
                                               selected_slots, single_row, split_at_pages, unsupported, where)
 from mla_conformance.checks.op_run import run_op, validate
+from mla_conformance.checks.op_calls import LAYOUTS, check_out_buffers, check_speculative, engine_tables
 from mla_conformance.checks.tolerances import OP_TOLERANCES, OpTolerance
 from mla_conformance.impl.ops.reference import lse_to_natural, merge_by_lse
 
@@ -43,4 +46,5 @@ __all__ = ["KNOWN_PAGE_SIZES", "INVALID_BLOCK", "INT_MAX", "INVALID_KINDS", "SOF
            "make_case_and_lens", "has_rows_without_keys", "kinds_of_rows_without_keys", "bounds", "top_left_oracle_of", "pick_page", "page_sizes",
            "require", "require_declared", "first_supported", "unsupported", "tolerance_for", "merge_by_lse",
            "lse_to_natural", "where", "dtype_name", "split_at_pages", "single_row", "selected_slots",
-           "dense_of_selection", "two_caches", "as_reference", "declared_spec", "check_fp8_probe_scales", "require_invalid_kind"]
+           "dense_of_selection", "two_caches", "as_reference", "declared_spec", "check_fp8_probe_scales", "require_invalid_kind",
+           "LAYOUTS", "check_out_buffers", "check_speculative", "engine_tables"]

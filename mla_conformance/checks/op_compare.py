@@ -266,22 +266,27 @@ def _unravel(flat: int, shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def check_against_oracle(op, spec: Spec, *, check: str, figures: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+def check_against_oracle(op, spec: Spec, *, check: str, figures: dict, inp: OpInputs | None = None,
+                         hints=()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Build (cached), run, compare with the oracle (cached); returns the op's (out, lse). A causal case that
-    fails is compared once more with the oracle aligned top-left, to name that as the likely cause."""
+    fails is compared once more with the oracle aligned top-left, to name that as the likely cause. ``inp``:
+    inputs derived from the spec's (the same keys in other tensors: the spec's oracle holds); ``hints``: more
+    ``(out, lse) -> (likely cause, '; likely cause: ...') or None`` asked in turn after a failure."""
     __tracebackhide__ = True
     require(op, spec.case)
     figures.update(case=spec.case.describe(), check=check, op=op.name)
-    inp = build(spec)
+    inp = build(spec) if inp is None else inp
     out, lse = run_op(op, inp, check)
     ref = oracle_of(spec)
     try:
         compare(op, spec.case, out, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref)
     except AssertionError as exc:
-        hint = _top_left_hint(op, spec, out, lse)
-        if hint:
-            figures["likely_cause"] = "top-left causal alignment"
-            raise AssertionError(f"{exc}{hint}") from None
+        top_left = _top_left_hint(op, spec, out, lse)
+        for hint_of in (lambda o, l: top_left and ("top-left causal alignment", top_left), *hints):
+            found = hint_of(out, lse)
+            if found:
+                figures["likely_cause"] = found[0]
+                raise AssertionError(f"{exc}{found[1]}") from None
         raise
     return out, lse
 

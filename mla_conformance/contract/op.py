@@ -61,7 +61,9 @@ first 512 elements).
 
 * **Dense, non-causal:** query i of row b attends keys ``0 .. cache_seqlens[b] - 1``.
 * **Dense, causal (multi-token decode, MTP / speculative):** the s_q queries are the *last* s_q tokens
-  of the row (bottom-right alignment): query i attends keys ``< cache_seqlens[b] - s_q + i + 1``.
+  of the row (bottom-right alignment): query i attends keys ``< cache_seqlens[b] - s_q + i + 1``, for every
+  s_q (not only powers of two), so each query position has its own output (ROCm aiter #2720 gave every position
+  one output); a row's keys are its own ``block_table[b]`` pages (never a row past B: vLLM #51848 / #51065).
 * **A query with no keys** (a zero-length row, a causal query before the row's first key, a sparse row
   with every index invalid) returns out 0 and lse +inf -- FlashMLA's convention -- unless the op
   declares otherwise (``empty_row``).
@@ -103,6 +105,14 @@ declares nothing gets an explicit skip naming the declaration that would opt it 
 * ``padding_rows``: ``"defined"`` (default: a padding row is a zero-length row, out 0 and lse ``empty_row``) or
   ``"undefined"``: the zero-length rows of a padded case (``case.padding_rows > 0``) are not looked at (see
   *Padded batches* below).
+* ``out_buffers``: ``False`` (default) or ``True``: decode also takes ``out=`` and ``lse=``, buffers the caller
+  owns (FlashInfer's ``run(..., out=, lse=)``, vLLM's preallocated output under a captured CUDA graph): ``out``
+  [B, s_q, h_q, 512] in q's dtype and ``lse`` float32 [B, h_q, s_q] (``lse=`` only where ``returns_lse``), for
+  every s_q, possibly strided (a view into a larger allocation: the first B rows of a buffer sized for a captured
+  batch, heads padded, lse kept heads-first [h_q, B, s_q] as vLLM does or tokens-first [B, s_q, h_q] as FlashInfer
+  does). The op writes every element of the views, nothing else of their allocations, and returns the buffers
+  themselves (the same tensors: same data_ptr, shape and strides; FlashInfer #2856 / #2876 rejected such an out at
+  q_len > 1). An op that does not declare it is never handed ``out=`` or ``lse=``.
 
 A case the op cannot run is declined by ``unsupported_reason`` with a sentence (the test skips with it).
 :class:`OpCase` says what the case holds, so an op can decline what its own contract leaves undefined:
@@ -273,6 +283,7 @@ DECLARATIONS: dict[str, Any] = {
     "batch_invariant": False,
     "head_dims": ((D_QK, D_V),),
     "padding_rows": "defined",
+    "out_buffers": False,
     # prefill: the (d_qk, d_v) pairs it takes; the base of its lse; the lse of a query with no keys
     "prefill_head_dims": ((PREFILL_D_QK, PREFILL_D_V),),
     "prefill_lse_base": "e",
@@ -298,7 +309,7 @@ METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
     "decode": ("lse_base", "returns_lse", "empty_row", "sparse_decode", "sparse_decode_extra_cache", "invalid_index",
                "attn_sink",
                "page_block_sizes", "kv_formats", "fp8_scale_format", "deterministic", "batch_invariant",
-               "head_dims", "padding_rows"),
+               "head_dims", "padding_rows", "out_buffers"),
     "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row"),
     "sparse_prefill": ("sparse_prefill_head_dims", "sparse_prefill_lse_base", "sparse_prefill_topk_length",
                        "sparse_prefill_attn_sink"),
@@ -315,6 +326,7 @@ _ALLOWED = {
     "sparse_decode": (True, False),
     "sparse_decode_extra_cache": (True, False),
     "attn_sink": (True, False),
+    "out_buffers": (True, False),
     "prefill_lse_base": ("e", "2"),
     "prefill_empty_row": ("+inf", "-inf"),
     "sparse_prefill_lse_base": ("e", "2"),

@@ -5,7 +5,8 @@ would fail it.
 * :class:`IndependentOp` walks each row's pages with an explicit loop and an online softmax (running max, sum
   and accumulator in float32, as a kernel does; float64 for a float64 q), decodes the 656-byte FP8 rows itself,
   and declares the conventions the reference does not use: lse in base 2, empty rows with lse -inf, fp32 tile
-  scales. It declares every optional part, so the whole op suite runs on it.
+  scales. It declares every optional part, so the whole op suite runs on it (``out_buffers``: it writes its result
+  row by row into the caller's out / lse views).
 * :class:`BaseContractOp` implements only the base contract: dense decode over a latent cache in pages of 64,
   no declarations; it declines sparse decode, attn_sink and FP8 caches in ``unsupported_reason``, so those tests
   skip with its sentences.
@@ -73,6 +74,7 @@ class IndependentOp:
     fp8_scale_format = "fp32"
     deterministic = True
     batch_invariant = True
+    out_buffers = True
 
     def unsupported_reason(self, case):
         if case.page_block_size not in self.page_block_sizes:
@@ -82,10 +84,12 @@ class IndependentOp:
         return None
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
-               topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None, extra_topk_length=None):
+               topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None, extra_topk_length=None,
+               out=None, lse=None):
         B, s_q, h, _ = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         page = kv_cache.shape[1]
+        result_out, result_lse = out, lse                                     # the caller's buffers, if any
         n_slots = kv_cache.shape[0] * page
         flat = kv_cache.reshape(n_slots, kv_cache.shape[-1])
         scopes = [(flat, indices, topk_length)]
@@ -131,8 +135,13 @@ class IndependentOp:
                 factor = torch.where(torch.isinf(l), torch.zeros_like(l), 1.0 / (1.0 + torch.exp(sink - l)))
                 o = o * factor[..., None]
             out[b], lse[b] = o, l
-        lse2 = torch.where(torch.isinf(lse), lse, lse * LOG2E)
-        return out.to(q.dtype), lse2.transpose(1, 2).to(torch.float32).contiguous()
+        lse2 = torch.where(torch.isinf(lse), lse, lse * LOG2E).transpose(1, 2).to(torch.float32)
+        if result_out is None:
+            return out.to(q.dtype), lse2.contiguous()
+        for b in range(B):                                                    # row by row into the caller's views
+            result_out[b] = out[b]
+            result_lse[b] = lse2[b]
+        return result_out, result_lse
 
 
 class BaseContractOp:

@@ -6,7 +6,8 @@ suite's half-precision bounds (tests/meta/test_op_meta.py):
   cache dtype's values, an online softmax over blocks of 64 keys (running max and sum in float32), P rounded
   to the cache dtype before P.V with a float32 accumulator -- vLLM's triton_decode_attention.py
   ``acc += tl.dot(p.to(v.dtype), v)``, SGLang's decode_attention.py, FlashMLA and FlashInfer alike -- and out
-  rounded once. Correct: they must pass every op test;
+  rounded once (into the caller's out / lse where handed them: ``out_buffers``). Correct: they must pass every
+  op test;
 * :class:`SplitKVOp`: the same, with each query's keys split into 3 chunks computed apart (float32 partial
   out and lse, as FlashMLA's split-KV ``oaccum`` / ``lseaccum``) and merged by LSE. Correct;
 * :class:`CoarsePOp` (broken): P kept to 3 significant bits fewer than the cache dtype (5 for bfloat16, 8 for
@@ -61,6 +62,7 @@ class PRoundingOp:
     kv_formats = ("latent", "fp8-e4m3-flashmla")
     deterministic = True
     batch_invariant = True
+    out_buffers = True
     splits = 1
 
     def unsupported_reason(self, case):
@@ -114,9 +116,11 @@ class PRoundingOp:
         return out, lse
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
-               topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None, extra_topk_length=None):
+               topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None, extra_topk_length=None,
+               out=None, lse=None):
         B, s_q, h, _ = q.shape
         page = kv_cache.shape[1]
+        given = out, lse                                          # caller-owned buffers: out rounded once into them
         n_slots = kv_cache.shape[0] * page
         flat = kv_cache.reshape(n_slots, kv_cache.shape[-1])
         scopes = [(flat, indices, topk_length)]
@@ -151,7 +155,9 @@ class PRoundingOp:
                     o = o * factor[:, None]
                 out[b, i] = o
                 lse[b, :, i] = torch.where(torch.isneginf(l), torch.full_like(l, math.inf), l)
-        return out.to(q.dtype), lse
+        if given[0] is None:
+            return out.to(q.dtype), lse
+        return given[0].copy_(out), (lse if given[1] is None else given[1].copy_(lse))
 
 
 class PRoundingFp16Op(PRoundingOp):

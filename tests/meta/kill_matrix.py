@@ -159,6 +159,7 @@ def correct_node_ids() -> list[tuple[str, str, str]]:
 # --------------------------------------------------------------------------- the op contract
 
 OPS = f"{HERE}/broken_ops.py"
+CALL_OPS = f"{HERE}/broken_call_ops.py"
 KERNEL_OPS = f"{HERE}/kernel_ops.py"
 FROZEN = f"{HERE}/frozen_base_op.py"
 ENGINE_OPS = f"{HERE}/engine_ops.py"
@@ -221,6 +222,21 @@ BROKEN_OPS = {
     "stale-plan-on-data-ptr": (f"{BROKEN_ENGINE}:StalePlanOnDataPtr", "broken-stale-plan-on-data-ptr",
                                ["test_op_replay.py::test_graph_replay[-dense]",
                                 "test_op_replay.py::test_graph_replay[-sparse]"]),
+    # engines' calls (issue 26): preallocated outputs, speculative verification
+    "rejects-out": (f"{CALL_OPS}:RejectsOutAtMultiToken", "broken-rejects-out-multi-token",
+                    ["test_op_out_buffers.py::test_out_buffers[-2]"]),
+    "half-written-out": (f"{CALL_OPS}:HalfWrittenOut", "broken-half-written-out",
+                         ["test_op_out_buffers.py::test_out_buffers[-3]"]),
+    "new-tensor-out": (f"{CALL_OPS}:NewTensorOut", "broken-new-tensor-out", ["test_op_out_buffers.py::test_out_buffers[-1]"]),
+    "ignores-out-strides": (f"{CALL_OPS}:IgnoresOutStrides", "broken-ignores-out-strides",
+                            ["test_op_out_buffers.py::test_out_buffers_strided[-tokens-first]",
+                             "test_op_out_buffers.py::test_out_buffers_strided[-heads-first]"]),
+    "same-output": (f"{CALL_OPS}:SameOutputAllPositions", "broken-same-output-all-positions",
+                    ["test_op_speculative.py::test_speculative_verify[-6]"]),
+    "rows-past-batch": (f"{CALL_OPS}:ReadsRowsPastBatch", "broken-reads-rows-past-batch",
+                        ["test_op_speculative.py::test_speculative_verify[-3]"]),
+    "nan-at-q-len-2": (f"{CALL_OPS}:NanAtQLen2", "broken-nan-at-q-len-2",
+                       ["test_op_paging.py::test_multi_token_decode[-2-causal]"]),
 }
 
 #: a failure message must say this (the likely cause) for the broken op's cells
@@ -231,7 +247,12 @@ HINTS = {"top-left-causal": "likely cause: top-left causal alignment",
          "zeroes-trailing-rows-only": "as if padding always trailed the batch",
          "undefined-padding-leaks": "NaN leaked into a real row",
          "sparse-reads-at-topk-length-0": "the op read a key through a padding row",
-         "stale-plan-on-data-ptr": "state the op kept from an earlier call"}
+         "stale-plan-on-data-ptr": "state the op kept from an earlier call",
+         "rejects-out": "rejects a legal preallocated buffer", "half-written-out": "only query position 0 of each row",
+         "new-tensor-out": "is not the buffer it was handed", "ignores-out-strides": "likely cause: the op wrote its out / lse buffers as if they were contiguous",
+         "same-output": "likely cause: every query position of row",
+         "rows-past-batch": "likely cause: the op reads block_table / cache_seqlens rows past the batch",
+         "nan-at-q-len-2": "non-finite value(s) in queries with keys"}
 
 #: correct ops: every op test runs on them; "all" must pass; otherwise they may skip only with the sentences
 #: of SKIPS[mode] (their own unsupported_reason, or a declaration they do not make)
@@ -253,7 +274,7 @@ CORRECT_OPS = {
 #: a skip that names the declaration opting the op in (the op suite's own sentences)
 DECLARATION_SKIPS = ("kv_formats is", "page_block_sizes is", "does not declare sparse_decode",
                      "does not declare attn_sink", "does not declare deterministic", "does not declare batch_invariant",
-                     "invalid_index = 'minus-one'", "declares returns_lse = False")
+                     "invalid_index = 'minus-one'", "declares returns_lse = False", "does not declare out_buffers")
 SKIPS = {
     "base": ("implements dense decode only", "takes no attn_sink",
              "reads a latent cache in q's dtype only",  # its own sentence, asked before the declarations

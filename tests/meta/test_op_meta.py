@@ -181,7 +181,7 @@ def test_results_record_ops_and_declarations(run):
                     "invalid_index": "out-of-range", "attn_sink": True, "page_block_sizes": [1, 16, 64],
                     "kv_formats": ["latent", "fp8-e4m3-flashmla"], "fp8_scale_format": "fp32",
                     "deterministic": True, "batch_invariant": True, "head_dims": [[576, 512]],
-                    "padding_rows": "defined"}, decl
+                    "padding_rows": "defined", "out_buffers": True}, decl
     assert run["op_declarations"]["undefined-padding-op"]["padding_rows"] == "undefined"
     assert run["op_declarations"]["no-lse-triton-op"]["returns_lse"] is False
     assert run["op_declarations"]["base-contract-op"]["page_block_sizes"] == [64]

@@ -216,6 +216,7 @@ class ReferenceOp:
     deterministic = True
     batch_invariant = True
     head_dims = "any"
+    out_buffers = True
     prefill_head_dims = "any"
     prefill_lse_base = "e"
     prefill_empty_row = "+inf"
@@ -240,7 +241,16 @@ class ReferenceOp:
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
                topk_length=None, attn_sink=None, head_dim_v=None, extra_k_cache=None, extra_indices=None,
-               extra_topk_length=None):
+               extra_topk_length=None, out=None, lse=None):
+        result = self._decode(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=causal,
+                              indices=indices, topk_length=topk_length, attn_sink=attn_sink, head_dim_v=head_dim_v,
+                              extra_k_cache=extra_k_cache, extra_indices=extra_indices,
+                              extra_topk_length=extra_topk_length)
+        # out_buffers: the caller's buffers (any strides) written and returned as they are
+        return tuple(r if buf is None else buf.copy_(r) for r, buf in zip(result, (out, lse)))
+
+    def _decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices, topk_length,
+                attn_sink, head_dim_v, extra_k_cache, extra_indices, extra_topk_length):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         B, s_q, h_q, d_qk = q.shape
         d_v = D_V if head_dim_v is None else int(head_dim_v)
@@ -269,8 +279,11 @@ class ReferenceOp:
             mix = "bshk,bskd->bshd"
         else:
             lens = cache_seqlens.long()
-            # only the pages some row uses (the block table may be as wide as the capacity)
-            max_blocks = min(block_table.shape[1], -(-int(lens.max()) // page) if B else 0)
+            # only the pages some row uses (the block table may be as wide as the capacity); under CUDA-graph
+            # capture every column (reading the lengths on the host would end the capture)
+            capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            max_blocks = block_table.shape[1] if capturing else min(block_table.shape[1],
+                                                                    -(-int(lens.max()) // page) if B else 0)
             T = max_blocks * page
             used = torch.arange(max_blocks, device=dev) < ((lens + page - 1) // page)[:, None]  # [B, max_blocks]
             bt = torch.where(used, block_table[:, :max_blocks].long(), 0).clamp(0, num_blocks - 1)
@@ -288,7 +301,7 @@ class ReferenceOp:
             allowed = ok[:, :, None, :]
             values = keys[..., :d_v]
             mix = "bsht,btd->bshd"
-        logits = torch.where(allowed, logits, torch.tensor(-math.inf, dtype=acc, device=dev))
+        logits = torch.where(allowed, logits, torch.full((), -math.inf, dtype=acc, device=dev))
         lse = torch.logsumexp(logits, dim=-1)                                   # [B, s_q, h]
         empty = torch.isneginf(lse)
         p = torch.exp(logits - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
