@@ -26,7 +26,7 @@ import torch
 
 from mla_conformance.checks import op as oc
 from mla_conformance.checks import op_inputs
-from mla_conformance.checks.op_compare import empty_row_sentences
+from mla_conformance.checks.op_compare import empty_row_sentences, lse_base_hint
 from mla_conformance.checks.op_inputs import declared_otherwise, not_declared, op_reason
 from mla_conformance.contract.op import SIGNATURES, declared, has_method
 from mla_conformance.errors import BackendError, BackendOutputError
@@ -300,11 +300,7 @@ def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, 
     if bool(over.any()):
         t, h = divmod(int(torch.where(~empty, lse_ratio, 0.0).flatten().argmax()), lse_err.shape[1])
         exp = float(o_lse[t, h])
-        hint = ""
-        if exp and base == "e" and abs(float(raw[t, h]) * math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)):
-            hint = f"; the lse matches base 2 (lse x ln 2 equals the oracle): declare {base_key} = '2'"
-        elif exp and base == "2" and abs(float(raw[t, h]) / math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)):
-            hint = f"; the lse matches the natural log: declare {base_key} = 'e' (or return base 2)"
+        hint = lse_base_hint(float(raw[t, h]), exp, base, base_key)
         raise AssertionError(
             f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log); worst against "
             f"its bound at (t, h) = ({t}, {h}) ({locate(t)}): got {float(nat[t, h]):.6g} (raw {float(raw[t, h]):.6g}, "

@@ -52,6 +52,13 @@ class NanForEmptyPrefill(ReferenceOp):
         return torch.where(empty[..., None], math.nan, out), torch.where(empty, math.nan, lse)
 
 
+class NaturalLseDeclaredBase2Prefill(ReferenceOp):
+    """Declares prefill_lse_base = "2" (FlashInfer's ragged prefill) but returns the natural log."""
+
+    name = "broken-prefill-natural-as-2"
+    prefill_lse_base = "2"
+
+
 class AlwaysCausalPrefill(ReferenceOp):
     """Applies the causal mask whatever ``causal`` says (a kernel instantiated for causal only): the context
     chunks of chunked prefill lose their later keys."""
