@@ -158,11 +158,15 @@ same queries merged by their log-sum-exp (vLLM's ``merge_attn_states``, FlashInf
   ``kv_cache`` as ``decode`` reads it for ``kv_format`` (one of ``write_kv_formats``); ``slot_mapping`` int64
   [T]: token t goes to slot block * page_block_size + offset; a negative slot writes nothing (a slot twice in
   one call is the caller's error); nothing else of the cache changes;
-* ``"latent"``: the row [kv_c | k_pe] as is (bit for bit); ``"fp8-e4m3-flashmla"``: the 656-byte row exactly
-  as FlashMLA's tests/quant.py encodes it (tile scale max(amax / 448, 1e-4), rounded up to a power of two
-  under ``write_fp8_scale_format = "pow2"``, kept as float32 under ``"fp32"``; e4m3 of value / scale; k_pe as
-  bfloat16, never scaled); ``"fp8-e4m3-model1"``: FlashMLA's MODEL1 layout (:mod:`mla_conformance.kv.model1`;
-  kv_c [T, 448], UE8M0 scales only).
+* ``"latent"``: the row [kv_c | k_pe] as is (bit for bit); ``"fp8-e4m3-flashmla"``: the 656-byte row as
+  FlashMLA's tests/quant.py encodes it: under ``write_fp8_scale_format = "pow2"`` exactly (tile scale
+  max(amax / 448, 1e-4) rounded up to a power of two, DeepSeek's ue8m0; e4m3 of value / scale, round to nearest
+  even); under ``"fp32"`` judged by what a reader decodes -- each float32 tile scale finite, >= 0 and amax / 448
+  within 2^-7 (bfloat16 arithmetic allowed; the 1e-4 floor optional: it keeps log2 finite in the pow2 path, and
+  SGLang drops it), each e4m3 value x its tile's scale within half an e4m3 step (at value / scale) of the written
+  value, so an all-zero tile of scale 0 decodes to 0, never NaN; k_pe as bfloat16, never scaled;
+  ``"fp8-e4m3-model1"``: FlashMLA's MODEL1 layout (:mod:`mla_conformance.kv.model1`; kv_c [T, 448], UE8M0 scales
+  only).
 
 The methods' declarations (an op without the method never has them read; none is assumed):
 

@@ -250,3 +250,48 @@ class MergeOnlyOp:
         total = torch.where(none, 1.0, wa + wb)
         out = (out_a.float() * wa[..., None] + out_b.float() * wb[..., None]) / total[..., None]
         return out.to(out_a.dtype), torch.where(none, math.inf, top + torch.log(total))
+
+
+class _Fp32ScaleWriter:
+    """FlashMLA's 656-byte rows with float32 tile scales as other writers compute them (:meth:`scales`): e4m3 of
+    value / scale (0 where the scale is 0), the bfloat16 rope unscaled. Only ``write``, only this format."""
+
+    write_kv_formats = ("fp8-e4m3-flashmla",)
+    write_fp8_scale_format = "fp32"
+    write_page_block_sizes = (16, 64)
+
+    def unsupported_reason(self, case):
+        return None
+
+    def scales(self, tiles):
+        raise NotImplementedError
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        keep = slot_mapping >= 0
+        slots, page = slot_mapping[keep].long(), kv_cache.shape[1]
+        x = kv_c[keep].float().unflatten(-1, (4, 128))
+        scale = self.scales(x).float()
+        q8 = torch.where(scale[..., None] > 0, x / torch.where(scale > 0, scale, 1.0)[..., None], 0.0)
+        rows = torch.cat([q8.flatten(-2).to(torch.float8_e4m3fn).view(torch.uint8),
+                          scale.contiguous().view(torch.uint8),
+                          k_pe[keep].to(torch.bfloat16).contiguous().view(torch.uint8)], dim=-1)
+        kv_cache[slots // page, slots % page, 0] = rows
+
+
+class NoFloorFp32Writer(_Fp32ScaleWriter):
+    """SGLang-style: scale amax / 448 in float32 with no floor (an all-zero tile: scale 0, payload 0)."""
+
+    name = "no-floor-fp32-writer"
+
+    def scales(self, tiles):
+        return tiles.abs().amax(-1) / 448.0
+
+
+class Bf16ScaleWriter(_Fp32ScaleWriter):
+    """FlashMLA's earlier float32-scale quant.py: amax / 448 computed in bfloat16 (up to a few 2^-9 off the
+    float32 quotient), no floor, stored as float32."""
+
+    name = "bf16-scale-writer"
+
+    def scales(self, tiles):
+        return tiles.abs().amax(-1).to(torch.bfloat16) / torch.tensor(448.0, dtype=torch.bfloat16)
