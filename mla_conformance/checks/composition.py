@@ -13,7 +13,8 @@ in the model dtype; some row with no context, one whose context ends in the firs
 2. the new tokens are one ``prefill(causal=True)`` over their own keys (bottom-right: query i sees the new keys
    <= i);
 3. the parts are merged pairwise with ``merge`` (the suite converts each lse from prefill_lse_base to
-   merge_lse_base, as the engine's glue must): chunk 0 with chunk 1, that with chunk 2, ..., then the new tokens.
+   merge_lse_base, and an empty side's infinity to the one merge_empty_input takes, as the engine's glue must):
+   chunk 0 with chunk 1, that with chunk 2, ..., then the new tokens.
 
 Every step is checked against its float64 oracle (the attention of the new tokens' queries over the keys
 covered so far, from the very K / V the op was handed), so a failure names the step. The bound of a merged
@@ -297,8 +298,8 @@ def _merge_step(op, spec, acc, part, p, what, figures):
     to_base = (lambda x: x / math.log(2.0)) if base == "2" else (lambda x: x)
     (a_out, a_lse), (b_out, b_lse) = acc, part
     case = spec.merge_case(base, bool((torch.isinf(a_lse) & torch.isinf(b_lse)).any()))
-    bufs = om.buffers(spec.device, out_a=a_out, lse_a=to_base(a_lse).to(torch.float32), out_b=b_out,
-                      lse_b=to_base(b_lse).to(torch.float32))
+    bufs = om.buffers(spec.device, out_a=a_out, lse_a=mc.marked(op, to_base(a_lse).to(torch.float32)), out_b=b_out,
+                      lse_b=mc.marked(op, to_base(b_lse).to(torch.float32)))
     out, lse = mc.run(op, case, what, bufs, case.tokens, spec.heads, V_DIM)
     ref_out, ref_lse, mags = merged_oracle(spec, p)
     bounds = _composed_bounds(spec, p, mags, ref_lse, out.dtype)

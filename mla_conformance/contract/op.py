@@ -251,14 +251,17 @@ DECLARATIONS: dict[str, Any] = {
     "prefill_head_dims": ((PREFILL_D_QK, PREFILL_D_V),),
     "prefill_lse_base": "e",
     "prefill_empty_row": "+inf",
+    "prefill_returns_lse": True,
     # sparse_prefill: (d_qk, d_v) pairs (576 / 512 V3.2, 512 / 512 MODEL1), lse base, topk_length, attn_sink
     "sparse_prefill_head_dims": ((D_QK, D_V),),
     "sparse_prefill_lse_base": "e",
     "sparse_prefill_topk_length": False,
     "sparse_prefill_attn_sink": False,
-    # merge: the base of the lse it takes and returns; the lse it returns when both sides are empty
+    # merge: the base of the lse it takes and returns; the lse it returns when both sides are empty; the infinity
+    # that marks an empty side among its inputs
     "merge_lse_base": "e",
     "merge_empty_row": "+inf",
+    "merge_empty_input": "either",
     # write: the formats it writes, the FP8 tile-scale convention it writes, the page sizes it writes into
     "write_kv_formats": ("latent",),
     "write_fp8_scale_format": "pow2",
@@ -272,10 +275,10 @@ METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
                "attn_sink",
                "page_block_sizes", "kv_formats", "fp8_scale_format", "deterministic", "batch_invariant",
                "head_dims"),
-    "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row"),
+    "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row", "prefill_returns_lse"),
     "sparse_prefill": ("sparse_prefill_head_dims", "sparse_prefill_lse_base", "sparse_prefill_topk_length",
                        "sparse_prefill_attn_sink"),
-    "merge": ("merge_lse_base", "merge_empty_row"),
+    "merge": ("merge_lse_base", "merge_empty_row", "merge_empty_input"),
     "write": ("write_kv_formats", "write_fp8_scale_format", "write_page_block_sizes"),
 }
 
@@ -290,11 +293,13 @@ _ALLOWED = {
     "attn_sink": (True, False),
     "prefill_lse_base": ("e", "2"),
     "prefill_empty_row": ("+inf", "-inf"),
+    "prefill_returns_lse": (True, False),
     "sparse_prefill_lse_base": ("e", "2"),
     "sparse_prefill_topk_length": (True, False),
     "sparse_prefill_attn_sink": (True, False),
     "merge_lse_base": ("e", "2"),
     "merge_empty_row": ("+inf", "-inf"),
+    "merge_empty_input": ("either", "+inf", "-inf"),
     "write_fp8_scale_format": ("pow2", "fp32"),
 }
 _HEAD_DIMS = ("head_dims", "prefill_head_dims", "sparse_prefill_head_dims")

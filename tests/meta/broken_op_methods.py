@@ -179,8 +179,8 @@ class MergeBothEmptyNaN(ReferenceOp):
 
 
 class MergePlusInfAsValue(ReferenceOp):
-    """Treats only -inf as an empty side: an lse of +inf (FA2's empty marker) is taken as a value, max = +inf,
-    weights exp(inf - inf) = NaN."""
+    """Treats only -inf as an empty side (FlashInfer's merge_state) and does not declare merge_empty_input =
+    "-inf": an lse of +inf (FA2's empty marker) is taken as a value, max = +inf, weights exp(inf - inf) = NaN."""
 
     name = "broken-merge-plus-inf-as-value"
 

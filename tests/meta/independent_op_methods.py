@@ -295,3 +295,27 @@ class Bf16ScaleWriter(_Fp32ScaleWriter):
 
     def scales(self, tiles):
         return tiles.abs().amax(-1).to(torch.bfloat16) / torch.tensor(448.0, dtype=torch.bfloat16)
+
+
+class MinusInfMergeOp:
+    """Only merge, as FlashInfer's merge_state computes it: lse in base 2, s_max = max(s_a, s_b), weights
+    exp2(s - s_max): an empty side is -inf (exp2(-inf) = 0), and a +inf side would make every weight NaN, so it
+    declares merge_empty_input = "-inf"; two empty sides guarded: out 0, lse -inf (declared)."""
+
+    name = "minus-inf-merge-op"
+    merge_lse_base = "2"
+    merge_empty_row = "-inf"
+    merge_empty_input = "-inf"
+
+    def unsupported_reason(self, case):
+        return None
+
+    def merge(self, out_a, lse_a, out_b, lse_b):
+        la, lb = lse_a.float(), lse_b.float()
+        top = torch.maximum(la, lb)
+        none = torch.isneginf(top)
+        top = torch.where(none, 0.0, top)
+        wa, wb = torch.exp2(la - top), torch.exp2(lb - top)
+        total = torch.where(none, 1.0, wa + wb)
+        out = (out_a.float() * wa[..., None] + out_b.float() * wb[..., None]) / total[..., None]
+        return out.to(out_a.dtype), torch.where(none, -math.inf, top + torch.log2(total))

@@ -57,7 +57,7 @@ BROKEN_OPS = {
                              ["test_op_merge.py::test_merge_both_empty[]",
                               "test_op_composition.py::test_chunked_prefill_composition[]"], "has no keys"),
     "merge-plus-inf-as-value": (f"{BROKEN}:MergePlusInfAsValue", "broken-merge-plus-inf-as-value",
-                                ["test_op_merge.py::test_merge_empty_sides[]"], "+inf (empty)"),
+                                ["test_op_merge.py::test_merge_empty_sides[]"], "declare merge_empty_input = '-inf'"),
     "merge-base2-as-e": (f"{BROKEN}:MergeBase2AsE", "broken-merge-base2-as-e",
                          ["test_op_merge.py::test_merge_vs_oracle[-float32]",
                           "test_op_merge.py::test_merge_vs_oracle[-bfloat16]",
@@ -98,10 +98,11 @@ CORRECT_OPS = {
     "frozen": (f"{FROZEN}:FrozenBaseOp", "frozen-base-op"),
     "no-floor-fp32-writer": (f"{INDEPENDENT}:NoFloorFp32Writer", "no-floor-fp32-writer"),
     "bf16-scale-writer": (f"{INDEPENDENT}:Bf16ScaleWriter", "bf16-scale-writer"),
+    "minus-inf-merge": (f"{INDEPENDENT}:MinusInfMergeOp", "minus-inf-merge-op"),
 }
 #: correct ops of one method, written from the published code of another convention than reference-op's: they pass
 #: every test of their method's suite (or skip it with a declaration's sentence) and skip every other by name
-ONE_METHOD_OPS = {"no-floor-fp32-writer": "write", "bf16-scale-writer": "write"}
+ONE_METHOD_OPS = {"no-floor-fp32-writer": "write", "bf16-scale-writer": "write", "minus-inf-merge": "merge"}
 #: the method each suite's tests need first (the one an op without it is told it lacks)
 SUITE_METHOD = {"test_op_prefill.py": "prefill", "test_op_sparse_prefill.py": "sparse_prefill",
                 "test_op_merge.py": "merge", "test_op_write.py": "write", "test_op_composition.py": "prefill"}
@@ -188,7 +189,8 @@ def test_an_op_with_only_merge_is_an_op(run):
             continue
         method = SUITE_METHOD[t["nodeid"].split("::")[0].removeprefix("suites/")]
         assert t["outcome"] == "skipped" and t["reason"].startswith(f"op merge-only-op has no {method} method"), t
-    assert run["op_declarations"]["merge-only-op"] == {"merge_lse_base": "e", "merge_empty_row": "+inf"}
+    assert run["op_declarations"]["merge-only-op"] == {"merge_lse_base": "e", "merge_empty_row": "+inf",
+                                                       "merge_empty_input": "either"}
 
 
 def test_bounds_are_not_loose_for_the_kernel_style_op(run):
