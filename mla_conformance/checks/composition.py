@@ -36,6 +36,7 @@ import torch
 from mla_conformance.checks import merge as mc
 from mla_conformance.checks import op as oc
 from mla_conformance.checks import op_methods as om
+from mla_conformance.checks import prefill as pc
 from mla_conformance.checks.prefill import cu_seqlens
 from mla_conformance.checks.tolerances import unit_roundoff
 from mla_conformance.contract.op import MethodCase, declared, has_method
@@ -239,6 +240,7 @@ def run_composition(op, spec: CompositionSpec, *, figures: dict):
     """Steps 0-3 of the module docstring, each checked as it is taken; returns the final (out, lse natural)."""
     __tracebackhide__ = True
     om.require_method(op, "prefill", "merge")
+    pc.require_lse(op, "the composition (chunked prefill's partials merged by their lse)")
     merge_base = declared(op, "merge_lse_base")
     for case in (spec.prefill_case(False, [0]), spec.prefill_case(True, spec.new), spec.merge_case(merge_base, True)):
         om.require(op, case)
@@ -281,9 +283,7 @@ def _prefill_part(op, spec, case, what, k, v, cu_q, cu_k, causal, oracle):
     bufs = om.buffers(spec.device, q=inp.q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     result = om.call(op, "prefill", case, what, bufs, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
                      softmax_scale=spec.softmax_scale, causal=causal)
-    out, lse = om.tuple_out(op, case, what, "prefill", result, 2, "out, lse")
-    om.tensor_out(op, case, what, "prefill", "out", out, (case.tokens, spec.heads, V_DIM))
-    om.tensor_out(op, case, what, "prefill", "lse", lse, (case.tokens, spec.heads), torch.float32)
+    out, lse = pc.outputs(op, case, what, result)
     empty = math.inf if declared(op, "prefill_empty_row") == "+inf" else -math.inf
     om.compare_attention(op, case, out, lse, oracle, check=what, figures={}, base=declared(op, "prefill_lse_base"),
                          base_key="prefill_lse_base", empty_lse=empty, empty_key="prefill_empty_row",

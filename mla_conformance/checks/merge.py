@@ -36,6 +36,13 @@ ONE_SIDED = (("+inf", None), (None, "-inf"), ("-inf", None), (None, "+inf"))
 BOTH_EMPTY = (("+inf", "+inf"), ("-inf", "-inf"), ("+inf", "-inf"), ("-inf", "+inf"))
 
 
+#: Why merge's out is in out_a's dtype, unlike decode's (any floating dtype): the merged partial takes the partials'
+#: place in the caller's buffer -- vLLM's merge_attn_states writes into an output of the partials' dtype, FlashInfer's
+#: merge_state returns v_a's.
+OUT_DTYPE_RULE = ("a merge returns out in out_a's dtype: the merged partial takes the partials' place in the "
+                  "caller's buffer, as vLLM's merge_attn_states and FlashInfer's merge_state return it")
+
+
 @dataclasses.dataclass(frozen=True)
 class MergeSpec:
     tokens: int = 8
@@ -134,7 +141,8 @@ def run(op, case, check: str, bufs: dict, tokens: int, heads: int, d: int):
     __tracebackhide__ = True
     result = om.call(op, METHOD, case, check, bufs, ("out_a", "lse_a", "out_b", "lse_b"))
     out, lse = om.tuple_out(op, case, check, METHOD, result, 2, "out, lse")
-    om.tensor_out(op, case, check, METHOD, "out", out, (tokens, heads, d))
+    om.tensor_out(op, case, check, METHOD, "out", out, (tokens, heads, d), bufs["out_a"].view.dtype,
+                  why_dtype=OUT_DTYPE_RULE)
     om.tensor_out(op, case, check, METHOD, "lse", lse, (tokens, heads), torch.float32)
     return out, lse
 

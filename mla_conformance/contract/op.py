@@ -218,6 +218,76 @@ SIGNATURES: dict[str, str] = {
     "write": "write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format) -> None",
 }
 
+#: Each method's tensors, its inputs then what it returns: (name, shape, what it holds) -- docs/op-contract.md's
+#: tables (``mla-conformance docs``) and the layouts a shape error of an op's result names.
+TENSORS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "decode": (
+        ("q", "[B, s_q, h_q, 576]", "q's dtype: the absorbed nope part (512, already x W_UK), then the rotated rope "
+                                    "part (64); may be non-contiguous"),
+        ("kv_cache", "[num_blocks, page_block_size, 1, 576]",
+         "q's dtype (`latent`: the normed latent c, then the rotated k_pe); uint8 [..., 656] (`fp8-e4m3-flashmla`: "
+         "512 e4m3, 4 float32 tile scales, 64 bfloat16 rope); uint8 [..., 584] (`fp8-e4m3-model1`)"),
+        ("block_table", "[B, max_blocks]", "int32: row b's j-th page is kv_cache[block_table[b, j]]; entries past a "
+                                           "row's pages may hold anything"),
+        ("cache_seqlens", "[B]", "int32: keys per row, 0 allowed"),
+        ("indices", "[B, s_q, topk]", "int32 (`sparse_decode`): into the flattened cache, block * page_block_size + "
+                                      "offset; -1 (and, under `invalid_index = \"out-of-range\"`, any entry outside "
+                                      "the cache) invalid"),
+        ("topk_length", "[B]", "int32 or None (`sparse_decode`): only the first topk_length[b] entries count"),
+        ("attn_sink", "[h_q]", "float32 or None (`attn_sink`)"),
+        ("out", "[B, s_q, h_q, 512]", "any floating dtype (compared in float64; half a step of its own dtype "
+                                      "allowed); a query with no keys: 0"),
+        ("lse", "[B, h_q, s_q]", "float32, heads first, in `lse_base`; a query with no keys: `empty_row` (+inf); "
+                                 "None under `returns_lse = False`"),
+    ),
+    "prefill": (
+        ("q", "[total_q, h_q, d_qk]", "the model dtype; may be a strided view"),
+        ("k", "[total_k, h_k, d_qk]", "q's dtype; h_q % h_k == 0, query head h reads kv head h // (h_q / h_k); may be "
+                                      "a strided view"),
+        ("v", "[total_k, h_k, d_v]", "q's dtype; may be a slice of a buffer padded to d_qk"),
+        ("cu_seqlens_q", "[B + 1]", "int32: row b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]"),
+        ("cu_seqlens_k", "[B + 1]", "int32: row b's keys are k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]] (0 allowed)"),
+        ("out", "[total_q, h_q, d_v]", "any floating dtype; a query with no keys: 0"),
+        ("lse", "[total_q, h_q]", "float32, tokens first (not decode's [B, h_q, s_q]), in `prefill_lse_base`; a "
+                                  "query with no keys: `prefill_empty_row`; None under `prefill_returns_lse = False`"),
+    ),
+    "sparse_prefill": (
+        ("q", "[s_q, h_q, d_qk]", "the model dtype"),
+        ("kv", "[s_kv, h_kv, d_qk]", "q's dtype; the value is kv[..., :d_v]"),
+        ("indices", "[s_q, h_kv, topk]", "int32 into kv's s_kv; an entry < 0 or >= s_kv is invalid"),
+        ("topk_length", "[s_q]", "int32 or None (`sparse_prefill_topk_length`)"),
+        ("attn_sink", "[h_q]", "float32 or None (`sparse_prefill_attn_sink`)"),
+        ("out", "[s_q, h_q, d_v]", "any floating dtype; a row with no valid index: 0"),
+        ("max_logits", "[s_q, h_q]", "float32: the largest scaled logit (natural units); no valid index: -inf"),
+        ("lse", "[s_q, h_q]", "float32, tokens first, in `sparse_prefill_lse_base`; no valid index: +inf"),
+    ),
+    "merge": (
+        ("out_a", "[T, h, d]", "any floating dtype, possibly strided; an empty side's out is 0"),
+        ("lse_a", "[T, h]", "float32, tokens first (possibly a view of [h, T] storage, as vLLM keeps it), in "
+                            "`merge_lse_base`; +inf or -inf marks an empty side (those `merge_empty_input` takes)"),
+        ("out_b", "[T, h, d]", "out_a's dtype"),
+        ("lse_b", "[T, h]", "as lse_a"),
+        ("out", "[T, h, d]", "out_a's dtype: (w_a out_a + w_b out_b) / (w_a + w_b), w = exp(lse - max); both "
+                             "sides empty: 0"),
+        ("lse", "[T, h]", "float32, in `merge_lse_base`: the log of the summed weights; both sides empty: "
+                          "`merge_empty_row` (the output's marker only)"),
+    ),
+    "write": (
+        ("kv_c", "[T, 512]", "the model dtype (`fp8-e4m3-model1`: [T, 448]); may be a view of the projection output"),
+        ("k_pe", "[T, 64]", "the model dtype: the rotated rope key"),
+        ("kv_cache", "as decode reads `kv_format`", "written in place: the slots slot_mapping names, nothing else"),
+        ("slot_mapping", "[T]", "int64: token t goes to slot block * page_block_size + offset (block = slot // "
+                                "page_block_size); a negative slot writes nothing; a slot twice in one call is the "
+                                "caller's error"),
+    ),
+}
+
+
+def layout_of(method: str, name: str) -> str:
+    """The shape of ``method``'s tensor ``name`` as :data:`TENSORS` writes it ("[T, h]"), or ''."""
+    return next((shape for n, shape, _ in TENSORS.get(method, ()) if n == name), "")
+
+
 #: The head dims of the op contract: q and the latent key are 576 = 512 (kv_lora, also the value) + 64 (rope).
 D_QK = 576
 D_V = 512
@@ -453,5 +523,5 @@ def declarations(op) -> dict[str, Any]:
 
 
 __all__ = ["OpCase", "MethodCase", "BUILTIN_OPS", "DEFAULT_OPS", "DECLARATIONS", "METHOD_DECLARATIONS", "METHODS",
-           "SIGNATURES", "KV_FORMATS", "WRITE_KV_FORMATS", "declared", "declarations", "has_method", "methods_of",
+           "SIGNATURES", "TENSORS", "layout_of", "KV_FORMATS", "WRITE_KV_FORMATS", "declared", "declarations", "has_method", "methods_of",
            "takes_head_dims", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES", "PREFILL_D_QK", "PREFILL_D_V"]

@@ -59,6 +59,17 @@ class NaturalLseDeclaredBase2Prefill(ReferenceOp):
     prefill_lse_base = "2"
 
 
+class NoLseNanForEmptyPrefill(NanForEmptyPrefill):
+    """Declares prefill_returns_lse = False (vLLM's context_attention_fwd) and leaves a query with no keys NaN:
+    without an lse, every out check still runs."""
+
+    name = "broken-prefill-no-lse-nan-empty"
+    prefill_returns_lse = False
+
+    def prefill(self, *args, **kwargs):
+        return super().prefill(*args, **kwargs)[0], None
+
+
 class AlwaysCausalPrefill(ReferenceOp):
     """Applies the causal mask whatever ``causal`` says (a kernel instantiated for causal only): the context
     chunks of chunked prefill lose their later keys."""
@@ -356,3 +367,36 @@ class ScaleMismatchWriter(_Fp32Writer):
     def rows(self, x, scale):
         s = torch.clamp_min(scale, 1e-4)
         return x / torch.pow(2.0, torch.log2(s).ceil())[..., None], s
+
+
+# --------------------------------------------------------------------------- contract violations (errors)
+
+
+class NoLsePrefillUndeclared(ReferenceOp):
+    """Returns (out, None) from prefill without declaring prefill_returns_lse = False: an error naming it."""
+
+    name = "broken-prefill-no-lse-undeclared"
+
+    def prefill(self, *args, **kwargs):
+        return super().prefill(*args, **kwargs)[0], None
+
+
+class PrefillLseHeadsFirst(ReferenceOp):
+    """Returns prefill's lse heads first, [h_q, total_q] (decode's layout guessed for prefill): an error naming
+    both layouts."""
+
+    name = "broken-prefill-lse-heads-first"
+
+    def prefill(self, *args, **kwargs):
+        out, lse = super().prefill(*args, **kwargs)
+        return out, lse.T.contiguous()
+
+
+class MergeOutFloat32(ReferenceOp):
+    """Returns merge's out in float32 whatever out_a's dtype (the accumulator not cast back): an error."""
+
+    name = "broken-merge-out-float32"
+
+    def merge(self, out_a, lse_a, out_b, lse_b):
+        out, lse = super().merge(out_a, lse_a, out_b, lse_b)
+        return out.float(), lse

@@ -319,3 +319,19 @@ class MinusInfMergeOp:
         total = torch.where(none, 1.0, wa + wb)
         out = (out_a.float() * wa[..., None] + out_b.float() * wb[..., None]) / total[..., None]
         return out.to(out_a.dtype), torch.where(none, -math.inf, top + torch.log2(total))
+
+
+class NoLsePrefillOp(MergeOnlyOp):
+    """vLLM's and SGLang's Triton prefill (``context_attention_fwd``) as they compute it: no lse written (declared
+    prefill_returns_lse = False; it returns (out, None)), an online softmax over key blocks in float32, P rounded to
+    q's dtype before P.V, bottom-right causal; and MergeOnlyOp's merge, so the composition asks for the lse by
+    name."""
+
+    name = "no-lse-prefill-op"
+    prefill_returns_lse = False
+    prefill_head_dims = ((192, 128), (256, 256), (576, 512))
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
+        out, _ = IndependentMethodsOp.prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale,
+                                              causal=causal)
+        return out, None
