@@ -50,8 +50,8 @@ Inputs (the op must not write them):
   output is scaled by exp(lse) / (exp(lse) + exp(attn_sink[h])) (+inf gives 0, -inf changes nothing); lse
   itself is not changed.
 
-Outputs: ``out`` [B, s_q, h_q, 512] (any floating dtype; the suite compares in float64; its rounding is
-allowed half a step *of that dtype*) and ``lse`` float32 [B, h_q, s_q], the log-sum-exp of the scaled
+Outputs: ``out`` [B, s_q, h_q, 512] (any floating dtype -- prefill's and sparse prefill's too, merge's is
+out_a's; the suite compares in float64; its rounding is allowed half a step *of that dtype*) and ``lse`` float32 [B, h_q, s_q], the log-sum-exp of the scaled
 logits over the keys the query attends, in the op's declared base. An lse in any other dtype is an error,
 not a verdict: lse is what split-KV partials are merged by (weights exp(lse_i - lse)), and bfloat16 keeps 8
 significant bits, so an lse of 10 is off by up to 0.03 and a merged partial by 3%. An op that returns no
@@ -126,8 +126,10 @@ in "MHA mode" (the latent up-projected to per-head K / V), as FlashAttention's `
   q[cu_q[b]:cu_q[b + 1]], its keys k[cu_k[b]:cu_k[b + 1]] (0 keys allowed);
 * ``causal`` aligns bottom-right: query i of a row of m queries and n keys sees keys j <= n - m + i (so a row
   with q_len > kv_len has first queries with no key);
-* ``out`` [total_q, h_q, d_v] in q's dtype; ``lse`` float32 [total_q, h_q] in ``prefill_lse_base``; a query
-  with no keys: out 0 and lse ``prefill_empty_row`` (default "+inf").
+* ``out`` [total_q, h_q, d_v] (any floating dtype, as decode's); ``lse`` float32 [total_q, h_q] (tokens first,
+  unlike decode's [B, h_q, s_q]) in ``prefill_lse_base``; a query with no keys: out 0 and lse
+  ``prefill_empty_row`` (default "+inf"). A prefill that writes no lse (vLLM's and SGLang's Triton
+  ``context_attention_fwd``) declares ``prefill_returns_lse = False`` and returns ``(out, None)``.
 
 ``sparse_prefill(q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn_sink=None)
 -> (out, max_logits, lse)`` -- FlashMLA's ``flash_mla_sparse_fwd`` as its tests/ref.py defines it:
@@ -138,7 +140,7 @@ in "MHA mode" (the latent up-projected to per-head K / V), as FlashAttention's `
   declares ``sparse_prefill_topk_length = True``): only the first topk_length[s] entries count; ``attn_sink``
   float32 [h_q] (where it declares ``sparse_prefill_attn_sink = True``): out scaled by
   exp(lse) / (exp(lse) + exp(sink)), lse unchanged;
-* ``out`` [s_q, h_q, d_v] in q's dtype, ``max_logits`` and ``lse`` float32 [s_q, h_q] (lse in
+* ``out`` [s_q, h_q, d_v] (any floating dtype), ``max_logits`` and ``lse`` float32 [s_q, h_q] (lse in
   ``sparse_prefill_lse_base``, max_logits the largest scaled logit, natural units); a row with no valid index:
   out 0, max_logits -inf, lse +inf.
 
@@ -147,9 +149,13 @@ same queries merged by their log-sum-exp (vLLM's ``merge_attn_states``, FlashInf
 
 * ``out_*`` [T, h, d] (any floating dtype, possibly strided), ``lse_*`` float32 [T, h] in ``merge_lse_base``
   (possibly strided: vLLM keeps lse as [h, T]); an lse of +inf or of -inf marks an empty side (FA2 returns
-  +inf, FA3 -inf: a merge treats them alike; the empty side's out is 0);
-* ``out`` = (w_a out_a + w_b out_b) / (w_a + w_b) with w = exp(lse - max), in out_a's dtype; ``lse`` float32
-  [T, h] the log of the summed weights in ``merge_lse_base``; both sides empty: out 0, lse ``merge_empty_row``.
+  +inf, FA3 -inf; the empty side's out is 0): a merge treats them alike unless it declares the one it takes
+  (``merge_empty_input``: FlashInfer's merge_state takes -inf, a +inf side gives NaN there), and is then handed
+  only that one;
+* ``out`` = (w_a out_a + w_b out_b) / (w_a + w_b) with w = exp(lse - max), in out_a's dtype (enforced: it takes
+  the partials' place in the caller's buffer); ``lse`` float32 [T, h] the log of the summed weights in
+  ``merge_lse_base``; both sides empty: out 0, lse ``merge_empty_row`` (what the merge *returns*; its inputs'
+  marker is ``merge_empty_input``).
 
 ``write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format) -> None`` -- the cache writer (vLLM's
 ``concat_and_cache_mla``, FlashInfer's ``append_paged_mla_kv_cache``):
@@ -172,11 +178,15 @@ The methods' declarations (an op without the method never has them read; none is
 
 * ``prefill_head_dims``: (d_qk, d_v) pairs, ``((192, 128),)`` by default, or ``"any"``; ``prefill_lse_base``:
   ``"e"`` (default) or ``"2"``; ``prefill_empty_row``: ``"+inf"`` (default, FA2) or ``"-inf"`` (FA3);
+  ``prefill_returns_lse``: ``True`` (default) or ``False``: it returns ``(out, None)``; every out check runs, the lse
+  checks do not, and the composition (chunks merged by their lse) skips naming it;
 * ``sparse_prefill_head_dims``: ``((576, 512),)`` by default (add ``(512, 512)`` for MODEL1);
   ``sparse_prefill_lse_base``; ``sparse_prefill_topk_length`` and ``sparse_prefill_attn_sink``: ``False``
   (default) or ``True``;
 * ``merge_lse_base``: the base of the lse merge takes and returns (``"e"`` default, ``"2"``: FlashInfer's
-  ``merge_state``); ``merge_empty_row``: the lse of two empty sides, ``"+inf"`` (default) or ``"-inf"``;
+  ``merge_state``); ``merge_empty_row``: the lse it returns for two empty sides, ``"+inf"`` (default) or
+  ``"-inf"``; ``merge_empty_input``: the infinity that marks an empty side among its inputs, ``"either"``
+  (default: both are handed), ``"+inf"`` or ``"-inf"`` (FlashInfer's);
 * ``write_kv_formats``: ``("latent",)`` by default, any of :data:`WRITE_KV_FORMATS`;
   ``write_fp8_scale_format``: ``"pow2"`` (default) or ``"fp32"``, as decode's ``fp8_scale_format``;
   ``write_page_block_sizes``: ``(64,)`` by default.
