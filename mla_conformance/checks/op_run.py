@@ -84,11 +84,11 @@ def permuted(method: str, what: str, layout: str, got: tuple, want: tuple) -> st
 
 def raised(op, case, check: str, method: str, exc: BaseException, shapes: dict | None = None) -> BackendError:
     """The one-line BackendError of an op's ``method`` that raised ``exc``: the exception, where in the op's code
-    (its deepest frame outside torch and this package) and, for a size or shape mismatch, the layout and shape of
+    (its deepest frame outside torch and the suite's checks) and, for a size or shape mismatch, the layout and shape of
     each tensor it was handed (``shapes``: name -> tensor). The caller raises it ``from None``: pytest then prints
     no frame of the op with its tensor arguments dumped (``exc`` stays the error's __context__)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename and "/mla_conformance/" not in f.filename]
+              if "/torch/" not in f.filename and "/mla_conformance/checks/" not in f.filename]
     at = (f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}: "
           f"{(frames[-1].line or '').strip()})" if frames else "")
     text = str(exc).splitlines()[0] if str(exc) else ""

@@ -228,15 +228,30 @@ SIGNATURES: dict[str, str] = {
     "write": "write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format) -> None",
 }
 
+#: The head dims of the op contract: q and the latent key are 576 = 512 (kv_lora, also the value) + 64 (rope).
+D_QK = 576
+D_V = 512
+D_ROPE = 64
+FP8_ROW_BYTES = 656
+
+#: What ``decode`` reads and ``write`` writes; "fp8-e4m3-model1" is FlashMLA's MODEL1 layout (584 B/token,
+#: mla_conformance.kv.model1), read by sparse decode only.
+KV_FORMATS = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
+WRITE_KV_FORMATS = KV_FORMATS
+#: DeepSeek-V3's prefill head dims in "MHA mode": q / k 128 nope + 64 rope, v 128.
+PREFILL_D_QK = 192
+PREFILL_D_V = 128
+
 #: Each method's tensors, its inputs then what it returns: (name, shape, what it holds) -- docs/op-contract.md's
 #: tables (``mla-conformance docs``) and the layouts a shape error of an op's result names.
 TENSORS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "decode": (
-        ("q", "[B, s_q, h_q, 576]", "q's dtype: the absorbed nope part (512, already x W_UK), then the rotated rope "
-                                    "part (64); may be non-contiguous"),
-        ("kv_cache", "[num_blocks, page_block_size, 1, 576]",
-         "q's dtype (`latent`: the normed latent c, then the rotated k_pe); uint8 [..., 656] (`fp8-e4m3-flashmla`: "
-         "512 e4m3, 4 float32 tile scales, 64 bfloat16 rope); uint8 [..., 584] (`fp8-e4m3-model1`)"),
+        ("q", f"[B, s_q, h_q, {D_QK}]", f"q's dtype: the absorbed nope part ({D_V}, already x W_UK), then the rotated "
+                                        f"rope part ({D_ROPE}); may be non-contiguous"),
+        ("kv_cache", f"[num_blocks, page_block_size, 1, {D_QK}]",
+         f"q's dtype (`latent`: the normed latent c, then the rotated k_pe); uint8 [..., {FP8_ROW_BYTES}] "
+         f"(`fp8-e4m3-flashmla`: {D_V} e4m3, 4 float32 tile scales, {D_ROPE} bfloat16 rope); uint8 [..., 584] "
+         "(`fp8-e4m3-model1`)"),
         ("block_table", "[B, max_blocks]", "int32: row b's j-th page is kv_cache[block_table[b, j]]; entries past a "
                                            "row's pages may hold anything"),
         ("cache_seqlens", "[B]", "int32: keys per row, 0 allowed"),
@@ -245,7 +260,7 @@ TENSORS: dict[str, tuple[tuple[str, str, str], ...]] = {
                                       "the cache) invalid"),
         ("topk_length", "[B]", "int32 or None (`sparse_decode`): only the first topk_length[b] entries count"),
         ("attn_sink", "[h_q]", "float32 or None (`attn_sink`)"),
-        ("out", "[B, s_q, h_q, 512]", "any floating dtype (compared in float64; half a step of its own dtype "
+        ("out", f"[B, s_q, h_q, {D_V}]", "any floating dtype (compared in float64; half a step of its own dtype "
                                       "allowed); a query with no keys: 0"),
         ("lse", "[B, h_q, s_q]", "float32, heads first, in `lse_base`; a query with no keys: `empty_row` (+inf); "
                                  "None under `returns_lse = False`"),
@@ -283,8 +298,8 @@ TENSORS: dict[str, tuple[tuple[str, str, str], ...]] = {
                           "`merge_empty_row` (the output's marker only)"),
     ),
     "write": (
-        ("kv_c", "[T, 512]", "the model dtype (`fp8-e4m3-model1`: [T, 448]); may be a view of the projection output"),
-        ("k_pe", "[T, 64]", "the model dtype: the rotated rope key"),
+        ("kv_c", f"[T, {D_V}]", "the model dtype (`fp8-e4m3-model1`: [T, 448]); may be a view of the projection output"),
+        ("k_pe", f"[T, {D_ROPE}]", "the model dtype: the rotated rope key"),
         ("kv_cache", "as decode reads `kv_format`", "written in place: the slots slot_mapping names, nothing else"),
         ("slot_mapping", "[T]", "int64: token t goes to slot block * page_block_size + offset (block = slot // "
                                 "page_block_size); a negative slot writes nothing; a slot twice in one call is the "
@@ -297,20 +312,6 @@ def layout_of(method: str, name: str) -> str:
     """The shape of ``method``'s tensor ``name`` as :data:`TENSORS` writes it ("[T, h]"), or ''."""
     return next((shape for n, shape, _ in TENSORS.get(method, ()) if n == name), "")
 
-
-#: The head dims of the op contract: q and the latent key are 576 = 512 (kv_lora, also the value) + 64 (rope).
-D_QK = 576
-D_V = 512
-D_ROPE = 64
-FP8_ROW_BYTES = 656
-
-#: What ``decode`` reads and ``write`` writes; "fp8-e4m3-model1" is FlashMLA's MODEL1 layout (584 B/token,
-#: mla_conformance.kv.model1), read by sparse decode only.
-KV_FORMATS = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
-WRITE_KV_FORMATS = KV_FORMATS
-#: DeepSeek-V3's prefill head dims in "MHA mode": q / k 128 nope + 64 rope, v 128.
-PREFILL_D_QK = 192
-PREFILL_D_V = 128
 
 #: Optional declarations and their defaults.
 DECLARATIONS: dict[str, Any] = {
