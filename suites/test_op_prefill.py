@@ -1,6 +1,6 @@
 """Op contract, optional ``prefill`` (varlen attention in "MHA mode": the latent up-projected to per-head K / V):
 out and lse against the float64 oracle over varlen rows -- rows without keys, q_len > kv_len and q shorter than
-k under bottom-right causal alignment, h_k = h_q and h_k = 1, non-power-of-two heads, strided q / k / v, other
+k under bottom-right causal alignment, zero-length padding sequences (trailing, interleaved), h_k = h_q and h_k = 1, non-power-of-two heads, strided q / k / v, other
 head dims where declared. Every test runs once per op (--mla-op) that has ``prefill``; see
 mla_conformance.checks.prefill."""
 
@@ -64,3 +64,19 @@ def test_prefill_head_dims(mla_op, d_qk, d_v, mla_device, mla_figures):
     (models whose v is as wide as q / k) and 576 / 512 (prefill over the absorbed latent)."""
     spec = pc.PrefillSpec(((4, 4), (2, 9)), h_q=4, h_k=1, d_qk=d_qk, d_v=d_v, causal=True, seed=6, device=mla_device)
     pc.check_against_oracle(mla_op, spec, check=f"prefill head dims {d_qk} / {d_v}", figures=mla_figures)
+
+
+#: the rows of test_prefill_varlen's kinds with zero-length padding sequences (0 queries, 0 keys: cu_seqlens_q and
+#: cu_seqlens_k repeating a value, as engines pad a batch to a captured size) at the end, or between the rows too
+PADDED = {"trailing": ((5, 5), (3, 12), (6, 4), (0, 0), (0, 0), (0, 0)),
+          "interleaved": ((5, 5), (0, 0), (3, 12), (0, 0), (6, 4), (0, 0))}
+
+
+@pytest.mark.mla_section("op_prefill")
+@pytest.mark.parametrize("padding", list(PADDED))
+def test_prefill_padding_sequences(mla_op, padding, mla_device, mla_figures):
+    """Zero-length padding sequences at the end of cu_seqlens (and between the real ones): the real sequences' out
+    and lse as the float64 oracle has them, nothing written for a padding sequence."""
+    spec = pc.PrefillSpec(PADDED[padding], h_q=4, h_k=1, dtype="float32", causal=True, seed=7, device=mla_device)
+    pc.check_against_oracle(mla_op, spec, check=f"causal prefill with {padding} zero-length padding sequences",
+                            figures=mla_figures)

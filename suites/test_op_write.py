@@ -1,7 +1,9 @@
 """Op contract, optional ``write`` (the cache writer): every byte of a canary-filled cache checked after the call
 -- each written token holds exactly what the oracle encodes (bit for bit for the latent format; FP8 payload,
 tile scales and bfloat16 k_pe as FlashMLA's tests/quant.py writes them under the declared
-write_fp8_scale_format: bit for bit under pow2, by what a reader decodes under fp32), every other byte is untouched, -1 slots write nothing, k_pe is never scaled -- and the
+write_fp8_scale_format: bit for bit under pow2, by what a reader decodes under fp32), every other byte is
+untouched, padding tokens (slot -1, or the dummy slot 0 where declared) write nothing else, k_pe is never scaled --
+and the
 round trip: decode over what write wrote equals the oracle over the encoded values. Every test runs once per op
 (--mla-op) that has ``write``; see mla_conformance.checks.write."""
 
@@ -16,8 +18,10 @@ PAGES = (16, 64, 1)
 
 
 def spec_for(op, device, **kw):
-    """The first page size (16, 64, 1) the op accepts for this spec (an op without write skips naming it)."""
+    """The first page size (16, 64, 1) the op accepts for this spec (an op without write skips naming it); its
+    padding tokens marked by the op's declared write_padding_slot."""
     require_method(op, "write")
+    kw.setdefault("padding_slot", wc.padding_slot(op))
     specs = [wc.WriteSpec(page=p, scale_format=wc.scale_format(op), device=device, **kw) for p in PAGES]
     case = first_supported(op, [wc.build(s).case for s in specs])
     return specs[[wc.build(s).case for s in specs].index(case)]
@@ -35,9 +39,21 @@ def test_write_latent(mla_op, dtype, mla_device, mla_figures):
 @pytest.mark.mla_section("op_write")
 def test_write_padding_slots(mla_op, mla_device, mla_figures):
     """Eight slot_mapping entries of -1 (padding tokens, first, middle, last and between) write nothing: not slot
-    0, not the last slot."""
+    0, not the last slot (an op declaring write_padding_slot = "dummy-slot-0" is never handed a negative slot)."""
+    require_method(mla_op, "write")
+    wc.require_negative_slots(mla_op)
     spec = spec_for(mla_op, mla_device, padding_slots=8, seed=2)
     wc.check_write(mla_op, spec, check="write with -1 (padding) slots", figures=mla_figures)
+
+
+@pytest.mark.mla_section("op_write")
+def test_write_padded_batch(mla_op, mla_device, mla_figures):
+    """A batch padded up to a captured size: 2 padding tokens between the real ones and 8 trailing, each with slot
+    -1 (write_padding_slot "negative", vLLM's: they write nothing) or slot 0 ("dummy-slot-0", SGLang's: nothing
+    but slot 0 and the real tokens' slots changes)."""
+    spec = spec_for(mla_op, mla_device, padding_slots=10, padding_layout="batch", seed=8)
+    wc.check_write(mla_op, spec, check=f"write of a padded batch ({spec.padding_slot} padding slots)",
+                   figures=mla_figures)
 
 
 @pytest.mark.mla_section("op_write")

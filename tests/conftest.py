@@ -11,16 +11,26 @@ HERE = Path(__file__).resolve().parent
 
 #: the marker of the tool's own tests (the suite's markers are the plugin's: mla_conformance.pytest_plugin.MARKERS)
 META_MARKER = "meta: the suite testing itself (broken backends must be caught, independent correct backends must pass)"
+#: the Triton interpreter tier (tests/meta/test_triton_tier.py): minutes, so a tier of its own, run by .ci/run
+TRITON_MARKER = ("triton_interpret: the built-in triton op through the op suite under Triton's CPU interpreter; "
+                 "skipped unless selected with `-m triton_interpret`")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", META_MARKER)
+    config.addinivalue_line("markers", TRITON_MARKER)
 
 
 def pytest_collection_modifyitems(config, items):
     # The modules whose tests read a background job's result (``BACKGROUND``: tests/meta/background.py) run
     # last, so the jobs have had the whole session to finish on the other core instead of being waited for.
     items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "BACKGROUND", None)))
+    if "triton_interpret" not in (config.option.markexpr or ""):
+        tier = pytest.mark.skip(reason="the Triton interpreter tier (minutes): run it with `pytest -m triton_interpret` "
+                                       "after `pip install -e .[triton]`; .ci/run does")
+        for item in items:
+            if item.get_closest_marker("triton_interpret"):
+                item.add_marker(tier)
     given = [opt for opt in ("--mla-backend", "--mla-op") if config.getoption(opt)]
     if not given:
         return

@@ -568,7 +568,8 @@ def test_method_declarations():
     assert sp["sparse_prefill_topk_length"] and sp["sparse_prefill_attn_sink"]
     assert declarations(VLLMOp()) == {"merge_lse_base": "e", "merge_empty_row": "-inf", "merge_empty_input": "either",
                                       "write_kv_formats": ("latent", "fp8-e4m3-flashmla"),
-                                      "write_fp8_scale_format": "fp32", "write_page_block_sizes": (1, 16, 64)}
+                                      "write_fp8_scale_format": "fp32", "write_page_block_sizes": (1, 16, 64),
+                                      "write_padding_slot": "negative"}
     assert FlashInferOp().method_kernel_id("prefill", _device((9, 0), "H100")) == "flashinfer/fa3_prefill"
     assert FlashInferOp().method_kernel_id("prefill", _device((8, 9), "L40S")) == "flashinfer/fa2_prefill"
     assert FlashInferFA2Op().method_kernel_id("prefill", _device((9, 0), "H100")) == "flashinfer/fa2_prefill"

@@ -361,3 +361,22 @@ def test_flashinfer_glue_on_a_joining_row(monkeypatch):
         m = checks.error_metrics(out[b, :n], oracle[b, :n])
         assert m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel, (b, m)
     assert [c[0] for c in calls].count("merge_state") == 2 and ("prefill plan", "auto", 2, False) in calls
+
+
+def test_a_dummy_slot_writer_gets_no_padding_tokens_behind_op():
+    """An op declaring write_padding_slot = "dummy-slot-0" is never handed a negative slot by the wrapper (the layer's
+    paged cache reserves no dummy slot, so its padding tokens are left out): the idle-rows case through it passes."""
+    class DummySlot(ReferenceOp):
+        name = "dummy-slot-op"
+        write_padding_slot = "dummy-slot-0"
+        negative = 0
+
+        def write(self, kv_c, k_pe, kv_cache, slot_mapping, **kw):
+            type(self).negative += int((slot_mapping < 0).sum())
+            return super().write(kv_c, k_pe, kv_cache, slot_mapping, **kw)
+
+    from mla_conformance.checks import layer_padding
+
+    op = DummySlot()
+    layer_padding.idle_rows(OpBackend(op, page_block_size=16))
+    assert DummySlot.negative == 0

@@ -95,20 +95,15 @@ def _mscale_scale(config: MLAConfig, key: str) -> float:
 
 
 def scenario_calls(scenario) -> Calls:
-    """The attend() calls ``checks.run_scenario`` makes for a ``checks.Scenario``: the prefill in chunks
-    of ``scenario.chunk`` tokens (all at once when None), then ``decode_steps`` one-token calls."""
-    prefill = torch.tensor(scenario.prefill, dtype=torch.int64)
-    chunk = scenario.chunk or int(prefill.max())
-    done = torch.zeros_like(prefill)
+    """The attend() calls ``checks.run_scenario`` makes for a ``checks.Scenario`` (``Scenario.calls``: the prefill
+    in chunks of ``scenario.chunk`` tokens, all at once when None, then ``decode_steps`` one-token calls; or its
+    explicit schedule), as (start per row, new tokens per row)."""
+    done = torch.zeros(scenario.batch, dtype=torch.int64)
     calls = []
-    while bool((done < prefill).any()):
-        S = min(chunk, int((prefill - done).max()))
-        n = (prefill - done).clamp(0, S)
+    for new, _ in scenario.calls():
+        n = torch.tensor(new, dtype=torch.int64)
         calls.append((done.clone(), n))
         done = done + n
-    for _ in range(scenario.decode_steps):
-        calls.append((done.clone(), torch.ones_like(done)))
-        done = done + 1
     return calls
 
 

@@ -88,12 +88,20 @@ def require_support(backend, config: MLAConfig, *, dtype, device, kv_codec="none
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-    """Per-row prefill lengths, then ``decode_steps`` one-token steps for every row."""
+    """Per-row prefill lengths, then ``decode_steps`` one-token steps for every row; or (``schedule``, made by
+    :meth:`of_calls`) the attend() calls spelled out, each call's new tokens per row (0: the row is idle in that
+    call; S = the call's largest entry, the rest right padding) -- ``prefill`` then holds each row's total."""
 
     name: str
     prefill: tuple[int, ...]
     decode_steps: int = 0
     chunk: int | None = None  # prefill in chunks of this many tokens (None = one call)
+    schedule: tuple[tuple[int, ...], ...] | None = None
+
+    @classmethod
+    def of_calls(cls, name: str, calls: tuple[tuple[int, ...], ...]) -> "Scenario":
+        """A scenario of explicit attend() calls: ``calls[c][b]`` new tokens of row b in call c."""
+        return cls(name, tuple(sum(c[b] for c in calls) for b in range(len(calls[0]))), schedule=tuple(calls))
 
     @property
     def batch(self) -> int:
@@ -101,6 +109,20 @@ class Scenario:
 
     def total(self, b: int) -> int:
         return self.prefill[b] + self.decode_steps
+
+    def calls(self) -> list[tuple[tuple[int, ...], str]]:
+        """Every attend() call the driver makes, in order: (new tokens per row, the call as a message names it)."""
+        if self.schedule is not None:
+            return [(tuple(c), f"call {i + 1} of {len(self.schedule)}, lengths {list(c)}")
+                    for i, c in enumerate(self.schedule)]
+        out, done = [], [0] * self.batch
+        chunk = self.chunk or max(self.prefill)
+        while any(d < p for d, p in zip(done, self.prefill)):
+            S = min(chunk, max(p - d for d, p in zip(done, self.prefill)))
+            n = [min(max(p - d, 0), S) for d, p in zip(done, self.prefill)]
+            out.append((tuple(n), f"prefill tokens {done}..+{n}"))
+            done = [d + k for d, k in zip(done, n)]
+        return out + [((1,) * self.batch, f"decode step {step}") for step in range(self.decode_steps)]
 
 
 SCENARIOS = {
@@ -138,7 +160,7 @@ def inputs_for(config: MLAConfig, scenario: Scenario, seed: int = 1) -> torch.Te
 
 def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenario, *, device="cpu",
                  capacity: int | None = None, kv_codec: str = "none", poison_sentinel: int = 0xFF,
-                 trace: dict | None = None, zero_fill: bool = False):
+                 trace: dict | None = None, zero_fill: bool = False, watch=None):
     """Drive a backend through the scenario; return (outputs float64 [B, T, hidden], cache).
 
     Outputs are placed at each token's position so they line up with the one-shot reference. What the
@@ -156,12 +178,14 @@ def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenar
 
     ``trace`` (a dict), when given, receives ``calls`` (each attend call's (start [B], new tokens [B])),
     ``poisoned`` (what was poisoned) and ``preallocated`` (storage existed right after new_cache).
+    ``watch(cache, lengths, where)``, when given, is called before each attend call and returns what to call
+    once the call's output passed :func:`check_output` (a check of what the call did to the cache).
     """
     __tracebackhide__ = True
     mine = backend_copy(weights)  # the backend's copy: the caller's weights (and the oracle's) stay untouched
     try:
         return _run(backend, weights, mine, x, scenario, device=device, capacity=capacity, kv_codec=kv_codec,
-                    poison_sentinel=poison_sentinel, trace=trace, zero_fill=zero_fill)
+                    poison_sentinel=poison_sentinel, trace=trace, zero_fill=zero_fill, watch=watch)
     except BaseException:
         weights.__dict__.pop("_backend_copy", None)  # not compared with the suite's: the next run gets a new copy
         raise
@@ -178,7 +202,7 @@ def backend_copy(weights: MLAWeights) -> MLAWeights:
 
 
 def _run(backend, weights: MLAWeights, mine: MLAWeights, x: torch.Tensor, scenario: Scenario, *, device, capacity,
-         kv_codec, poison_sentinel, trace, zero_fill):
+         kv_codec, poison_sentinel, trace, zero_fill, watch):
     __tracebackhide__ = True
     config = weights.config
     B = scenario.batch
@@ -196,45 +220,40 @@ def _run(backend, weights: MLAWeights, mine: MLAWeights, x: torch.Tensor, scenar
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     out = torch.zeros(B, T, config.hidden_size, dtype=torch.float64)
     xd = x.to(device=device, dtype=weights.dtype)
-    prefill = torch.tensor(scenario.prefill)
-    chunk = scenario.chunk or int(prefill.max())
     done = torch.zeros(B, dtype=torch.int64)
 
     def attend(h, positions, lengths, where):
         __tracebackhide__ = True
         kept = h.clone()
+        after = watch(cache, lengths, where) if watch is not None else None
         o = call_backend(backend, "attend", mine, h, positions, cache, lengths.to(device))
         if not torch.equal(h, kept):
             raise AssertionError(f"{backend.name}: attend() changed its hidden_states argument in place ({where}); "
                                  "a backend must not write to its inputs")
         calls.append((done.clone(), lengths.clone()))
         try:
-            return check_output(backend, o, h, lengths, where, positions)
+            o = check_output(backend, o, h, lengths, where, positions)
         except NonFiniteOutput as exc:
             if zero_fill:
                 raise
             weights.__dict__.pop("_backend_copy", None)  # the control run starts from the suite's values
             raise NonFiniteOutput(exc.where, _nan_cause(backend, weights, x, scenario, device=device, capacity=capacity,
                                                         kv_codec=kv_codec)) from None
+        if after is not None:
+            after()
+        return o
 
-    while bool((done < prefill).any()):
-        S = int(min(chunk, int((prefill - done).max())))
-        lengths = torch.clamp(prefill - done, 0, S)
+    for new, where in scenario.calls():
+        lengths = torch.tensor(new, dtype=torch.int64)
+        S = max(1, int(lengths.max()))
         idx = (done[:, None] + torch.arange(S)[None, :]).clamp(max=T - 1)
         h = torch.gather(xd, 1, idx.to(device)[..., None].expand(-1, -1, xd.shape[-1]))
         positions = (done[:, None] + torch.arange(S)[None, :]).to(device)
-        o = attend(h, positions, lengths, f"prefill tokens {done.tolist()}..+{lengths.tolist()}")
+        o = attend(h, positions, lengths, where)
         for b in range(B):
             n = int(lengths[b])
             out[b, int(done[b]):int(done[b]) + n] = o[b, :n].to("cpu", torch.float64)
         done = done + lengths
-    for step in range(scenario.decode_steps):
-        pos = done.clone()
-        h = xd[torch.arange(B), pos.clamp(max=T - 1).to(device)][:, None]
-        lengths = torch.ones(B, dtype=torch.int64)
-        o = attend(h, pos[:, None].to(device), lengths, f"decode step {step}")
-        out[torch.arange(B), pos] = o[:, 0].to("cpu", torch.float64)
-        done = done + 1
     changed = mine.changed_from(weights)
     if changed:
         raise AssertionError(f"{backend.name}: attend() changed the weights tensor(s) {changed} in place (its "

@@ -13,12 +13,11 @@ import functools
 import pytest
 import torch
 
-from mla_conformance.checks.driver import call_backend, check_output, require_support, weights_for
+from mla_conformance.checks.driver import Scenario, require_support, run_scenario, weights_for
 from mla_conformance.checks.metrics import DTYPES, error_metrics, format_metrics
 from mla_conformance.checks.tolerances import TOLERANCES
 from mla_conformance.contract.layer import supports_paging
 from mla_conformance.kv.caches import PagedLatentCache
-from mla_conformance.kv.caches.measure import poison
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.reference import reference_attention_f64
 from mla_conformance.model.weights import MLAWeights
@@ -77,29 +76,12 @@ class Paged:
 
 
 def drive(backend, weights, x, calls, *, capacity=CAPACITY, device="cpu", kv_codec="none"):
-    """Run attend() per ``calls`` (per-row new-token counts); outputs [B, T, hidden] float64 by position."""
+    """Run attend() per ``calls`` (per-row new-token counts) through
+    :func:`mla_conformance.checks.driver.run_scenario` (every unwritten slot NaN, on the contiguous cache too);
+    returns (outputs [B, T, hidden] float64 by position, cache)."""
     __tracebackhide__ = True
-    B = len(calls[0])
-    cache = call_backend(backend, "new_cache", weights.config, batch_size=B, capacity=capacity,
-                                dtype=weights.dtype, device=device, kv_codec=kv_codec)
-    poison(cache, call_backend(cache, "tensors"), batch_size=B, capacity=capacity,
-           name=f"{backend.name} cache")  # every unwritten slot NaN, on the contiguous cache too
-    weights = weights.clone()
-    xd = x.to(device=device, dtype=weights.dtype)
-    out = torch.zeros(B, x.shape[1], weights.config.hidden_size, dtype=torch.float64)
-    done = torch.zeros(B, dtype=torch.int64)
-    for k, call in enumerate(calls):
-        lengths = torch.tensor(call, dtype=torch.int64)
-        S = int(lengths.max())
-        positions = done[:, None] + torch.arange(S)[None, :]
-        h = xd[torch.arange(B)[:, None], positions.clamp(max=x.shape[1] - 1).to(device)]
-        o = call_backend(backend, "attend", weights, h, positions.to(device), cache, lengths.to(device))
-        check_output(backend, o, h, lengths, f"call {k} {list(call)}", positions)
-        for b in range(B):
-            n = int(lengths[b])
-            out[b, int(done[b]):int(done[b]) + n] = o[b, :n].to("cpu", torch.float64)
-        done += lengths
-    return out, cache
+    scenario = Scenario.of_calls("paged", tuple(tuple(c) for c in calls))
+    return run_scenario(backend, weights, x, scenario, capacity=capacity, device=device, kv_codec=kv_codec)
 
 
 def paged_inputs(config, seed=1):

@@ -52,14 +52,28 @@ class PrefillSpec:
         empty = any(self.seen(i, m, n) == 0 for m, n in self.rows for i in range(m))
         return MethodCase(METHOD, getattr(torch, self.dtype), h_q=self.h_q, h_k=self.h_k, d_qk=self.d_qk,
                           d_v=self.d_v, tokens=sum(m for m, _ in self.rows), batch=len(self.rows), causal=self.causal,
-                          rows_without_keys=empty, strided=self.strided, device=self.device)
+                          rows_without_keys=empty, strided=self.strided, device=self.device,
+                          padding_rows=sum(1 for m, n in self.rows if m == n == 0))
 
     def locate(self, t: int) -> str:
         for b, (m, n) in enumerate(self.rows):
             if t < m:
-                return f"row {b}, query {t} of {m}, {n} keys, sees {self.seen(t, m, n)}"
+                return f"row {b}, query {t} of {m}, {n} keys, sees {self.seen(t, m, n)}" + self._after_padding(b, t, m)
             t -= m
         return "past the last row"
+
+    def _after_padding(self, b: int, i: int, m: int) -> str:
+        """The likely cause when query i of row b is where a zero-length padding sequence's start offset points:
+        the first query after one, or (trailing padding, an offset past the end clamped) the batch's last query."""
+        before = b > 0 and self.rows[b - 1] == (0, 0)
+        last = all(r == (0, 0) for r in self.rows[b + 1:]) and b + 1 < len(self.rows) and i == m - 1
+        if not (i == 0 and before) and not last:
+            return ""
+        return ("; likely cause: a zero-length padding sequence (q_len 0, kv_len 0: cu_seqlens repeating a value) "
+                "wrote its result at its start offset, which is " + ("this, the next sequence's first query" if i == 0
+                                                                   and before else "past the end, clamped to this last "
+                                                                   "query") + ": a sequence without queries writes "
+                "nothing")
 
 
 def cu_seqlens(lens) -> torch.Tensor:

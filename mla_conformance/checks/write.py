@@ -26,10 +26,12 @@ import dataclasses
 import functools
 import math
 
+import pytest
 import torch
 
 from mla_conformance.checks import op as oc
 from mla_conformance.checks import op_methods as om
+from mla_conformance.checks.op_inputs import declared_otherwise
 from mla_conformance.contract.op import MethodCase, OpCase, declared
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.kv import cache_write, model1
@@ -55,7 +57,10 @@ class WriteSpec:
     ``rows`` tokens, each from offset 0 of its first page: for the round trip through decode); ``content``:
     "random" (per-token magnitudes 2^-4..2^4, one all-zero tile), "probe-336" (every tile's amax exactly 336:
     scale 1.0 under pow2, 0.75 under fp32), "kpe-large" (a small latent, hence tiny scales, and k_pe of
-    +-100..400)."""
+    +-100..400). ``padding_slots`` padding tokens go first, in the middle, last and between the real ones
+    (``padding_layout`` "spread"), or (``"batch"``) as a batch padded up to a captured size: a few between the real
+    tokens and the rest trailing; each with slot -1 (``padding_slot`` "negative", vLLM's) or the dummy slot 0
+    ("dummy-slot-0", SGLang's: the caller reserves slot 0 and never reads it)."""
 
     kv_format: str = "latent"
     dtype: str = "bfloat16"
@@ -64,6 +69,8 @@ class WriteSpec:
     rows: tuple[int, ...] = (37, 20)
     content: str = "random"
     padding_slots: int = 4
+    padding_layout: str = "spread"
+    padding_slot: str = "negative"
     scale_format: str = "pow2"
     seed: int = 0
     device: str = "cpu"
@@ -88,10 +95,16 @@ class WriteInputs:
     block_table: torch.Tensor     # layout "rows": int32 [B, pages]
     kv_c: torch.Tensor            # views of the projection buffer
     k_pe: torch.Tensor
+    padding: torch.Tensor         # bool [T]: the padding tokens (slot -1, or the dummy slot 0)
 
     @property
     def case(self) -> MethodCase:
         return self.spec.case(int(self.slots.numel()))
+
+    @property
+    def real_slots(self) -> torch.Tensor:
+        """slot_mapping with every padding token as -1: the tokens whose bytes are checked."""
+        return torch.where(self.padding, torch.full_like(self.slots, -1), self.slots)
 
 
 def _content(spec: WriteSpec, g, T: int) -> torch.Tensor:
@@ -141,11 +154,19 @@ def build(spec: WriteSpec) -> WriteInputs:
     valid, table, num_blocks = _slots(spec, g)
     order = torch.randperm(len(valid), generator=g).tolist()
     slots = [valid[i] for i in order]
-    for k in range(spec.padding_slots):                                    # -1 first, in the middle, last
-        slots.insert([0, len(slots) // 2, len(slots)][k % 3] if k < 3 else (7 * k) % len(slots), -1)
+    if spec.padding_layout == "batch":                                     # a few between, the rest trailing
+        between = min(2, spec.padding_slots)
+        for k in range(between):
+            slots.insert((k + 1) * len(slots) // (between + 1), -1)
+        slots += [-1] * (spec.padding_slots - between)
+    else:
+        for k in range(spec.padding_slots):                                # -1 first, in the middle, last
+            slots.insert([0, len(slots) // 2, len(slots)][k % 3] if k < 3 else (7 * k) % len(slots), -1)
     T = len(slots)
     content = torch.zeros(T, sum(spec.widths), dtype=torch.float64)
     keep = torch.tensor([s >= 0 for s in slots])
+    if spec.padding_slot == "dummy-slot-0":                                 # block 0 is never a real token's
+        slots = [s if s >= 0 else 0 for s in slots]
     content[keep] = _content(spec, g, int(keep.sum()))
     content[~keep] = torch.randn(int((~keep).sum()), content.shape[1], generator=g, dtype=torch.float64)
     elem = torch.empty(0, dtype=dt).element_size()
@@ -163,7 +184,20 @@ def build(spec: WriteSpec) -> WriteInputs:
         view = model1.cache_view(blocks, spec.page)
     proj = bufs["proj"].view
     return WriteInputs(spec, bufs, blocks, view, torch.tensor(slots, dtype=torch.int64), table,
-                       proj[:, :kvl], proj[:, kvl:kvl + rope])
+                       proj[:, :kvl], proj[:, kvl:kvl + rope], ~keep)
+
+
+def padding_slot(op) -> str:
+    """The op's padding convention (``write_padding_slot``): "negative" (default) or "dummy-slot-0"."""
+    return declared(op, "write_padding_slot")
+
+
+def require_negative_slots(op) -> None:
+    """Skip, naming the declaration, for an op whose caller never passes a negative slot ("dummy-slot-0")."""
+    __tracebackhide__ = True
+    if padding_slot(op) != "negative":
+        pytest.skip(f"{op.name}: " + declared_otherwise(op, "write_padding_slot", "negative",
+                                                        "write with negative (padding) slots"))
 
 
 def scale_format(op) -> str:
@@ -188,8 +222,19 @@ def expected_of(spec: WriteSpec, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(block memory after a correct write in scale format ``fmt``, mask of the bytes it sets)."""
     inp = build(spec)
     before = inp.bufs["cache"].snapshot[:inp.blocks.numel()].view(inp.blocks.shape)
-    return cache_write.expected(spec.kv_format, before, inp.kv_c, inp.k_pe, inp.slots, page=spec.page,
+    return cache_write.expected(spec.kv_format, before, inp.kv_c, inp.k_pe, inp.real_slots, page=spec.page,
                                 cache_dtype=getattr(torch, spec.dtype), scale_format=fmt, width=sum(spec.widths))
+
+
+def dummy_mask(inp: WriteInputs) -> torch.Tensor:
+    """Bool mask of the block memory the padding tokens may change: the spans of slot 0 under "dummy-slot-0"
+    (what the caller reserves and never reads), nothing under "negative"."""
+    mask = torch.zeros(inp.blocks.shape, dtype=torch.bool)
+    if inp.spec.padding_slot == "dummy-slot-0" and bool(inp.padding.any()):
+        elem = torch.empty(0, dtype=getattr(torch, inp.spec.dtype)).element_size()
+        for start, length in cache_write.spans(inp.spec.kv_format, inp.spec.page, 0, elem, sum(inp.spec.widths)):
+            mask[0, start:start + length] = True
+    return mask
 
 
 def check_write(op, spec: WriteSpec, *, check: str, figures: dict) -> WriteInputs:
@@ -210,12 +255,12 @@ def check_write(op, spec: WriteSpec, *, check: str, figures: dict) -> WriteInput
     want, mask = expected_of(spec, fmt if spec.kv_format == FP8_656 else "pow2")
     before = cache.snapshot[:n].view(inp.blocks.shape).cpu()
     tail = cache.base[n:].cpu()
-    figures.update(tokens=int((inp.slots >= 0).sum()), written_nbytes=int(mask.sum()))
+    figures.update(tokens=int((inp.real_slots >= 0).sum()), written_nbytes=int(mask.sum()))
     if not torch.equal(tail, cache.snapshot[n:].cpu()):
         first = int((tail != cache.snapshot[n:].cpu()).nonzero()[0])
         raise AssertionError(f"{w}: the op wrote past the end of kv_cache ({first} byte(s) after its last block "
                              "changed): a writer writes only the slots slot_mapping names")
-    stray = (got != before) & ~mask
+    stray = (got != before) & ~mask & ~dummy_mask(inp)
     figures["stray_bytes"] = int(stray.sum())
     if bool(stray.any()):
         raise AssertionError(f"{w}: {_stray_message(inp, stray, mask)}")
@@ -239,15 +284,22 @@ def _stray_message(inp: WriteInputs, stray, mask) -> str:
     block, byte = (int(i) for i in stray.nonzero()[0])
     offset, _ = _slot_of(inp, block, byte)
     slot = block * spec.page + offset
-    n_pad = int((inp.slots < 0).sum())
+    n_pad = int(inp.padding.sum())
     where_ = (f"slot {slot} (block {block}, offset {offset})" if offset >= 0 else f"block {block}'s padding")
     blocks_changed = sorted({int(b) for b in stray.nonzero()[:, 0]})
-    written_blocks = sorted({int(s) // spec.page for s in inp.slots.tolist() if s >= 0})
+    written_blocks = sorted({int(s) // spec.page for s in inp.real_slots.tolist() if s >= 0})
     n_slots = inp.blocks.shape[0] * spec.page
     if spec.kv_format == model1.NAME and _per_token_rows(inp, block):
         cause = ("likely cause: MODEL1 tokens written as 584-byte rows at offset x 584 (the [num_blocks, page, 1, 584] "
                  "view read as per-token rows); FlashMLA's MODEL1 layout is per block: token o's 576-byte part at "
                  "o x 576, its 7 scale bytes at page x 576 + o x 8")
+    elif spec.padding_slot == "dummy-slot-0" and n_pad and block == 0:
+        cause = (f"likely cause: the {n_pad} padding tokens (slot_mapping 0, the dummy slot the op declares: "
+                 "write_padding_slot = 'dummy-slot-0') wrote more than slot 0 -- the rest of block 0 belongs to no "
+                 "padding token; a dummy-slot writer writes the padding tokens to slot 0 like any other slot")
+    elif spec.padding_slot == "dummy-slot-0" and n_pad:
+        cause = (f"likely cause: the {n_pad} padding tokens (slot_mapping 0, the declared dummy slot: "
+                 "write_padding_slot = 'dummy-slot-0') written elsewhere than slot 0")
     elif offset >= 0 and slot in (0, n_slots - 1) and n_pad:
         cause = (f"likely cause: slot_mapping -1 (padding, {n_pad} entries) written to slot {slot} "
                  f"({'the first' if slot == 0 else 'the last, Python-style -1'}); a negative slot writes nothing")
@@ -265,7 +317,7 @@ def _per_token_rows(inp: WriteInputs, block: int) -> bool:
     spec = inp.spec
     mem = inp.bufs["cache"].base[:inp.blocks.numel()].view(inp.blocks.shape).cpu()
     parts, _ = model1.encode(inp.kv_c.detach().cpu(), inp.k_pe.detach().cpu())
-    for t, slot in enumerate(inp.slots.tolist()):
+    for t, slot in enumerate(inp.real_slots.tolist()):
         b, o = divmod(slot, spec.page)
         if slot >= 0 and b == block and o > 0 and torch.equal(mem[b, o * 584:o * 584 + 576], parts[t]):
             return True
@@ -290,7 +342,7 @@ def _check_fields(op, case, w, inp: WriteInputs, got, want, mask, fmt, figures) 
     spec = inp.spec
     elem = torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size()
     width = sum(spec.widths)
-    tokens = [(t, int(s)) for t, s in enumerate(inp.slots.tolist()) if s >= 0]
+    tokens = [(t, int(s)) for t, s in enumerate(inp.real_slots.tolist()) if s >= 0]
     mismatched = 0
     for name, span, a, b, kind in FIELDS[spec.kv_format]:
         for t, slot in tokens:
@@ -433,7 +485,8 @@ def _scale_bytes(inp: WriteInputs, slot: int) -> torch.Tensor:
     return mem[block, start:start + length]
 
 
-__all__ = ["WriteSpec", "WriteInputs", "build", "run", "check_write", "expected_of", "scale_format", "FP8_656"]
+__all__ = ["WriteSpec", "WriteInputs", "build", "run", "check_write", "expected_of", "scale_format", "padding_slot",
+           "require_negative_slots", "dummy_mask", "FP8_656"]
 
 
 # --------------------------------------------------------------------------- the round trip through decode
@@ -469,7 +522,7 @@ def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict
             "block_table": oc.Buffer("block_table", inp.block_table, device=spec.device),
             "cache_seqlens": oc.Buffer("cache_seqlens", lens, device=spec.device)}
     if sparse:
-        valid = inp.slots[inp.slots >= 0]
+        valid = inp.real_slots[inp.real_slots >= 0]
         idx = torch.stack([valid[torch.randperm(valid.numel(), generator=g)[:topk]] for _ in spec.rows])
         idx[:, ::4] = -1
         bufs["indices"] = oc.Buffer("indices", idx[:, None, :].to(torch.int32), device=spec.device)

@@ -9,8 +9,8 @@ A backend is any object with::
 
 ``attend``: ``hidden_states`` [B, S, hidden_size] is the attention input (after the layer's input
 RMSNorm); ``positions`` [B, S] int64 with ``positions[b, i] == cache.seq_lens[b] + i``; optional
-``lengths`` [B] = valid new tokens per row (right padding; outputs at padded slots are ignored). It
-appends the valid tokens to the cache, attends causally over everything cached for that row, and
+``lengths`` [B] = valid new tokens per row (right padding; outputs at padded slots are ignored; 0 is an idle
+row: it appends nothing and its cache does not change). It appends the valid tokens to the cache, attends causally over everything cached for that row, and
 returns the output after ``o_proj``, [B, S, hidden_size], in hidden_states' dtype. ``weights`` is an
 :class:`mla_conformance.MLAWeights` (a Mapping of HF tensor names, with ``.config``).
 

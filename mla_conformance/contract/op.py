@@ -123,7 +123,9 @@ in "MHA mode" (the latent up-projected to per-head K / V), as FlashAttention's `
   (v may be a slice of a buffer padded to d_qk); h_q % h_k == 0 and query head h reads kv head
   h // (h_q / h_k); (d_qk, d_v) among ``prefill_head_dims`` (default ((192, 128),): DeepSeek-V3's 128 nope +
   64 rope, value 128); ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 [B + 1]: row b's queries are
-  q[cu_q[b]:cu_q[b + 1]], its keys k[cu_k[b]:cu_k[b + 1]] (0 keys allowed);
+  q[cu_q[b]:cu_q[b + 1]], its keys k[cu_k[b]:cu_k[b + 1]] (0 keys allowed; 0 queries and 0 keys is a padding
+  sequence, as engines pad a batch by repeating cu_seqlens' last value: it writes nothing, and
+  ``MethodCase.padding_rows`` counts them);
 * ``causal`` aligns bottom-right: query i of a row of m queries and n keys sees keys j <= n - m + i (so a row
   with q_len > kv_len has first queries with no key);
 * ``out`` [total_q, h_q, d_v] (any floating dtype, as decode's); ``lse`` float32 [total_q, h_q] (tokens first,
@@ -163,7 +165,8 @@ same queries merged by their log-sum-exp (vLLM's ``merge_attn_states``, FlashInf
 * ``kv_c`` [T, 512] and ``k_pe`` [T, 64] in the model dtype (possibly views of one projection output);
   ``kv_cache`` as ``decode`` reads it for ``kv_format`` (one of ``write_kv_formats``); ``slot_mapping`` int64
   [T]: token t goes to slot block * page_block_size + offset; a negative slot writes nothing (a slot twice in
-  one call is the caller's error); nothing else of the cache changes;
+  one call is the caller's error; under ``write_padding_slot = "dummy-slot-0"`` the padding tokens come with
+  slot 0 instead, never a negative slot); nothing else of the cache changes;
 * ``"latent"``: the row [kv_c | k_pe] as is (bit for bit); ``"fp8-e4m3-flashmla"``: the 656-byte row as
   FlashMLA's tests/quant.py encodes it: under ``write_fp8_scale_format = "pow2"`` exactly (tile scale
   max(amax / 448, 1e-4) rounded up to a power of two, DeepSeek's ue8m0; e4m3 of value / scale, round to nearest
@@ -189,7 +192,10 @@ The methods' declarations (an op without the method never has them read; none is
   (default: both are handed), ``"+inf"`` or ``"-inf"`` (FlashInfer's);
 * ``write_kv_formats``: ``("latent",)`` by default, any of :data:`WRITE_KV_FORMATS`;
   ``write_fp8_scale_format``: ``"pow2"`` (default) or ``"fp32"``, as decode's ``fp8_scale_format``;
-  ``write_page_block_sizes``: ``(64,)`` by default.
+  ``write_page_block_sizes``: ``(64,)`` by default; ``write_padding_slot``: how the caller marks a padding token
+  (a batch padded to a captured size), ``"negative"`` (default, vLLM's: slot -1, which writes nothing) or
+  ``"dummy-slot-0"`` (SGLang's: the caller reserves slot 0, pads to it and never reads it; the op is never handed
+  a negative slot, and anything may land in slot 0).
 """
 
 from __future__ import annotations
@@ -208,6 +214,7 @@ BUILTIN_OPS: dict[str, str] = {
     "flashinfer": "mla_conformance.impl.ops.flashinfer:FlashInferOp",
     "flashinfer-fa2": "mla_conformance.impl.ops.flashinfer:FlashInferFA2Op",
     "vllm": "mla_conformance.impl.ops.vllm_ops:VLLMOp",
+    "triton": "mla_conformance.impl.ops.triton_mla:TritonMLAOp",
 }
 
 #: Ops a default run checks.
@@ -302,8 +309,9 @@ TENSORS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("k_pe", f"[T, {D_ROPE}]", "the model dtype: the rotated rope key"),
         ("kv_cache", "as decode reads `kv_format`", "written in place: the slots slot_mapping names, nothing else"),
         ("slot_mapping", "[T]", "int64: token t goes to slot block * page_block_size + offset (block = slot // "
-                                "page_block_size); a negative slot writes nothing; a slot twice in one call is the "
-                                "caller's error"),
+                                "page_block_size); a negative slot writes nothing (under `write_padding_slot = "
+                                "\"dummy-slot-0\"` padding comes with slot 0 instead); a slot twice in one call is "
+                                "the caller's error"),
     ),
 }
 
@@ -347,6 +355,7 @@ DECLARATIONS: dict[str, Any] = {
     "write_kv_formats": ("latent",),
     "write_fp8_scale_format": "pow2",
     "write_page_block_sizes": (64,),
+    "write_padding_slot": "negative",
 }
 
 #: Which method each declaration belongs to (what the report prints for an op: the declarations of the
@@ -360,7 +369,7 @@ METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
     "sparse_prefill": ("sparse_prefill_head_dims", "sparse_prefill_lse_base", "sparse_prefill_topk_length",
                        "sparse_prefill_attn_sink"),
     "merge": ("merge_lse_base", "merge_empty_row", "merge_empty_input"),
-    "write": ("write_kv_formats", "write_fp8_scale_format", "write_page_block_sizes"),
+    "write": ("write_kv_formats", "write_fp8_scale_format", "write_page_block_sizes", "write_padding_slot"),
 }
 
 _ALLOWED = {
@@ -382,6 +391,7 @@ _ALLOWED = {
     "merge_empty_row": ("+inf", "-inf"),
     "merge_empty_input": ("either", "+inf", "-inf"),
     "write_fp8_scale_format": ("pow2", "fp32"),
+    "write_padding_slot": ("negative", "dummy-slot-0"),
 }
 _HEAD_DIMS = ("head_dims", "prefill_head_dims", "sparse_prefill_head_dims")
 _FORMATS = {"kv_formats": KV_FORMATS, "write_kv_formats": WRITE_KV_FORMATS}
@@ -438,7 +448,8 @@ class MethodCase:
     ``batch``: varlen rows (prefill); ``rows_without_keys``: a query with no key (prefill: a row with no keys or
     a causal query before its row's first key; sparse_prefill: a row with no valid index; merge: an empty side);
     ``topk``, ``topk_length``, ``attn_sink``: sparse_prefill's; ``kv_format``, ``page_block_size``: write's;
-    ``lse_base``: the base of the lse merge is handed; ``strided``: some input is a non-contiguous view.
+    ``lse_base``: the base of the lse merge is handed; ``strided``: some input is a non-contiguous view;
+    ``padding_rows``: prefill's zero-length padding sequences (0 queries, 0 keys) among the rows.
     """
 
     method: str
@@ -459,6 +470,7 @@ class MethodCase:
     lse_base: str = "e"
     strided: bool = False
     device: str = "cpu"
+    padding_rows: int = 0
 
     def describe(self) -> str:
         dt = dtype_name(self.dtype)
@@ -478,6 +490,8 @@ class MethodCase:
             parts.append("empty sides" if self.method == "merge" else "rows without keys")
         if self.strided:
             parts.append("strided")
+        if self.padding_rows:
+            parts.append(f"{self.padding_rows} padding rows")
         parts.append(self.device)
         return ", ".join(parts)
 

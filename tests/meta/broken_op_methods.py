@@ -70,6 +70,23 @@ class NoLseNanForEmptyPrefill(NanForEmptyPrefill):
         return super().prefill(*args, **kwargs)[0], None
 
 
+class PaddingRowWritesStart(ReferenceOp):
+    """One program per sequence, each writing at least its first query: a zero-length padding sequence writes its
+    empty result (out 0, lse +inf) at its start offset -- the next sequence's first query, or past the end, which
+    the kernel clamps to the batch's last query."""
+
+    name = "broken-prefill-padding-row-writes"
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
+        out, lse = super().prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal)
+        cq = cu_seqlens_q.tolist()
+        for b in range(len(cq) - 1):
+            if cq[b + 1] == cq[b] and q.shape[0]:
+                t = min(cq[b], q.shape[0] - 1)
+                out[t], lse[t] = 0, math.inf
+        return out, lse
+
+
 class AlwaysCausalPrefill(ReferenceOp):
     """Applies the causal mask whatever ``causal`` says (a kernel instantiated for causal only): the context
     chunks of chunked prefill lose their later keys."""
@@ -249,6 +266,32 @@ class MinusOneToSlotZero(ReferenceOp):
 
     def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
         super().write(kv_c, k_pe, kv_cache, slot_mapping.clamp_min(0), kv_format=kv_format)
+
+
+class MinusOneToLastSlot(ReferenceOp):
+    """Writes padding tokens (slot_mapping -1) to the cache's last slot: the slot used as a Python index, where -1
+    is the last element (a writer that indexes the flat cache with slot_mapping as given)."""
+
+    name = "broken-write-minus-one-last-slot"
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        slots = kv_cache.shape[0] * kv_cache.shape[1]
+        super().write(kv_c, k_pe, kv_cache, torch.where(slot_mapping < 0, slot_mapping + slots, slot_mapping),
+                      kv_format=kv_format)
+
+
+class DummyPageWriter(ReferenceOp):
+    """Declares write_padding_slot = "dummy-slot-0" but gives each padding token its own slot of the first page (a
+    dummy *page* reserved): slots 1, 2, ... of block 0 change, which no token owns."""
+
+    name = "broken-write-dummy-page"
+    write_padding_slot = "dummy-slot-0"
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        pad = slot_mapping == 0
+        slots = slot_mapping.clone()
+        slots[pad] = torch.arange(int(pad.sum()), device=slots.device) % kv_cache.shape[1]
+        super().write(kv_c, k_pe, kv_cache, slots, kv_format=kv_format)
 
 
 class NoScaleFloorWriter(ReferenceOp):

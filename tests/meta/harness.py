@@ -212,16 +212,18 @@ _KEPT = ("import json, os, sys; sys.path.insert(0, sys.argv[1]); import pytest; 
 
 def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[str] = (), ops: Iterable[str] = (),
                    extra: Iterable[str] = (), keep: Keep | None = None, expect: int | None = None,
-                   timeout: float = 600) -> SuiteRun:
+                   timeout: float = 600, env: dict[str, str] | None = None) -> SuiteRun:
     """The same run as a pytest process started in ``workdir`` (a background job's scratch directory); with
-    ``keep``, only the tests it keeps run (the others are deselected)."""
+    ``keep``, only the tests it keeps run (the others are deselected); ``env``: variables added to its
+    environment (e.g. TRITON_INTERPRET=1, which triton reads when it is imported)."""
     results = workdir / "results.json"
     command = [sys.executable, "-m", "pytest"]
     if keep is not None:
         (workdir / "keep.json").write_text(keep.to_json(), encoding="utf-8")
         command = [sys.executable, "-c", _KEPT, str(ROOT), str(workdir / "keep.json")]
     proc = subprocess.run([*command, *suite_args(results, targets, backends, ops, extra)],
-                          cwd=workdir, capture_output=True, text=True, timeout=timeout, env=background.env())
+                          cwd=workdir, capture_output=True, text=True, timeout=timeout,
+                          env=background.env(**(env or {})))
     return _read(results, proc.returncode, proc.stdout + proc.stderr, expect)
 
 

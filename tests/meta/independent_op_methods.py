@@ -16,6 +16,9 @@ every method test (and the frozen decode-only op to skip them by name):
   oracle's divisions, as a kernel would; MODEL1's block layout;
   ``decode`` dense, latent and 656-byte caches, P rounded to q's dtype (for the write / decode round trip);
 * :class:`MergeOnlyOp`: only ``merge`` (natural lse, +inf for two empty sides): an op with one method is an op.
+* :class:`DummySlotWriterOp`: only ``write``, SGLang ``set_mla_kv_buffer``-like: the latent row stored at
+  ``cache[loc]`` of the flat token pool (any page size is a view of it), the caller padding its batch to the dummy
+  slot 0 (declared: ``write_padding_slot = "dummy-slot-0"``), so it never sees a negative slot.
 """
 
 from __future__ import annotations
@@ -250,6 +253,22 @@ class MergeOnlyOp:
         total = torch.where(none, 1.0, wa + wb)
         out = (out_a.float() * wa[..., None] + out_b.float() * wb[..., None]) / total[..., None]
         return out.to(out_a.dtype), torch.where(none, math.inf, top + torch.log(total))
+
+
+class DummySlotWriterOp:
+    """Only write, SGLang-style: the flat pool written at ``loc`` as given (padding tokens come with the dummy slot
+    0, declared), the latent format at any page size."""
+
+    name = "dummy-slot-writer-op"
+    write_padding_slot = "dummy-slot-0"
+    write_page_block_sizes = (1, 16, 64)
+
+    def unsupported_reason(self, case):
+        return None
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        pool = kv_cache.view(-1, kv_cache.shape[-1])                      # [num_blocks * page, 576]: one row a token
+        pool[slot_mapping.long()] = torch.cat([kv_c, k_pe], dim=-1).to(pool.dtype)
 
 
 class _Fp32ScaleWriter:

@@ -42,7 +42,20 @@ BROKEN = {
     "dsa-keys-hidden": (f"{HERE}/broken_backends.py:IndexerKeysHidden", "broken-dsa-indexer-keys-hidden"),
     "dsa-v32-prefix-bf16": (f"{HERE}/deepseek_v32_backend.py:DeepSeekV32PreFixBF16Key",
                             "broken-dsa-v32-prefix-interleaved-bf16"),
+    # padded batches (tests/meta/broken_padding_backends.py): idle rows, multi-token steps
+    "idle-row-decodes": (f"{HERE}/broken_padding_backends.py:IdleRowDecodes", "broken-idle-row-decodes"),
+    "idle-row-writes-slot": (f"{HERE}/broken_padding_backends.py:IdleRowWritesSlot", "broken-idle-row-writes-slot"),
+    "idle-rows-compacted": (f"{HERE}/broken_padding_backends.py:IdleRowsCompacted", "broken-idle-rows-compacted"),
+    "verify-same-output": (f"{HERE}/broken_padding_backends.py:VerifyStepSameOutput", "broken-verify-step-same-output"),
+    "verify-padding-appended": (f"{HERE}/broken_padding_backends.py:VerifyPaddingAppended",
+                                "broken-verify-padding-appended"),
 }
+#: a layer cell's failure must say this (the likely cause), for the broken backends named
+LAYER_HINTS = {"idle-row-decodes": "was idle (lengths 0) but its seq_lens went",
+               "idle-row-writes-slot": "the token storage of idle row(s) [1, 3] (lengths 0) changed",
+               "idle-rows-compacted": "likely cause: the idle rows (lengths 0) change their neighbours",
+               "verify-same-output": "likely cause: every query position of a multi-token step gets the same output",
+               "verify-padding-appended": "likely cause: the right padding counted as tokens"}
 
 #: correct backends written independently of the reference: on their cells (every cell's first
 #: parametrisation, or the tests named) they must pass, or skip where they do not implement an optional
@@ -95,6 +108,10 @@ KILL_MATRIX = {
     "suites/test_paged_cache.py::test_paged_cache_bytes": [("paged-bytes", "")],
     "suites/test_quantized_kv.py::test_codec_bytes": [("scales-not-counted", "-int8-g32-tiny-bfloat16")],
     "suites/test_quantized_kv.py::test_attention_error": [("int8-codec", "-int8-g32")],
+    "suites/test_layer_padding.py::test_idle_rows": [("idle-row-decodes", ""), ("idle-row-writes-slot", ""),
+                                                     ("idle-rows-compacted", "")],
+    "suites/test_layer_padding.py::test_multi_token_steps": [("verify-same-output", ""),
+                                                             ("verify-padding-appended", "")],
 }
 
 #: crashes are errors, not verdicts: (broken spec, name, node id) that must come out "error"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from . import background, harness
-from .kill_matrix import (BROKEN, CORRECT, CORRECT_TESTS, ELSEWHERE, ERROR_CELLS, EXEMPT, KILL_MATRIX, correct_node_ids,
-                          layer_run, node_ids)
+from .kill_matrix import (BROKEN, CORRECT, CORRECT_TESTS, ELSEWHERE, ERROR_CELLS, EXEMPT, KILL_MATRIX, LAYER_HINTS,
+                          correct_node_ids, layer_run, node_ids)
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_kill_matrix")]  # its one run of the suite, once under -n
 ROOT = harness.ROOT
@@ -70,6 +70,7 @@ def test_cell_fails(run, test, broken, nodeid):
     reason = run.assert_failed(nodeid, BROKEN[broken][1])
     if "golden" not in test:  # a golden mismatch is syrupy's diff; every other verdict names the backend
         assert BROKEN[broken][1] in reason, f"{nodeid}: the failure does not name the backend: {reason}"
+    assert LAYER_HINTS.get(broken, "") in reason, f"{nodeid}: the failure does not say {LAYER_HINTS[broken]!r}: {reason}"
 
 
 @pytest.mark.parametrize("test,correct,nodeid", PASSING, ids=[f"{t.split('::')[1]}<-{c}" for t, c, _ in PASSING])

@@ -35,6 +35,10 @@ BROKEN_OPS = {
                              ["test_op_prefill.py::test_prefill_non_causal[]"], "the lse matches the natural log"),
     "prefill-no-lse-nan-empty": (f"{BROKEN}:NoLseNanForEmptyPrefill", "broken-prefill-no-lse-nan-empty",
                                  ["test_op_prefill.py::test_prefill_varlen[-float32]"], "has no keys"),
+    "prefill-padding-row-writes": (f"{BROKEN}:PaddingRowWritesStart", "broken-prefill-padding-row-writes",
+                                   ["test_op_prefill.py::test_prefill_padding_sequences[-trailing]",
+                                    "test_op_prefill.py::test_prefill_padding_sequences[-interleaved]"],
+                                   "likely cause: a zero-length padding sequence"),
     "prefill-always-causal": (f"{BROKEN}:AlwaysCausalPrefill", "broken-prefill-always-causal",
                               ["test_op_prefill.py::test_prefill_non_causal[]"], "lse"),
     "prefill-kv-head-modulo": (f"{BROKEN}:KvHeadModuloPrefill", "broken-prefill-kv-head-modulo",
@@ -73,6 +77,12 @@ BROKEN_OPS = {
                           "test_op_write.py::test_write_then_decode[-latent]"], "rewrites whole pages"),
     "write-minus-one-slot-zero": (f"{BROKEN}:MinusOneToSlotZero", "broken-write-minus-one-slot-zero",
                                   ["test_op_write.py::test_write_padding_slots[]"], "slot_mapping -1"),
+    "write-minus-one-last-slot": (f"{BROKEN}:MinusOneToLastSlot", "broken-write-minus-one-last-slot",
+                                  ["test_op_write.py::test_write_padding_slots[]",
+                                   "test_op_write.py::test_write_padded_batch[]"], "the last, Python-style -1"),
+    "write-dummy-page": (f"{BROKEN}:DummyPageWriter", "broken-write-dummy-page",
+                         ["test_op_write.py::test_write_padded_batch[]", "test_op_write.py::test_write_latent[-bfloat16]"],
+                         "wrote more than slot 0"),
     "write-no-scale-floor": (f"{BROKEN}:NoScaleFloorWriter", "broken-write-no-scale-floor",
                              ["test_op_write.py::test_write_fp8_flashmla[]"], "no 1e-4 floor"),
     "write-scale-convention": (f"{BROKEN}:WrongScaleConventionWriter", "broken-write-scale-convention",
@@ -97,6 +107,7 @@ STEP_TEXT = {"merge-both-empty-nan": "composition step 5: merge(", "prefill-nan-
 CORRECT_OPS = {
     "independent": (f"{INDEPENDENT}:IndependentMethodsOp", "independent-methods-op"),
     "merge-only": (f"{INDEPENDENT}:MergeOnlyOp", "merge-only-op"),
+    "dummy-slot-writer": (f"{INDEPENDENT}:DummySlotWriterOp", "dummy-slot-writer-op"),
     "frozen": (f"{FROZEN}:FrozenBaseOp", "frozen-base-op"),
     "no-floor-fp32-writer": (f"{INDEPENDENT}:NoFloorFp32Writer", "no-floor-fp32-writer"),
     "bf16-scale-writer": (f"{INDEPENDENT}:Bf16ScaleWriter", "bf16-scale-writer"),
@@ -213,6 +224,20 @@ def test_an_op_with_only_merge_is_an_op(run):
         assert t["outcome"] == "skipped" and t["reason"].startswith(f"op merge-only-op has no {method} method"), t
     assert run["op_declarations"]["merge-only-op"] == {"merge_lse_base": "e", "merge_empty_row": "+inf",
                                                        "merge_empty_input": "either"}
+
+
+def test_a_dummy_slot_writer_passes_the_write_tests(run):
+    """dummy-slot-writer-op (SGLang-style, write_padding_slot = "dummy-slot-0") passes every write test of the latent
+    format: its padding tokens go to slot 0; the -1 test skips naming the declaration; the rest skip by name."""
+    rows = {t["nodeid"]: t for t in run.tests if t.get("params", {}).get("op") == "dummy-slot-writer-op"}
+    passed = {n for n, t in rows.items() if t["outcome"] == "passed"}
+    assert {f"suites/test_op_write.py::test_write_{n}[dummy-slot-writer-op{p}]" for n, p in (
+        ("latent", "-bfloat16"), ("latent", "-float16"), ("latent", "-float32"), ("padded_batch", ""))} <= passed, rows
+    negative = rows["suites/test_op_write.py::test_write_padding_slots[dummy-slot-writer-op]"]
+    assert negative["outcome"] == "skipped" and "write_padding_slot is 'dummy-slot-0' (declared)" in negative["reason"]
+    bad = [(n, t["outcome"], t.get("reason")) for n, t in rows.items() if t["outcome"] not in ("passed", "skipped")]
+    assert not bad, bad
+    assert run["op_declarations"]["dummy-slot-writer-op"]["write_padding_slot"] == "dummy-slot-0"
 
 
 def test_bounds_are_not_loose_for_the_kernel_style_op(run):

@@ -102,7 +102,9 @@ def write_reason(op, config, *, dtype, device, kv_format: str, page_block_size: 
 
 def write_latent(op, cache, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor, kv_format: str) -> None:
     """Write row b's first lengths[b] tokens of c [B, S, kv_lora] / k_pe [B, S, rope] at positions seq_lens[b] + i
-    of the paged cache with one ``op.write`` (padding tokens: slot -1); the cache's written lengths follow."""
+    of the paged cache with one ``op.write`` (padding tokens: slot -1; left out for an op that declares
+    ``write_padding_slot = "dummy-slot-0"``, which is never handed a negative slot and whose dummy slot this cache
+    does not reserve); the cache's written lengths follow."""
     B, S = c.shape[:2]
     dev = cache.block_table.device
     lengths = lengths.to(dev, torch.int64)
@@ -110,9 +112,13 @@ def write_latent(op, cache, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.
     valid = i[None, :] < lengths[:, None]
     pos = (cache.seq_lens.to(dev)[:, None] + i[None, :]).clamp(max=max(cache.capacity - 1, 0))
     rows = torch.arange(B, device=dev)[:, None].expand(B, S)
-    slots = torch.where(valid, cache.slot_index(rows, pos), torch.full_like(pos, -1)).reshape(-1)
-    op.write(c.reshape(B * S, -1), k_pe.reshape(B * S, -1), cache.kv_pages, slots.to(torch.int64),
-             kv_format=kv_format)
+    slots = torch.where(valid, cache.slot_index(rows, pos), torch.full_like(pos, -1)).reshape(-1).to(torch.int64)
+    c, k_pe = c.reshape(B * S, -1), k_pe.reshape(B * S, -1)
+    if declared(op, "write_padding_slot") != "negative":
+        keep = valid.reshape(-1).to(c.device)
+        c, k_pe, slots = c[keep], k_pe[keep], slots[valid.reshape(-1)]
+    if slots.numel():
+        op.write(c, k_pe, cache.kv_pages, slots, kv_format=kv_format)
     cache.written = torch.maximum(cache.written, cache.seq_lens + lengths.to(cache.seq_lens.device))
 
 
