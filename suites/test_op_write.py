@@ -1,8 +1,9 @@
 """Op contract, optional ``write`` (the cache writer): every byte of a canary-filled cache checked after the call
 -- each written token holds exactly what the oracle encodes (bit for bit for the latent format; FP8 payload,
 tile scales and bfloat16 k_pe as FlashMLA's tests/quant.py writes them under the declared
-write_fp8_scale_format), every other byte is untouched, padding tokens (slot -1, or the dummy slot 0 where declared) write nothing else,
-k_pe is never scaled -- and the
+write_fp8_scale_format: bit for bit under pow2, by what a reader decodes under fp32), every other byte is
+untouched, padding tokens (slot -1, or the dummy slot 0 where declared) write nothing else, k_pe is never scaled --
+and the
 round trip: decode over what write wrote equals the oracle over the encoded values. Every test runs once per op
 (--mla-op) that has ``write``; see mla_conformance.checks.write."""
 
@@ -57,8 +58,9 @@ def test_write_padded_batch(mla_op, mla_device, mla_figures):
 
 @pytest.mark.mla_section("op_write")
 def test_write_fp8_flashmla(mla_op, mla_device, mla_figures):
-    """FlashMLA's 656-byte layout: e4m3 payload, float32 tile scales (the declared convention, the 1e-4 floor on an
-    all-zero tile), bfloat16 k_pe; per-token magnitudes 2^-4..2^4."""
+    """FlashMLA's 656-byte layout: e4m3 payload, float32 tile scales (the declared convention: pow2 bit for bit,
+    the 1e-4 floor on an all-zero tile; fp32 by what a reader decodes, an all-zero tile 0, never NaN), bfloat16
+    k_pe; per-token magnitudes 2^-4..2^4."""
     spec = spec_for(mla_op, mla_device, kv_format=FP8, seed=3)
     wc.check_write(mla_op, spec, check="write of FP8 656-byte rows", figures=mla_figures)
 

@@ -222,7 +222,7 @@ def test_an_op_needs_one_method_not_decode(tmp_path):
         """)
     op = get_op(f"{path}:MergeOnly")
     assert methods_of(op) == ("merge",)
-    assert declarations(op) == {"merge_lse_base": "e", "merge_empty_row": "-inf"}
+    assert declarations(op) == {"merge_lse_base": "e", "merge_empty_row": "-inf", "merge_empty_input": "either"}
     with pytest.raises(BackendSpecError, match="it has none of the methods decode, prefill, sparse_prefill, merge, "
                                                "write"):
         get_op(f"{path}:Nothing")

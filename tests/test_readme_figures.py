@@ -157,9 +157,9 @@ def test_op_contract_figures_are_the_contracts():
     from mla_conformance.contract.op import D_QK, D_ROPE, D_V, FP8_ROW_BYTES
 
     text = _text("docs/op-contract.md")
-    assert f"[B, s_q, h_q, {D_QK}]: the absorbed query, nope part ({D_V}, already multiplied by W_UK) then the rotated " \
-           f"rope part ({D_ROPE})" in text
-    assert f"uint8 [num_blocks, page_block_size, 1, {FP8_ROW_BYTES}]" in text and f"out [B, s_q, h_q, {D_V}]" in text
+    assert f"| `q` | [B, s_q, h_q, {D_QK}] | q's dtype: the absorbed nope part ({D_V}, already x W_UK), then the " \
+           f"rotated rope part ({D_ROPE})" in text
+    assert f"uint8 [..., {FP8_ROW_BYTES}]" in text and f"| `out` | [B, s_q, h_q, {D_V}] |" in text
     assert f"the default ({D_QK}, {D_V})" in text
 
 

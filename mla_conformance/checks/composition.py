@@ -13,7 +13,8 @@ in the model dtype; some row with no context, one whose context ends in the firs
 2. the new tokens are one ``prefill(causal=True)`` over their own keys (bottom-right: query i sees the new keys
    <= i);
 3. the parts are merged pairwise with ``merge`` (the suite converts each lse from prefill_lse_base to
-   merge_lse_base, as the engine's glue must): chunk 0 with chunk 1, that with chunk 2, ..., then the new tokens.
+   merge_lse_base, and an empty side's infinity to the one merge_empty_input takes, as the engine's glue must):
+   chunk 0 with chunk 1, that with chunk 2, ..., then the new tokens.
 
 Every step is checked against its float64 oracle (the attention of the new tokens' queries over the keys
 covered so far, from the very K / V the op was handed), so a failure names the step. The bound of a merged
@@ -35,6 +36,7 @@ import torch
 from mla_conformance.checks import merge as mc
 from mla_conformance.checks import op as oc
 from mla_conformance.checks import op_methods as om
+from mla_conformance.checks import prefill as pc
 from mla_conformance.checks.prefill import cu_seqlens
 from mla_conformance.checks.tolerances import unit_roundoff
 from mla_conformance.contract.op import MethodCase, declared, has_method
@@ -238,6 +240,7 @@ def run_composition(op, spec: CompositionSpec, *, figures: dict):
     """Steps 0-3 of the module docstring, each checked as it is taken; returns the final (out, lse natural)."""
     __tracebackhide__ = True
     om.require_method(op, "prefill", "merge")
+    pc.require_lse(op, "the composition (chunked prefill's partials merged by their lse)")
     merge_base = declared(op, "merge_lse_base")
     for case in (spec.prefill_case(False, [0]), spec.prefill_case(True, spec.new), spec.merge_case(merge_base, True)):
         om.require(op, case)
@@ -280,9 +283,7 @@ def _prefill_part(op, spec, case, what, k, v, cu_q, cu_k, causal, oracle):
     bufs = om.buffers(spec.device, q=inp.q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     result = om.call(op, "prefill", case, what, bufs, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
                      softmax_scale=spec.softmax_scale, causal=causal)
-    out, lse = om.tuple_out(op, case, what, "prefill", result, 2, "out, lse")
-    om.tensor_out(op, case, what, "prefill", "out", out, (case.tokens, spec.heads, V_DIM))
-    om.tensor_out(op, case, what, "prefill", "lse", lse, (case.tokens, spec.heads), torch.float32)
+    out, lse = pc.outputs(op, case, what, result)
     empty = math.inf if declared(op, "prefill_empty_row") == "+inf" else -math.inf
     om.compare_attention(op, case, out, lse, oracle, check=what, figures={}, base=declared(op, "prefill_lse_base"),
                          base_key="prefill_lse_base", empty_lse=empty, empty_key="prefill_empty_row",
@@ -297,8 +298,8 @@ def _merge_step(op, spec, acc, part, p, what, figures):
     to_base = (lambda x: x / math.log(2.0)) if base == "2" else (lambda x: x)
     (a_out, a_lse), (b_out, b_lse) = acc, part
     case = spec.merge_case(base, bool((torch.isinf(a_lse) & torch.isinf(b_lse)).any()))
-    bufs = om.buffers(spec.device, out_a=a_out, lse_a=to_base(a_lse).to(torch.float32), out_b=b_out,
-                      lse_b=to_base(b_lse).to(torch.float32))
+    bufs = om.buffers(spec.device, out_a=a_out, lse_a=mc.marked(op, to_base(a_lse).to(torch.float32)), out_b=b_out,
+                      lse_b=mc.marked(op, to_base(b_lse).to(torch.float32)))
     out, lse = mc.run(op, case, what, bufs, case.tokens, spec.heads, V_DIM)
     ref_out, ref_lse, mags = merged_oracle(spec, p)
     bounds = _composed_bounds(spec, p, mags, ref_lse, out.dtype)

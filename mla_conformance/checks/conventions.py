@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_conformance.checks import diagnose
 from mla_conformance.checks.driver import (Scenario, diagnosis, inputs_for, require_support, run_scenario,
                                            scenario_lengths)
 from mla_conformance.checks.metrics import error_metrics
@@ -36,7 +37,8 @@ def check_yarn_rope_attention_factor_convention(backend, device, figures: dict) 
     w = w64.to(dtype, device=device)
     x = inputs_for(MSCALE_SPLIT, SCENARIO, seed=4)
     require_support(backend, MSCALE_SPLIT, dtype=dtype, device=device)
-    out, _ = run_scenario(backend, w, x, SCENARIO, device=device)
+    trace: dict = {}
+    out, _ = run_scenario(backend, w, x, SCENARIO, device=device, trace=trace)
     lengths = scenario_lengths(SCENARIO)
     x_in = x.to(dtype).to(torch.float64)
 
@@ -59,10 +61,34 @@ def check_yarn_rope_attention_factor_convention(backend, device, figures: dict) 
         figures["rope_convention"] = min(matches, key=lambda c: errors[c][0])
         return
     figures["rope_convention"] = "neither"
+    found = _other_bug(out, w64, x_in, lengths, trace["calls"], errors, tol)
+    said = "matches neither RoPE convention"
+    cause = ""
+    if found:
+        convention, text = found
+        said = "matches neither RoPE convention's oracle"
+        figures["likely_cause"] = text
+        cause = (f"; not a RoPE-convention mismatch: under the {convention} convention the output {text} -- a bug "
+                 "of its own, which the numerics tests name too")
     raise AssertionError(
         f"{backend.name}: on a YaRN config with mscale != mscale_all_dim (cos/sin factor "
-        f"{MSCALE_SPLIT.rope_attention_factor:.4f} under transformers' convention) the output matches neither "
-        f"RoPE convention within the float32 tolerance (rel_fro <= {tol.rel_fro:g}, max_abs/rms <= "
+        f"{MSCALE_SPLIT.rope_attention_factor:.4f} under transformers' convention) the output {said} within the "
+        f"float32 tolerance (rel_fro <= {tol.rel_fro:g}, max_abs/rms <= "
         f"{tol.max_rel:g}): transformers / DeepSeek-V2 modeling rel_fro={errors['transformers'][0]:.3e} "
         f"max_rel={errors['transformers'][1]:.3e}; DeepSeek-V3 reference rel_fro={errors['deepseek-v3'][0]:.3e} "
-        f"max_rel={errors['deepseek-v3'][1]:.3e}{diagnosis(backend, w)}")
+        f"max_rel={errors['deepseek-v3'][1]:.3e}{cause}{diagnosis(backend, w)}")
+
+
+def _other_bug(out, w64, x64, lengths, calls, errors: dict, tol) -> tuple[str, str] | None:
+    """(RoPE convention, "matches the reference without YaRN mscale² ...") when, under one of the two conventions,
+    the output matches a known bug class's oracle (mla_conformance.checks.diagnose) far better than the correct
+    one -- the best such match -- else None."""
+    best = None
+    for convention in ROPE_CONVENTIONS:
+        found = diagnose.likely_cause(out, w64, x64, lengths, calls, correct_rel_fro=errors[convention][0],
+                                      tolerance_rel_fro=tol.rel_fro, rope_convention=convention)
+        if found and (best is None or found["rel_fro"] < best[1]["rel_fro"]):
+            best = (convention, found)
+    if best is None:
+        return None
+    return best[0], diagnose.format_cause(best[1]).removeprefix("likely cause: ")

@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 import torch
 
 from mla_conformance.model.config import MLAConfig, rope_inv_freq, yarn_get_mscale
-from mla_conformance.model.reference import apply_rope, masked_softmax, rms_norm
+from mla_conformance.model.reference import apply_rope, masked_softmax, rms_norm, rope_factor
 from mla_conformance.model.weights import MLAWeights
 
 #: each attend() call in order: (start position per row [B] int64, new tokens per row [B] int64), CPU
@@ -138,7 +138,8 @@ class Variant:
     False caches k_pe unrotated; norm_latent: False caches the latent before kv_a_layernorm; kv_b:
     "heads-first" (correct, [H, nope + v, c]), "axis-order" ([nope + v, H, c]) or "swapped" (W_UK <->
     W_UV); mask: "causal" (key <= query), "call" (a query sees every valid key up to the end of its own
-    call: no causal mask within a call) or "top-left" (query i of a call sees keys <= i); decode_shift:
+    call: no causal mask within a call), "top-left" (query i of a call sees keys <= i) or "excludes-self"
+    (key < query: the causal mask off by one, position 0 sees no key and gives 0); decode_shift:
     tokens of one-token calls (S == 1) are rotated at position - decode_shift.
     """
 
@@ -170,12 +171,13 @@ def _kv_b_rows(cfg: MLAConfig, kind: str) -> torch.Tensor | None:
 
 
 def variants_attention_f64(weights: MLAWeights, x: torch.Tensor, lengths: torch.Tensor, calls: Calls,
-                           variants: list[Variant]) -> list[torch.Tensor | None]:
+                           variants: list[Variant], rope_convention: str = "transformers") -> list[torch.Tensor | None]:
     """The float64 expanded reference under each variant: float64 [B, T, hidden], zero past lengths
     (None for a variant that does not exist for this config, e.g. W_UK <-> W_UV when nope != v).
 
     The projections, the latent expansion and o_proj are shared by all variants (so a dozen oracles cost
-    little more than one); with ``Variant()`` it equals ``reference.reference_attention_f64``.
+    little more than one); with ``Variant()`` it equals ``reference.reference_attention_f64`` (under
+    ``rope_convention``, a key of reference.ROPE_CONVENTIONS: YaRN's cos/sin factor).
     """
     w = weights.to(torch.float64, device="cpu")
     cfg = w.config
@@ -212,7 +214,7 @@ def variants_attention_f64(weights: MLAWeights, x: torch.Tensor, lengths: torch.
             positions = positions - var.decode_shift * (layout["S"] == 1).long()
         freqs = rope_inv_freq(cfg, torch.float64) if var.inv_freq is None else var.inv_freq(cfg)
         angles = positions.to(torch.float64)[..., None] * freqs
-        m = cfg.rope_attention_factor
+        m = rope_factor(cfg, rope_convention)
         cos, sin = torch.cos(angles) * m, torch.sin(angles) * m
         q_pe = var.rope(q_pe_raw, cos, sin)
         k_pe = var.rope(k_pe_raw, cos, sin) if var.rotate_k_pe else k_pe_raw
@@ -224,6 +226,8 @@ def variants_attention_f64(weights: MLAWeights, x: torch.Tensor, lengths: torch.
             allowed = t[None, None, :] < layout["end"][:, :, None]
         elif var.mask == "top-left":
             allowed = t[None, None, :] <= s - layout["start"][:, :, None]
+        elif var.mask == "excludes-self":
+            allowed = t[None, None, :] < s
         else:
             raise ValueError(f"unknown mask {var.mask!r}")
         scale = cfg.softmax_scale if var.softmax_scale is None else var.softmax_scale(cfg)
@@ -275,6 +279,8 @@ _BUGS = [
          mask="call"),
     _bug("chunk-mask-top-left", "with each call's mask aligned top-left (query i of a call sees keys <= i, "
          "not <= start + i; a decode step sees only key 0)", mask="top-left"),
+    _bug("causal-mask-excludes-self", "with the causal mask off by one, key < query (a query does not see its own "
+         "token; position 0 sees no key and gives 0)", mask="excludes-self"),
     _bug("decode-position-off-by-one", "with one-token (decode) calls rotated at position - 1",
          decode_shift=1),
 ]
@@ -303,7 +309,7 @@ class Oracles:
 
 
 def oracle_outputs(weights: MLAWeights, x: torch.Tensor, lengths: torch.Tensor, calls: Calls,
-                   classes: Iterable[str] | None = None) -> Oracles:
+                   classes: Iterable[str] | None = None, rope_convention: str = "transformers") -> Oracles:
     """All oracles at once (shared projections), or only those of ``classes`` (names of BUG_CLASSES).
     Compute it once and pass it to :func:`likely_cause` as ``oracles=`` when diagnosing several outputs
     of the same weights, inputs and calls."""
@@ -314,7 +320,7 @@ def oracle_outputs(weights: MLAWeights, x: torch.Tensor, lengths: torch.Tensor, 
     if unknown:
         raise ValueError(f"unknown bug class(es) {unknown}; known: {', '.join(BUG_CLASSES)}")
     outs = variants_attention_f64(weights, x, lengths, calls,
-                                  [Variant()] + [BUG_CLASSES[k].oracle.variant for k in names])
+                                  [Variant()] + [BUG_CLASSES[k].oracle.variant for k in names], rope_convention)
     correct = outs[0][valid]
     floor = SAME_OUTPUT * float(correct.pow(2).mean().sqrt())
     bugs, support = {}, {}
@@ -329,7 +335,8 @@ def oracle_outputs(weights: MLAWeights, x: torch.Tensor, lengths: torch.Tensor, 
 
 
 def likely_cause(out: torch.Tensor, weights: MLAWeights, x: torch.Tensor, lengths: torch.Tensor, calls: Calls,
-                 *, correct_rel_fro: float, tolerance_rel_fro: float, oracles: Oracles | None = None) -> dict | None:
+                 *, correct_rel_fro: float, tolerance_rel_fro: float, oracles: Oracles | None = None,
+                 rope_convention: str = "transformers") -> dict | None:
     """The bug class the backend's output matches far better than the correct reference, or None.
 
     out: the backend's outputs float64 [B, T, hidden] placed by position (as checks.run_scenario
@@ -343,7 +350,9 @@ def likely_cause(out: torch.Tensor, weights: MLAWeights, x: torch.Tensor, length
     oracle differs from the correct one (its support: all of them for most classes, only the decode
     steps for the decode off-by-one) the output is FAR_BETTER times closer to it than to the correct
     reference. The best matching class is named, with every other matching class within TIE x its
-    rel_fro (a tie: the output cannot tell them apart).
+    rel_fro (a tie: the output cannot tell them apart). ``rope_convention``: the RoPE convention of the
+    correct reference and of every bug oracle (reference.ROPE_CONVENTIONS; they differ where mscale !=
+    mscale_all_dim).
 
     Returns {"cause", "description", "rel_fro", "correct_rel_fro", "support": (positions, valid
     positions), "support_rel_fro": (to the bug oracle, to the correct one), "ranking": [(name, rel_fro),
@@ -351,7 +360,7 @@ def likely_cause(out: torch.Tensor, weights: MLAWeights, x: torch.Tensor, length
     """
     lengths = lengths.to("cpu", torch.int64)
     if oracles is None:
-        oracles = oracle_outputs(weights, x, lengths, calls)
+        oracles = oracle_outputs(weights, x, lengths, calls, rope_convention=rope_convention)
     got = out.to("cpu", torch.float64)[torch.arange(out.shape[1])[None, :] < lengths[:, None]]
     ranking = sorted(((name, _rel_fro(got, o)) for name, o in oracles.bugs.items()), key=lambda item: item[1])
     matching = []

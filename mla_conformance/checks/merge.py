@@ -36,6 +36,13 @@ ONE_SIDED = (("+inf", None), (None, "-inf"), ("-inf", None), (None, "+inf"))
 BOTH_EMPTY = (("+inf", "+inf"), ("-inf", "-inf"), ("+inf", "-inf"), ("-inf", "+inf"))
 
 
+#: Why merge's out is in out_a's dtype, unlike decode's (any floating dtype): the merged partial takes the partials'
+#: place in the caller's buffer -- vLLM's merge_attn_states writes into an output of the partials' dtype, FlashInfer's
+#: merge_state returns v_a's.
+OUT_DTYPE_RULE = ("a merge returns out in out_a's dtype: the merged partial takes the partials' place in the "
+                  "caller's buffer, as vLLM's merge_attn_states and FlashInfer's merge_state return it")
+
+
 @dataclasses.dataclass(frozen=True)
 class MergeSpec:
     tokens: int = 8
@@ -87,9 +94,46 @@ def oracle_of(spec: MergeSpec):
     return ao.merge(t["out_a"], t["lse_a"], t["out_b"], t["lse_b"], base=spec.base, magnitudes=True)
 
 
-def spec_for(op, **kw) -> MergeSpec:
-    """A MergeSpec in the op's declared merge_lse_base."""
-    return MergeSpec(base=declared(op, "merge_lse_base"), **kw)
+def empty_input(op) -> str:
+    """The op's merge_empty_input: "either" (the default: +inf and -inf both mark an empty side), "+inf" or "-inf"."""
+    return declared(op, "merge_empty_input")
+
+
+def marked(op, lse: torch.Tensor) -> torch.Tensor:
+    """An lse whose empty sides (either infinity) carry the marker the op's merge_empty_input takes (as an engine's
+    glue hands them); unchanged under "either"."""
+    mark = empty_input(op)
+    if mark == "either":
+        return lse
+    return torch.where(torch.isinf(lse), math.inf if mark == "+inf" else -math.inf, lse)
+
+
+def spec_for(op, empties=(), **kw) -> MergeSpec:
+    """A MergeSpec in the op's declared merge_lse_base, its empty sides marked by the infinities the op's
+    merge_empty_input takes (both, by default: opt-in, an op that declares one is handed only that one)."""
+    mark = empty_input(op)
+    if mark != "either":
+        empties = tuple(tuple(m if m is None else mark for m in pair) for pair in empties)
+    return MergeSpec(base=declared(op, "merge_lse_base"), empties=tuple(empties), **kw)
+
+
+def _marker_hint(op, spec: MergeSpec, out, lse) -> str:
+    """Where the op declares no merge_empty_input and fails exactly the tokens one infinity marks empty: that the
+    op takes only the other one, and the declaration that says so."""
+    if empty_input(op) != "either" or not spec.empties:
+        return ""
+    o = out.detach().cpu().to(torch.float64)
+    l = lse.detach().cpu().to(torch.float64)
+    bad = {t: bool((~torch.isfinite(o[t])).any() or (None in pair and (~torch.isfinite(l[t])).any()))
+           for t, pair in enumerate(spec.empties)}
+    for wrong, right in (("+inf", "-inf"), ("-inf", "+inf")):
+        if all(bad[t] == (wrong in pair) for t, pair in enumerate(spec.empties) if wrong in pair or right in pair) \
+                and any(bad.values()):
+            return (f"; likely cause: the op takes only {right} as an empty side's marker ({wrong} read as a value: "
+                    f"FlashInfer's merge_state marks an empty side -inf); if that is its contract, declare "
+                    f"merge_empty_input = {right!r} (the suite then hands it {right} sides only, as an engine's glue "
+                    "must)")
+    return ""
 
 
 def run(op, case, check: str, bufs: dict, tokens: int, heads: int, d: int):
@@ -97,7 +141,8 @@ def run(op, case, check: str, bufs: dict, tokens: int, heads: int, d: int):
     __tracebackhide__ = True
     result = om.call(op, METHOD, case, check, bufs, ("out_a", "lse_a", "out_b", "lse_b"))
     out, lse = om.tuple_out(op, case, check, METHOD, result, 2, "out, lse")
-    om.tensor_out(op, case, check, METHOD, "out", out, (tokens, heads, d))
+    om.tensor_out(op, case, check, METHOD, "out", out, (tokens, heads, d), bufs["out_a"].view.dtype,
+                  why_dtype=OUT_DTYPE_RULE)
     om.tensor_out(op, case, check, METHOD, "lse", lse, (tokens, heads), torch.float32)
     return out, lse
 
@@ -133,7 +178,14 @@ def check_against_oracle(op, spec: MergeSpec, *, check: str, figures: dict):
     out, lse = run(op, case, check, build(spec), spec.tokens, spec.heads, spec.d)
     ref_out, ref_lse, mags = oracle_of(spec)
     bounds = merge_bounds(mags, ref_out, ref_lse, out.dtype)
-    compare(op, case, out, lse, (ref_out, ref_lse, mags), bounds, check=check, figures=figures, locate=spec.locate)
+    try:
+        compare(op, case, out, lse, (ref_out, ref_lse, mags), bounds, check=check, figures=figures, locate=spec.locate)
+    except AssertionError as exc:
+        hint = _marker_hint(op, spec, out, lse)
+        if not hint:
+            raise
+        figures["likely_cause"] = "one infinity taken as an empty side's marker"
+        raise AssertionError(f"{exc}{hint}") from None
     return out, lse
 
 
@@ -148,5 +200,5 @@ def compare(op, case, out, lse, oracle, bounds, *, check: str, figures: dict, lo
                          empty_key="merge_empty_row", locate=locate, against=against, bounds=bounds)
 
 
-__all__ = ["MergeSpec", "build", "oracle_of", "spec_for", "run", "merge_bounds", "check_against_oracle", "compare",
+__all__ = ["MergeSpec", "build", "oracle_of", "spec_for", "empty_input", "marked", "run", "merge_bounds", "check_against_oracle", "compare",
            "ONE_SIDED", "BOTH_EMPTY", "empty_lse"]

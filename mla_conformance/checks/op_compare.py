@@ -197,11 +197,7 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
         if bool(over.any()):
             b, h, s = _unravel(int((lse_err / lse_b).nan_to_num(nan=math.inf).flatten().argmax()), lse_err.shape)
             got, exp = float(nat[b, h, s]), float(ref_lse[b, h, s])
-            hint = ""
-            if exp and abs(float(raw_lse[b, h, s]) * math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)) and base == "e":
-                hint = "; the lse matches base 2 (lse x ln 2 equals the oracle): declare lse_base = '2'"
-            elif exp and abs(float(raw_lse[b, h, s]) / math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)) and base == "2":
-                hint = "; the lse matches the natural log: declare lse_base = 'e' (or return base 2)"
+            hint = lse_base_hint(float(raw_lse[b, h, s]), exp, base, "lse_base")
             raise AssertionError(
                 f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log) at (b, h, s) "
                 f"= ({b}, {h}, {s}): got {got:.6g} (raw {float(raw_lse[b, h, s]):.6g}, declared base {base}), expected "
@@ -225,6 +221,21 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
             f"{'; both sides bounded' if ref_dtype is not None else ''}); {int(over.sum())} of "
             f"{int(valid_out.sum())} values over, rel_fro {figures['out_rel_fro']:.3e}")
     return figures
+
+
+def lse_base_hint(raw: float, expected: float, base: str, key: str) -> str:
+    """The likely cause of a wrong lse read in the declared ``base`` (the op's ``key`` declaration): ``raw``, as the
+    op returned it, is the natural-log ``expected`` in the other base (declared e, raw x ln 2 equals it: base 2;
+    declared 2, raw itself equals it: the natural log), else ''."""
+    close = lambda value: abs(value - expected) <= 1e-3 * (1 + abs(expected))  # noqa: E731
+    if not expected:
+        return ""
+    if base == "e" and close(raw * math.log(2.0)):
+        return f"; the lse matches base 2 (lse x ln 2 equals the oracle): declare {key} = '2'"
+    if base == "2" and close(raw):
+        return (f"; the lse matches the natural log (the raw lse equals the oracle; declared base 2, it was read "
+                f"as raw x ln 2): declare {key} = 'e' (or return base 2)")
+    return ""
 
 
 def empty_row_sentences(op, key: str, got: float) -> tuple[str, str]:

@@ -26,10 +26,11 @@ import torch
 
 from mla_conformance.checks import op as oc
 from mla_conformance.checks import op_inputs
-from mla_conformance.checks.op_compare import empty_row_sentences
+from mla_conformance.checks.op_compare import empty_row_sentences, lse_base_hint
 from mla_conformance.checks.op_inputs import declared_otherwise, not_declared, op_reason
-from mla_conformance.contract.op import SIGNATURES, declared, has_method
-from mla_conformance.errors import BackendError, BackendOutputError
+from mla_conformance.checks.op_run import permuted, raised
+from mla_conformance.contract.op import SIGNATURES, declared, has_method, layout_of
+from mla_conformance.errors import BackendOutputError
 from mla_conformance.model.attention_oracles import to_natural
 from mla_conformance.dtypes import dtype_name
 
@@ -144,33 +145,44 @@ def call(op, method: str, case, check: str, bufs: dict[str, Buffer], args: tuple
     require(op, case)
     views = views or {}
     kw = {k: (v.view if isinstance(v, oc.Buffer) else v) for k, v in kwargs.items()}
+    handed = {a: views[a] if a in views else bufs[a].view for a in args}
     try:
-        result = getattr(op, method)(*(views[a] if a in views else bufs[a].view for a in args), **kw)
+        result = getattr(op, method)(*handed.values(), **kw)
     except Exception as exc:
         for name, buf in bufs.items():
             if name not in mutable:
                 buf.base.copy_(buf.snapshot)
-        raise BackendError(f"{where(op, case, check)}: {method}() raised {type(exc).__name__}: {exc}") from exc
+        error = raised(op, case, check, method, exc, {**handed, **{k: v for k, v in kw.items()
+                                                                  if isinstance(v, torch.Tensor)}})
+        raise error from None
     for name, buf in bufs.items():
         if name not in mutable:
             buf.check(op, case, check)
     return result
 
 
-def tensor_out(op, case, check: str, method: str, what: str, value, shape: tuple[int, ...], dtype=None):
-    """``value`` checked to be a floating Tensor of ``shape`` (and ``dtype``); else BackendOutputError."""
+def tensor_out(op, case, check: str, method: str, what: str, value, shape: tuple[int, ...], dtype=None, *,
+               why_dtype: str = ""):
+    """``value`` checked to be a floating Tensor of ``shape`` (and ``dtype``; ``why_dtype`` says why that one);
+    else a one-line BackendOutputError: got and expected, the layout of ``method``'s ``what``
+    (contract.op.TENSORS), and the layout it has where its axes are the expected ones in another order."""
     __tracebackhide__ = True
     w = where(op, case, check)
     if not isinstance(value, torch.Tensor):
         raise BackendOutputError(f"{w}: {method}() returned {type(value).__name__} as {what}, not a Tensor")
     want = dtype_name(dtype) if dtype is not None else "floating"
-    if tuple(value.shape) != tuple(shape) or not value.is_floating_point() or (dtype is not None and value.dtype != dtype):
-        extra = ""
+    layout = layout_of(method, what)
+    expected = f"{want} {layout} = {tuple(shape)}" if layout else f"{want} {tuple(shape)}"
+    got = f"{oc.dtype_name(value.dtype)} {tuple(value.shape)}"
+    if tuple(value.shape) != tuple(shape):
+        raise BackendOutputError(f"{w}: {method}() returned {what} {got}, expected {expected}"
+                                 f"{permuted(method, what, layout, tuple(value.shape), tuple(shape))}")
+    if not value.is_floating_point() or (dtype is not None and value.dtype != dtype):
+        extra = f" ({why_dtype})" if why_dtype else ""
         if dtype == torch.float32 and value.is_floating_point() and value.dtype != dtype:
             extra = (f" (the op contract's {what} is float32: partial results are merged by exp(lse_i - lse), and "
                      f"{oc.dtype_name(value.dtype)} keeps {torch.finfo(value.dtype).nmant + 1} significant bits)")
-        raise BackendOutputError(f"{w}: {what} is {oc.dtype_name(value.dtype)} {tuple(value.shape)}, expected {want} "
-                                 f"{tuple(shape)}{extra}")
+        raise BackendOutputError(f"{w}: {method}() returned {what} {got}, expected {expected}{extra}")
     return value
 
 
@@ -241,7 +253,8 @@ def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, 
     +inf for a query with no keys, magnitudes): NaN in a query with keys fails, a query with no keys must give
     out exactly 0 and lse ``empty_lse`` (the op's ``empty_key`` declaration; None: fixed by the contract), then lse and out
     within ``bounds`` (:class:`Bounds`; default :func:`attention_bounds`). ``locate(t)`` says where token t is
-    (its row and position). Fills ``figures`` first."""
+    (its row and position). ``lse`` None (a prefill that declares ``prefill_returns_lse = False``): out only. Fills
+    ``figures`` first."""
     __tracebackhide__ = True
     w = where(op, case, check)
     o_out, o_lse, mags = oracle
@@ -249,9 +262,9 @@ def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, 
         bounds = attention_bounds(case, mags, o_out, o_lse, out.dtype)
     out_b, lse_b = bounds.out, bounds.lse
     got = out.detach().cpu().to(torch.float64)
-    raw = lse.detach().cpu().to(torch.float64)
-    nat = to_natural(raw, base)
     empty = torch.isinf(o_lse) & (o_lse > 0)                             # [T, h]: no keys
+    raw = lse.detach().cpu().to(torch.float64) if lse is not None else torch.where(empty, empty_lse, o_lse)
+    nat = to_natural(raw, base) if lse is not None else o_lse            # no lse: nothing of it is checked
     valid = ~empty[..., None].expand_as(got)
     err = torch.where(valid, (got - o_out).abs(), torch.zeros_like(got))
     ratio = torch.where(valid, err / out_b.clamp_min(1e-300), torch.zeros_like(err)).nan_to_num(nan=math.inf)
@@ -268,6 +281,9 @@ def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, 
         "lse_error_over_bound": float(lse_ratio.max()) if lse_ratio.numel() else 0.0,
         "queries": int(empty.numel()), "queries_without_keys": int(empty.sum()), "lse_base": base,
     })
+    if lse is None:
+        for k in ("lse_max_abs", "lse_error_over_bound", "lse_base"):
+            del figures[k]
     bad = ~torch.isfinite(got) & valid
     if bool(bad.any()):
         t, h, d = _first(bad)
@@ -300,11 +316,7 @@ def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, 
     if bool(over.any()):
         t, h = divmod(int(torch.where(~empty, lse_ratio, 0.0).flatten().argmax()), lse_err.shape[1])
         exp = float(o_lse[t, h])
-        hint = ""
-        if exp and base == "e" and abs(float(raw[t, h]) * math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)):
-            hint = f"; the lse matches base 2 (lse x ln 2 equals the oracle): declare {base_key} = '2'"
-        elif exp and base == "2" and abs(float(raw[t, h]) / math.log(2.0) - exp) <= 1e-3 * (1 + abs(exp)):
-            hint = f"; the lse matches the natural log: declare {base_key} = 'e' (or return base 2)"
+        hint = lse_base_hint(float(raw[t, h]), exp, base, base_key)
         raise AssertionError(
             f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log); worst against "
             f"its bound at (t, h) = ({t}, {h}) ({locate(t)}): got {float(nat[t, h]):.6g} (raw {float(raw[t, h]):.6g}, "

@@ -6,12 +6,14 @@ writes its inputs or past them (the canaries) fails."""
 from __future__ import annotations
 
 import math
+import os
+import traceback
 
 import torch
 
 from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.checks.op_inputs import OpInputs, require, where
-from mla_conformance.contract.op import D_V, OpCase, declared
+from mla_conformance.contract.op import D_V, OpCase, declared, layout_of
 from mla_conformance.errors import BackendError, BackendOutputError
 
 
@@ -27,7 +29,8 @@ def run_op(op, inp: OpInputs, check: str) -> tuple[torch.Tensor, torch.Tensor]:
     except Exception as exc:
         for buf in inp.buffers.values():
             buf.base.copy_(buf.snapshot)
-        raise BackendError(f"{where(op, case, check)}: decode() raised {type(exc).__name__}: {exc}") from exc
+        error = raised(op, case, check, "decode", exc, {n: b.view for n, b in inp.buffers.items()})
+        raise error from None
     for buf in inp.buffers.values():
         buf.check(op, case, check)
     return validate(op, case, result, check)
@@ -56,10 +59,46 @@ def validate(op, case: OpCase, result, check: str) -> tuple[torch.Tensor, torch.
         return out, None
     if tuple(lse.shape) != (B, h_q, s_q):
         raise BackendOutputError(f"{w}: lse is {dtype_name(lse.dtype)} {tuple(lse.shape)}, expected float32 "
-                                 f"[B, h_q, s_q] = {(B, h_q, s_q)}")
+                                 f"[B, h_q, s_q] = {(B, h_q, s_q)}"
+                                 f"{permuted('decode', 'lse', '[B, h_q, s_q]', tuple(lse.shape), (B, h_q, s_q))}")
     if lse.dtype != torch.float32:
         raise BackendOutputError(f"{w}: lse is {dtype_name(lse.dtype)}, not float32: {_lse_precision_loss(lse)}")
     return out, lse
+
+
+def permuted(method: str, what: str, layout: str, got: tuple, want: tuple) -> str:
+    """'; it is laid out [h, T]...' where ``got`` is ``want`` with its axes in another order ('' otherwise)."""
+    names = [n.strip() for n in layout.strip("[]").split(",")] if layout.startswith("[") else []
+    if len(names) != len(want) or sorted(got) != sorted(want):
+        return ""
+    left, order = list(range(len(want))), []
+    for n in got:
+        i = next(i for i in left if want[i] == n)
+        left.remove(i)
+        order.append(names[i])
+    said = f"; it is laid out [{', '.join(order)}]: {method}'s {what} is {layout}"
+    if what == "lse" and method != "decode":
+        said += f" (tokens first; decode's lse is {layout_of('decode', 'lse')}, heads first)"
+    return said
+
+
+def raised(op, case, check: str, method: str, exc: BaseException, shapes: dict | None = None) -> BackendError:
+    """The one-line BackendError of an op's ``method`` that raised ``exc``: the exception, where in the op's code
+    (its deepest frame outside torch and the suite's checks) and, for a size or shape mismatch, the layout and shape of
+    each tensor it was handed (``shapes``: name -> tensor). The caller raises it ``from None``: pytest then prints
+    no frame of the op with its tensor arguments dumped (``exc`` stays the error's __context__)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/mla_conformance/checks/" not in f.filename]
+    at = (f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}: "
+          f"{(frames[-1].line or '').strip()})" if frames else "")
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    hint = ""
+    if shapes and any(k in str(exc).lower() for k in ("size of tensor", "shape", "dimension", "size mismatch")):
+        hint = (f"; {method}'s inputs: " + ", ".join(f"{n} {layout_of(method, n)} = {tuple(t.shape)}"
+                                                      for n, t in shapes.items() if isinstance(t, torch.Tensor)))
+        if method != "decode":
+            hint += f" (its lse tokens first; decode's is {layout_of('decode', 'lse')})"
+    return BackendError(f"{where(op, case, check)}: {method}() raised {type(exc).__name__}: {text}{at}{hint}")
 
 
 def _lse_precision_loss(lse: torch.Tensor) -> str:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import pytest
 import torch
 
 from mla_conformance.checks import op_methods as om
 from mla_conformance.contract.op import MethodCase, declared
+from mla_conformance.errors import BackendOutputError
 from mla_conformance.model import attention_oracles as ao
 
 METHOD = "prefill"
@@ -114,11 +116,31 @@ def run(op, spec: PrefillSpec, check: str, bufs=None, case=None):
     case = spec.case() if case is None else case
     result = om.call(op, METHOD, case, check, bufs, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
                      softmax_scale=spec.softmax_scale, causal=spec.causal)
+    return outputs(op, case, check, result)
+
+
+def outputs(op, case, check: str, result):
+    """A prefill's (out, lse) checked for type, shape and dtype (BackendOutputError); lse None for an op that
+    declares ``prefill_returns_lse = False`` (whatever it returned in its place is not looked at)."""
+    __tracebackhide__ = True
     out, lse = om.tuple_out(op, case, check, METHOD, result, 2, "out, lse")
     tq = case.tokens
     om.tensor_out(op, case, check, METHOD, "out", out, (tq, case.h_q, case.d_v))
+    if not declared(op, "prefill_returns_lse"):
+        return out, None
+    if lse is None:
+        raise BackendOutputError(f"{om.where(op, case, check)}: prefill() returned (Tensor, None), not (out, lse): "
+                                    "a prefill that returns no lse declares prefill_returns_lse = False")
     om.tensor_out(op, case, check, METHOD, "lse", lse, (tq, case.h_q), torch.float32)
     return out, lse
+
+
+def require_lse(op, what: str) -> None:
+    """Skip, naming the declaration, where the op's prefill returns no lse and ``what`` needs one."""
+    __tracebackhide__ = True
+    if not declared(op, "prefill_returns_lse"):
+        pytest.skip(f"{op.name}: declares prefill_returns_lse = False: {what} needs the prefill's lse (the op "
+                    "contract's default `prefill_returns_lse = True` opts this test in)")
 
 
 def empty_lse(op) -> float:
@@ -152,4 +174,5 @@ def check_against_oracle(op, spec: PrefillSpec, *, check: str, figures: dict):
     return out, lse
 
 
-__all__ = ["PrefillSpec", "build", "oracle_of", "run", "check_against_oracle", "cu_seqlens", "empty_lse"]
+__all__ = ["PrefillSpec", "build", "oracle_of", "run", "outputs", "require_lse", "check_against_oracle", "cu_seqlens",
+           "empty_lse"]

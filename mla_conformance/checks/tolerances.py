@@ -116,6 +116,15 @@ OP_ACC_ROUNDINGS = 256
 OP_ACC_KEYS = 1024
 
 
+#: The written FP8 tile scale under ``write_fp8_scale_format = "fp32"`` (checks/write.py), relative to amax / 448
+#: (the tile's largest value onto e4m3's largest): a writer may compute it in any arithmetic of bfloat16's
+#: precision or better -- FlashMLA's earlier float32-scale quant.py divided in bfloat16, a rounding of up to 2^-8
+#: relative -- so 2^-7 (two bfloat16 roundings: amax and the quotient); a scale of another rule (amax / 240,
+#: e4m3fnuz's largest: 1.87 x; a power of two: up to 2 x) is far past it. The 1e-4 floor is optional there
+#: (SGLang drops it). What the payload must hold at the stored scale is checks/write.py's (half an e4m3 step).
+WRITE_FP32_SCALE_REL = 2.0 ** -7
+
+
 def op_acc_roundings(keys):
     """Rounding errors of the float32 accumulation on the way to one output element of a query over ``keys`` keys
     (an int or a tensor of counts): :data:`OP_ACC_ROUNDINGS` up to :data:`OP_ACC_KEYS` keys; past that each further

@@ -50,8 +50,8 @@ Inputs (the op must not write them):
   output is scaled by exp(lse) / (exp(lse) + exp(attn_sink[h])) (+inf gives 0, -inf changes nothing); lse
   itself is not changed.
 
-Outputs: ``out`` [B, s_q, h_q, 512] (any floating dtype; the suite compares in float64; its rounding is
-allowed half a step *of that dtype*) and ``lse`` float32 [B, h_q, s_q], the log-sum-exp of the scaled
+Outputs: ``out`` [B, s_q, h_q, 512] (any floating dtype -- prefill's and sparse prefill's too, merge's is
+out_a's; the suite compares in float64; its rounding is allowed half a step *of that dtype*) and ``lse`` float32 [B, h_q, s_q], the log-sum-exp of the scaled
 logits over the keys the query attends, in the op's declared base. An lse in any other dtype is an error,
 not a verdict: lse is what split-KV partials are merged by (weights exp(lse_i - lse)), and bfloat16 keeps 8
 significant bits, so an lse of 10 is off by up to 0.03 and a merged partial by 3%. An op that returns no
@@ -160,8 +160,10 @@ in "MHA mode" (the latent up-projected to per-head K / V), as FlashAttention's `
   ``MethodCase.padding_rows`` counts them);
 * ``causal`` aligns bottom-right: query i of a row of m queries and n keys sees keys j <= n - m + i (so a row
   with q_len > kv_len has first queries with no key);
-* ``out`` [total_q, h_q, d_v] in q's dtype; ``lse`` float32 [total_q, h_q] in ``prefill_lse_base``; a query
-  with no keys: out 0 and lse ``prefill_empty_row`` (default "+inf").
+* ``out`` [total_q, h_q, d_v] (any floating dtype, as decode's); ``lse`` float32 [total_q, h_q] (tokens first,
+  unlike decode's [B, h_q, s_q]) in ``prefill_lse_base``; a query with no keys: out 0 and lse
+  ``prefill_empty_row`` (default "+inf"). A prefill that writes no lse (vLLM's and SGLang's Triton
+  ``context_attention_fwd``) declares ``prefill_returns_lse = False`` and returns ``(out, None)``.
 
 ``sparse_prefill(q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn_sink=None)
 -> (out, max_logits, lse)`` -- FlashMLA's ``flash_mla_sparse_fwd`` as its tests/ref.py defines it:
@@ -172,7 +174,7 @@ in "MHA mode" (the latent up-projected to per-head K / V), as FlashAttention's `
   declares ``sparse_prefill_topk_length = True``): only the first topk_length[s] entries count; ``attn_sink``
   float32 [h_q] (where it declares ``sparse_prefill_attn_sink = True``): out scaled by
   exp(lse) / (exp(lse) + exp(sink)), lse unchanged;
-* ``out`` [s_q, h_q, d_v] in q's dtype, ``max_logits`` and ``lse`` float32 [s_q, h_q] (lse in
+* ``out`` [s_q, h_q, d_v] (any floating dtype), ``max_logits`` and ``lse`` float32 [s_q, h_q] (lse in
   ``sparse_prefill_lse_base``, max_logits the largest scaled logit, natural units); a row with no valid index:
   out 0, max_logits -inf, lse +inf.
 
@@ -181,9 +183,13 @@ same queries merged by their log-sum-exp (vLLM's ``merge_attn_states``, FlashInf
 
 * ``out_*`` [T, h, d] (any floating dtype, possibly strided), ``lse_*`` float32 [T, h] in ``merge_lse_base``
   (possibly strided: vLLM keeps lse as [h, T]); an lse of +inf or of -inf marks an empty side (FA2 returns
-  +inf, FA3 -inf: a merge treats them alike; the empty side's out is 0);
-* ``out`` = (w_a out_a + w_b out_b) / (w_a + w_b) with w = exp(lse - max), in out_a's dtype; ``lse`` float32
-  [T, h] the log of the summed weights in ``merge_lse_base``; both sides empty: out 0, lse ``merge_empty_row``.
+  +inf, FA3 -inf; the empty side's out is 0): a merge treats them alike unless it declares the one it takes
+  (``merge_empty_input``: FlashInfer's merge_state takes -inf, a +inf side gives NaN there), and is then handed
+  only that one;
+* ``out`` = (w_a out_a + w_b out_b) / (w_a + w_b) with w = exp(lse - max), in out_a's dtype (enforced: it takes
+  the partials' place in the caller's buffer); ``lse`` float32 [T, h] the log of the summed weights in
+  ``merge_lse_base``; both sides empty: out 0, lse ``merge_empty_row`` (what the merge *returns*; its inputs'
+  marker is ``merge_empty_input``).
 
 ``write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format) -> None`` -- the cache writer (vLLM's
 ``concat_and_cache_mla``, FlashInfer's ``append_paged_mla_kv_cache``):
@@ -193,21 +199,29 @@ same queries merged by their log-sum-exp (vLLM's ``merge_attn_states``, FlashInf
   [T]: token t goes to slot block * page_block_size + offset; a negative slot writes nothing (a slot twice in
   one call is the caller's error; under ``write_padding_slot = "dummy-slot-0"`` the padding tokens come with
   slot 0 instead, never a negative slot); nothing else of the cache changes;
-* ``"latent"``: the row [kv_c | k_pe] as is (bit for bit); ``"fp8-e4m3-flashmla"``: the 656-byte row exactly
-  as FlashMLA's tests/quant.py encodes it (tile scale max(amax / 448, 1e-4), rounded up to a power of two
-  under ``write_fp8_scale_format = "pow2"``, kept as float32 under ``"fp32"``; e4m3 of value / scale; k_pe as
-  bfloat16, never scaled); ``"fp8-e4m3-model1"``: FlashMLA's MODEL1 layout (:mod:`mla_conformance.kv.model1`;
-  kv_c [T, 448], UE8M0 scales only).
+* ``"latent"``: the row [kv_c | k_pe] as is (bit for bit); ``"fp8-e4m3-flashmla"``: the 656-byte row as
+  FlashMLA's tests/quant.py encodes it: under ``write_fp8_scale_format = "pow2"`` exactly (tile scale
+  max(amax / 448, 1e-4) rounded up to a power of two, DeepSeek's ue8m0; e4m3 of value / scale, round to nearest
+  even); under ``"fp32"`` judged by what a reader decodes -- each float32 tile scale finite, >= 0 and amax / 448
+  within 2^-7 (bfloat16 arithmetic allowed; the 1e-4 floor optional: it keeps log2 finite in the pow2 path, and
+  SGLang drops it), each e4m3 value x its tile's scale within half an e4m3 step (at value / scale) of the written
+  value, so an all-zero tile of scale 0 decodes to 0, never NaN; k_pe as bfloat16, never scaled;
+  ``"fp8-e4m3-model1"``: FlashMLA's MODEL1 layout (:mod:`mla_conformance.kv.model1`; kv_c [T, 448], UE8M0 scales
+  only).
 
 The methods' declarations (an op without the method never has them read; none is assumed):
 
 * ``prefill_head_dims``: (d_qk, d_v) pairs, ``((192, 128),)`` by default, or ``"any"``; ``prefill_lse_base``:
   ``"e"`` (default) or ``"2"``; ``prefill_empty_row``: ``"+inf"`` (default, FA2) or ``"-inf"`` (FA3);
+  ``prefill_returns_lse``: ``True`` (default) or ``False``: it returns ``(out, None)``; every out check runs, the lse
+  checks do not, and the composition (chunks merged by their lse) skips naming it;
 * ``sparse_prefill_head_dims``: ``((576, 512),)`` by default (add ``(512, 512)`` for MODEL1);
   ``sparse_prefill_lse_base``; ``sparse_prefill_topk_length`` and ``sparse_prefill_attn_sink``: ``False``
   (default) or ``True``;
 * ``merge_lse_base``: the base of the lse merge takes and returns (``"e"`` default, ``"2"``: FlashInfer's
-  ``merge_state``); ``merge_empty_row``: the lse of two empty sides, ``"+inf"`` (default) or ``"-inf"``;
+  ``merge_state``); ``merge_empty_row``: the lse it returns for two empty sides, ``"+inf"`` (default) or
+  ``"-inf"``; ``merge_empty_input``: the infinity that marks an empty side among its inputs, ``"either"``
+  (default: both are handed), ``"+inf"`` or ``"-inf"`` (FlashInfer's);
 * ``write_kv_formats``: ``("latent",)`` by default, any of :data:`WRITE_KV_FORMATS`;
   ``write_fp8_scale_format``: ``"pow2"`` (default) or ``"fp32"``, as decode's ``fp8_scale_format``;
   ``write_page_block_sizes``: ``(64,)`` by default; ``write_padding_slot``: how the caller marks a padding token
@@ -267,6 +281,78 @@ WRITE_KV_FORMATS = KV_FORMATS
 PREFILL_D_QK = 192
 PREFILL_D_V = 128
 
+#: Each method's tensors, its inputs then what it returns: (name, shape, what it holds) -- docs/op-contract.md's
+#: tables (``mla-conformance docs``) and the layouts a shape error of an op's result names.
+TENSORS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "decode": (
+        ("q", f"[B, s_q, h_q, {D_QK}]", f"q's dtype: the absorbed nope part ({D_V}, already x W_UK), then the rotated "
+                                        f"rope part ({D_ROPE}); may be non-contiguous"),
+        ("kv_cache", f"[num_blocks, page_block_size, 1, {D_QK}]",
+         f"q's dtype (`latent`: the normed latent c, then the rotated k_pe); uint8 [..., {FP8_ROW_BYTES}] "
+         f"(`fp8-e4m3-flashmla`: {D_V} e4m3, 4 float32 tile scales, {D_ROPE} bfloat16 rope); uint8 [..., 584] "
+         "(`fp8-e4m3-model1`)"),
+        ("block_table", "[B, max_blocks]", "int32: row b's j-th page is kv_cache[block_table[b, j]]; entries past a "
+                                           "row's pages may hold anything"),
+        ("cache_seqlens", "[B]", "int32: keys per row, 0 allowed"),
+        ("indices", "[B, s_q, topk]", "int32 (`sparse_decode`): into the flattened cache, block * page_block_size + "
+                                      "offset; -1 (and, under `invalid_index = \"out-of-range\"`, any entry outside "
+                                      "the cache) invalid"),
+        ("topk_length", "[B]", "int32 or None (`sparse_decode`): only the first topk_length[b] entries count"),
+        ("attn_sink", "[h_q]", "float32 or None (`attn_sink`)"),
+        ("out", f"[B, s_q, h_q, {D_V}]", "any floating dtype (compared in float64; half a step of its own dtype "
+                                      "allowed); a query with no keys: 0"),
+        ("lse", "[B, h_q, s_q]", "float32, heads first, in `lse_base`; a query with no keys: `empty_row` (+inf); "
+                                 "None under `returns_lse = False`"),
+    ),
+    "prefill": (
+        ("q", "[total_q, h_q, d_qk]", "the model dtype; may be a strided view"),
+        ("k", "[total_k, h_k, d_qk]", "q's dtype; h_q % h_k == 0, query head h reads kv head h // (h_q / h_k); may be "
+                                      "a strided view"),
+        ("v", "[total_k, h_k, d_v]", "q's dtype; may be a slice of a buffer padded to d_qk"),
+        ("cu_seqlens_q", "[B + 1]", "int32: row b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]"),
+        ("cu_seqlens_k", "[B + 1]", "int32: row b's keys are k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]] (0 allowed)"),
+        ("out", "[total_q, h_q, d_v]", "any floating dtype; a query with no keys: 0"),
+        ("lse", "[total_q, h_q]", "float32, tokens first (not decode's [B, h_q, s_q]), in `prefill_lse_base`; a "
+                                  "query with no keys: `prefill_empty_row`; None under `prefill_returns_lse = False`"),
+    ),
+    "sparse_prefill": (
+        ("q", "[s_q, h_q, d_qk]", "the model dtype"),
+        ("kv", "[s_kv, h_kv, d_qk]", "q's dtype; the value is kv[..., :d_v]"),
+        ("indices", "[s_q, h_kv, topk]", "int32 into kv's s_kv; an entry < 0 or >= s_kv is invalid"),
+        ("topk_length", "[s_q]", "int32 or None (`sparse_prefill_topk_length`)"),
+        ("attn_sink", "[h_q]", "float32 or None (`sparse_prefill_attn_sink`)"),
+        ("out", "[s_q, h_q, d_v]", "any floating dtype; a row with no valid index: 0"),
+        ("max_logits", "[s_q, h_q]", "float32: the largest scaled logit (natural units); no valid index: -inf"),
+        ("lse", "[s_q, h_q]", "float32, tokens first, in `sparse_prefill_lse_base`; no valid index: +inf"),
+    ),
+    "merge": (
+        ("out_a", "[T, h, d]", "any floating dtype, possibly strided; an empty side's out is 0"),
+        ("lse_a", "[T, h]", "float32, tokens first (possibly a view of [h, T] storage, as vLLM keeps it), in "
+                            "`merge_lse_base`; +inf or -inf marks an empty side (those `merge_empty_input` takes)"),
+        ("out_b", "[T, h, d]", "out_a's dtype"),
+        ("lse_b", "[T, h]", "as lse_a"),
+        ("out", "[T, h, d]", "out_a's dtype: (w_a out_a + w_b out_b) / (w_a + w_b), w = exp(lse - max); both "
+                             "sides empty: 0"),
+        ("lse", "[T, h]", "float32, in `merge_lse_base`: the log of the summed weights; both sides empty: "
+                          "`merge_empty_row` (the output's marker only)"),
+    ),
+    "write": (
+        ("kv_c", f"[T, {D_V}]", "the model dtype (`fp8-e4m3-model1`: [T, 448]); may be a view of the projection output"),
+        ("k_pe", f"[T, {D_ROPE}]", "the model dtype: the rotated rope key"),
+        ("kv_cache", "as decode reads `kv_format`", "written in place: the slots slot_mapping names, nothing else"),
+        ("slot_mapping", "[T]", "int64: token t goes to slot block * page_block_size + offset (block = slot // "
+                                "page_block_size); a negative slot writes nothing (under `write_padding_slot = "
+                                "\"dummy-slot-0\"` padding comes with slot 0 instead); a slot twice in one call is "
+                                "the caller's error"),
+    ),
+}
+
+
+def layout_of(method: str, name: str) -> str:
+    """The shape of ``method``'s tensor ``name`` as :data:`TENSORS` writes it ("[T, h]"), or ''."""
+    return next((shape for n, shape, _ in TENSORS.get(method, ()) if n == name), "")
+
+
 #: Optional declarations and their defaults.
 DECLARATIONS: dict[str, Any] = {
     "lse_base": "e",
@@ -288,14 +374,17 @@ DECLARATIONS: dict[str, Any] = {
     "prefill_head_dims": ((PREFILL_D_QK, PREFILL_D_V),),
     "prefill_lse_base": "e",
     "prefill_empty_row": "+inf",
+    "prefill_returns_lse": True,
     # sparse_prefill: (d_qk, d_v) pairs (576 / 512 V3.2, 512 / 512 MODEL1), lse base, topk_length, attn_sink
     "sparse_prefill_head_dims": ((D_QK, D_V),),
     "sparse_prefill_lse_base": "e",
     "sparse_prefill_topk_length": False,
     "sparse_prefill_attn_sink": False,
-    # merge: the base of the lse it takes and returns; the lse it returns when both sides are empty
+    # merge: the base of the lse it takes and returns; the lse it returns when both sides are empty; the infinity
+    # that marks an empty side among its inputs
     "merge_lse_base": "e",
     "merge_empty_row": "+inf",
+    "merge_empty_input": "either",
     # write: the formats it writes, the FP8 tile-scale convention it writes, the page sizes it writes into
     "write_kv_formats": ("latent",),
     "write_fp8_scale_format": "pow2",
@@ -310,10 +399,10 @@ METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
                "attn_sink",
                "page_block_sizes", "kv_formats", "fp8_scale_format", "deterministic", "batch_invariant",
                "head_dims", "padding_rows", "out_buffers"),
-    "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row"),
+    "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row", "prefill_returns_lse"),
     "sparse_prefill": ("sparse_prefill_head_dims", "sparse_prefill_lse_base", "sparse_prefill_topk_length",
                        "sparse_prefill_attn_sink"),
-    "merge": ("merge_lse_base", "merge_empty_row"),
+    "merge": ("merge_lse_base", "merge_empty_row", "merge_empty_input"),
     "write": ("write_kv_formats", "write_fp8_scale_format", "write_page_block_sizes", "write_padding_slot"),
 }
 
@@ -329,11 +418,13 @@ _ALLOWED = {
     "out_buffers": (True, False),
     "prefill_lse_base": ("e", "2"),
     "prefill_empty_row": ("+inf", "-inf"),
+    "prefill_returns_lse": (True, False),
     "sparse_prefill_lse_base": ("e", "2"),
     "sparse_prefill_topk_length": (True, False),
     "sparse_prefill_attn_sink": (True, False),
     "merge_lse_base": ("e", "2"),
     "merge_empty_row": ("+inf", "-inf"),
+    "merge_empty_input": ("either", "+inf", "-inf"),
     "write_fp8_scale_format": ("pow2", "fp32"),
     "write_padding_slot": ("negative", "dummy-slot-0"),
     "padding_rows": ("defined", "undefined"),
@@ -528,5 +619,5 @@ def declarations(op) -> dict[str, Any]:
 
 
 __all__ = ["OpCase", "MethodCase", "BUILTIN_OPS", "DEFAULT_OPS", "DECLARATIONS", "METHOD_DECLARATIONS", "METHODS",
-           "SIGNATURES", "KV_FORMATS", "WRITE_KV_FORMATS", "declared", "declarations", "has_method", "methods_of",
+           "SIGNATURES", "TENSORS", "layout_of", "KV_FORMATS", "WRITE_KV_FORMATS", "declared", "declarations", "has_method", "methods_of",
            "takes_head_dims", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES", "PREFILL_D_QK", "PREFILL_D_V"]

@@ -46,7 +46,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "docs/tolerances.md": ("tolerances", "op_tolerances"),
     "docs/codecs.md": ("kv_codecs",),
     "docs/cli.md": ("presets",),
-    "docs/op-contract.md": ("op_methods",),
+    "docs/op-contract.md": ("op_methods", "op_tensors"),
 }
 
 REGENERATE = "mla-conformance docs"
@@ -220,6 +220,13 @@ def op_methods_table() -> str:
     return _table(("method", "signature", "declarations (defaults)"), ("l", "l", "l"), rows)
 
 
+def op_tensors_table() -> str:
+    """Every method's tensors: shape and what each holds, inputs then results (contract/op.py TENSORS)."""
+    rows = [(f"`{m}`" if i == 0 else "", f"`{name}`", shape, text)
+            for m in op.METHODS for i, (name, shape, text) in enumerate(op.TENSORS[m])]
+    return _table(("method", "tensor", "shape", "dtype, layout, meaning"), ("l", "l", "l", "l"), rows)
+
+
 def presets_table() -> str:
     """Every MLAConfig preset's dimensions, read from the configs."""
     rows = []
@@ -246,6 +253,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "kv_codecs": codecs_table,
     "presets": presets_table,
     "op_methods": op_methods_table,
+    "op_tensors": op_tensors_table,
 }
 
 

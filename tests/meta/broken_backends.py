@@ -128,6 +128,18 @@ class NoCausalMask(_Absorbed):
         return (t[None, None, :] < new_lens[:, None, None]).expand(-1, S, -1)
 
 
+class CausalExcludesSelf(_Absorbed):
+    """The causal mask off by one (key < query, not <=): a query does not see its own token, so position 0 of a
+    prefill sees no key and gives exactly 0."""
+
+    name = "broken-causal-excludes-self"
+
+    def allowed(self, cache, lengths, new_lens, S, T):
+        allowed = super().allowed(cache, lengths, new_lens, S, T)
+        qpos = cache.seq_lens[:, None] + torch.arange(S, device=cache.seq_lens.device)[None, :]
+        return allowed & (torch.arange(T, device=qpos.device)[None, None, :] != qpos[:, :, None])
+
+
 class WrongKvBSlice(_Absorbed):
     """Views kv_b_proj as [nope + v, heads, kv_lora] (wrong axis order), mixing heads' W_UK / W_UV."""
 

@@ -52,6 +52,24 @@ class NanForEmptyPrefill(ReferenceOp):
         return torch.where(empty[..., None], math.nan, out), torch.where(empty, math.nan, lse)
 
 
+class NaturalLseDeclaredBase2Prefill(ReferenceOp):
+    """Declares prefill_lse_base = "2" (FlashInfer's ragged prefill) but returns the natural log."""
+
+    name = "broken-prefill-natural-as-2"
+    prefill_lse_base = "2"
+
+
+class NoLseNanForEmptyPrefill(NanForEmptyPrefill):
+    """Declares prefill_returns_lse = False (vLLM's context_attention_fwd) and leaves a query with no keys NaN:
+    without an lse, every out check still runs."""
+
+    name = "broken-prefill-no-lse-nan-empty"
+    prefill_returns_lse = False
+
+    def prefill(self, *args, **kwargs):
+        return super().prefill(*args, **kwargs)[0], None
+
+
 class PaddingRowWritesStart(ReferenceOp):
     """One program per sequence, each writing at least its first query: a zero-length padding sequence writes its
     empty result (out 0, lse +inf) at its start offset -- the next sequence's first query, or past the end, which
@@ -189,8 +207,8 @@ class MergeBothEmptyNaN(ReferenceOp):
 
 
 class MergePlusInfAsValue(ReferenceOp):
-    """Treats only -inf as an empty side: an lse of +inf (FA2's empty marker) is taken as a value, max = +inf,
-    weights exp(inf - inf) = NaN."""
+    """Treats only -inf as an empty side (FlashInfer's merge_state) and does not declare merge_empty_input =
+    "-inf": an lse of +inf (FA2's empty marker) is taken as a value, max = +inf, weights exp(inf - inf) = NaN."""
 
     name = "broken-merge-plus-inf-as-value"
 
@@ -342,3 +360,86 @@ class Model1PerTokenRows(ReferenceOp):
         page = kv_cache.shape[1]
         row = torch.cat([payload, scales, torch.zeros(len(slots), 1, dtype=torch.uint8)], dim=-1)
         kv_cache[slots // page, slots % page, 0] = row
+
+
+class _Fp32Writer(ReferenceOp):
+    """FlashMLA's 656-byte rows under declared fp32 scales, from ``rows(x, scale)``: (e4m3 payload values, stored
+    scales) of kv_c's tiles x [T, 4, 128] float32 and amax / 448 (no floor)."""
+
+    write_fp8_scale_format = "fp32"
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        if kv_format != "fp8-e4m3-flashmla":
+            return super().write(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format)
+        keep = slot_mapping >= 0
+        slots, page = slot_mapping[keep], kv_cache.shape[1]
+        x = kv_c[keep].float().unflatten(-1, (4, 128))
+        payload, scale = self.rows(x, x.abs().amax(-1) / 448.0)
+        kv_cache[slots // page, slots % page, 0] = torch.cat(
+            [payload.flatten(-2).to(torch.float8_e4m3fn).view(torch.uint8), scale.float().contiguous().view(torch.uint8),
+             k_pe[keep].to(torch.bfloat16).contiguous().view(torch.uint8)], dim=-1)
+
+
+class ZeroTileTimesInfWriter(_Fp32Writer):
+    """No floor and value x (1 / scale): an all-zero tile gets scale 0 and payload 0 x inf = NaN, which a reader
+    decodes to NaN."""
+
+    name = "broken-write-zero-tile-nan"
+
+    def rows(self, x, scale):
+        return x * (1.0 / scale)[..., None], scale
+
+
+class Amax240Writer(_Fp32Writer):
+    """Scale amax / 240 (e4m3fnuz's largest value, AMD's FP8) into e4m3fn bytes: values decode, but at 1.87 x the
+    scale the contract's readers are tested with, their low bits lost."""
+
+    name = "broken-write-amax-240"
+
+    def rows(self, x, scale):
+        s = torch.clamp_min(scale * 448.0 / 240.0, 1e-4)
+        return x / s[..., None], s
+
+
+class ScaleMismatchWriter(_Fp32Writer):
+    """Divides the payload by the power-of-two scale and stores amax / 448: the stored scale is not the one the
+    e4m3 bytes were divided by, so every value decodes off by their ratio."""
+
+    name = "broken-write-scale-mismatch"
+
+    def rows(self, x, scale):
+        s = torch.clamp_min(scale, 1e-4)
+        return x / torch.pow(2.0, torch.log2(s).ceil())[..., None], s
+
+
+# --------------------------------------------------------------------------- contract violations (errors)
+
+
+class NoLsePrefillUndeclared(ReferenceOp):
+    """Returns (out, None) from prefill without declaring prefill_returns_lse = False: an error naming it."""
+
+    name = "broken-prefill-no-lse-undeclared"
+
+    def prefill(self, *args, **kwargs):
+        return super().prefill(*args, **kwargs)[0], None
+
+
+class PrefillLseHeadsFirst(ReferenceOp):
+    """Returns prefill's lse heads first, [h_q, total_q] (decode's layout guessed for prefill): an error naming
+    both layouts."""
+
+    name = "broken-prefill-lse-heads-first"
+
+    def prefill(self, *args, **kwargs):
+        out, lse = super().prefill(*args, **kwargs)
+        return out, lse.T.contiguous()
+
+
+class MergeOutFloat32(ReferenceOp):
+    """Returns merge's out in float32 whatever out_a's dtype (the accumulator not cast back): an error."""
+
+    name = "broken-merge-out-float32"
+
+    def merge(self, out_a, lse_a, out_b, lse_b):
+        out, lse = super().merge(out_a, lse_a, out_b, lse_b)
+        return out.float(), lse

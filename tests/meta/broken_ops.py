@@ -25,6 +25,14 @@ class Base2DeclaredE(ReferenceOp):
         return out, lse / math.log(2.0)
 
 
+class NaturalDeclaredBase2(ReferenceOp):
+    """Declares FlashInfer's lse_base = "2" but returns the natural log (an adapter that passes the kernel's
+    declaration on and converts its lse to natural anyway): the converse of Base2DeclaredE."""
+
+    name = "broken-lse-natural-as-2"
+    lse_base = "2"
+
+
 class NanForEmptyRows(ReferenceOp):
     """A query with no keys returns NaN (0/0 of an unguarded softmax) instead of out 0 and lse +inf."""
 

@@ -269,3 +269,88 @@ class DummySlotWriterOp:
     def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
         pool = kv_cache.view(-1, kv_cache.shape[-1])                      # [num_blocks * page, 576]: one row a token
         pool[slot_mapping.long()] = torch.cat([kv_c, k_pe], dim=-1).to(pool.dtype)
+
+
+class _Fp32ScaleWriter:
+    """FlashMLA's 656-byte rows with float32 tile scales as other writers compute them (:meth:`scales`): e4m3 of
+    value / scale (0 where the scale is 0), the bfloat16 rope unscaled. Only ``write``, only this format."""
+
+    write_kv_formats = ("fp8-e4m3-flashmla",)
+    write_fp8_scale_format = "fp32"
+    write_page_block_sizes = (16, 64)
+
+    def unsupported_reason(self, case):
+        return None
+
+    def scales(self, tiles):
+        raise NotImplementedError
+
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
+        keep = slot_mapping >= 0
+        slots, page = slot_mapping[keep].long(), kv_cache.shape[1]
+        x = kv_c[keep].float().unflatten(-1, (4, 128))
+        scale = self.scales(x).float()
+        q8 = torch.where(scale[..., None] > 0, x / torch.where(scale > 0, scale, 1.0)[..., None], 0.0)
+        rows = torch.cat([q8.flatten(-2).to(torch.float8_e4m3fn).view(torch.uint8),
+                          scale.contiguous().view(torch.uint8),
+                          k_pe[keep].to(torch.bfloat16).contiguous().view(torch.uint8)], dim=-1)
+        kv_cache[slots // page, slots % page, 0] = rows
+
+
+class NoFloorFp32Writer(_Fp32ScaleWriter):
+    """SGLang-style: scale amax / 448 in float32 with no floor (an all-zero tile: scale 0, payload 0)."""
+
+    name = "no-floor-fp32-writer"
+
+    def scales(self, tiles):
+        return tiles.abs().amax(-1) / 448.0
+
+
+class Bf16ScaleWriter(_Fp32ScaleWriter):
+    """FlashMLA's earlier float32-scale quant.py: amax / 448 computed in bfloat16 (up to a few 2^-9 off the
+    float32 quotient), no floor, stored as float32."""
+
+    name = "bf16-scale-writer"
+
+    def scales(self, tiles):
+        return tiles.abs().amax(-1).to(torch.bfloat16) / torch.tensor(448.0, dtype=torch.bfloat16)
+
+
+class MinusInfMergeOp:
+    """Only merge, as FlashInfer's merge_state computes it: lse in base 2, s_max = max(s_a, s_b), weights
+    exp2(s - s_max): an empty side is -inf (exp2(-inf) = 0), and a +inf side would make every weight NaN, so it
+    declares merge_empty_input = "-inf"; two empty sides guarded: out 0, lse -inf (declared)."""
+
+    name = "minus-inf-merge-op"
+    merge_lse_base = "2"
+    merge_empty_row = "-inf"
+    merge_empty_input = "-inf"
+
+    def unsupported_reason(self, case):
+        return None
+
+    def merge(self, out_a, lse_a, out_b, lse_b):
+        la, lb = lse_a.float(), lse_b.float()
+        top = torch.maximum(la, lb)
+        none = torch.isneginf(top)
+        top = torch.where(none, 0.0, top)
+        wa, wb = torch.exp2(la - top), torch.exp2(lb - top)
+        total = torch.where(none, 1.0, wa + wb)
+        out = (out_a.float() * wa[..., None] + out_b.float() * wb[..., None]) / total[..., None]
+        return out.to(out_a.dtype), torch.where(none, -math.inf, top + torch.log2(total))
+
+
+class NoLsePrefillOp(MergeOnlyOp):
+    """vLLM's and SGLang's Triton prefill (``context_attention_fwd``) as they compute it: no lse written (declared
+    prefill_returns_lse = False; it returns (out, None)), an online softmax over key blocks in float32, P rounded to
+    q's dtype before P.V, bottom-right causal; and MergeOnlyOp's merge, so the composition asks for the lse by
+    name."""
+
+    name = "no-lse-prefill-op"
+    prefill_returns_lse = False
+    prefill_head_dims = ((192, 128), (256, 256), (576, 512))
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal):
+        out, _ = IndependentMethodsOp.prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale,
+                                              causal=causal)
+        return out, None

@@ -174,6 +174,8 @@ BROKEN_OPS = {
     "lse-base2-as-e": (f"{OPS}:Base2DeclaredE", "broken-lse-base2-as-e",
                        ["test_op_numerics.py::test_out_lse_vs_oracle[-float32]", "test_op_numerics.py::test_split_kv_merge[-1]",
                         "test_op_sparse.py::test_sparse_vs_oracle[]"]),
+    "lse-natural-as-2": (f"{OPS}:NaturalDeclaredBase2", "broken-lse-natural-as-2",
+                         ["test_op_numerics.py::test_out_lse_vs_oracle[-float32]"]),
     "nan-empty-rows": (f"{OPS}:NanForEmptyRows", "broken-nan-empty-rows",
                        ["test_op_paging.py::test_empty_and_single_key_rows[]",
                         "test_op_sparse.py::test_sparse_all_invalid_rows[]", "test_op_numerics.py::test_split_kv_merge[-2]"]),
@@ -252,7 +254,8 @@ HINTS = {"top-left-causal": "likely cause: top-left causal alignment",
          "new-tensor-out": "is not the buffer it was handed", "ignores-out-strides": "likely cause: the op wrote its out / lse buffers as if they were contiguous",
          "same-output": "likely cause: every query position of row",
          "rows-past-batch": "likely cause: the op reads block_table / cache_seqlens rows past the batch",
-         "nan-at-q-len-2": "non-finite value(s) in queries with keys"}
+         "nan-at-q-len-2": "non-finite value(s) in queries with keys",
+         "lse-natural-as-2": "the lse matches the natural log"}
 
 #: correct ops: every op test runs on them; "all" must pass; otherwise they may skip only with the sentences
 #: of SKIPS[mode] (their own unsupported_reason, or a declaration they do not make)

@@ -80,6 +80,7 @@ EXPECTED = {
     bb.NoCausalMask: ("no-causal-mask",),
     bb.ChunkMaskTopLeft: ("chunk-mask-top-left",),
     bb.ShiftedDecodePosition: ("decode-position-off-by-one",),
+    bb.CausalExcludesSelf: ("causal-mask-excludes-self",),
 }
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mla_conformance import checks
+from mla_conformance.checks.conventions import check_yarn_rope_attention_factor_convention
 
 from mla_conformance.errors import BackendError
 
@@ -27,6 +28,7 @@ CHECKS = {
     "incremental-fp32-tiny": lambda b: checks.incremental_equals_prefill(b, "tiny", F32),
     "bytes-bf16-lite": lambda b: checks.v2_lite_cache_probe(b),
     "bytes-f32-tiny-batch3": lambda b: checks.cache_bytes(b, "tiny", F32, prefill=6, decode=2, batch=3, capacity=16),
+    "conventions-fp32": lambda b: check_yarn_rope_attention_factor_convention(b, "cpu", {}),
     "codec-bytes-int8-g32": lambda b: checks.cache_bytes(b, "tiny", BF16, prefill=4, decode=1, batch=2, capacity=12,
                                                          kv_codec="int8-g32"),
 }
@@ -86,7 +88,8 @@ def test_overallocating_backend_passes_and_reports_overhead():
 
 
 def test_every_check_catches_something():
-    used = {c for names in CAUGHT_BY.values() for c in names} | {c for c, _ in CACHE_BUGS.values()}
+    used = ({c for names in CAUGHT_BY.values() for c in names} | {c for c, _ in CACHE_BUGS.values()}
+            | {c for _, c, _ in CAUSES})
     assert used <= set(CHECKS)
     unused = set(CHECKS) - used
     assert not unused, f"checks no broken backend fails: {sorted(unused)}"
@@ -135,14 +138,24 @@ def test_independent_backend_generates_the_golden_tokens():
         assert [o["tokens"] for o in result["outputs"]] == [o["tokens"] for o in golden["outputs"]]
 
 
-@pytest.mark.parametrize("broken,check,phrase", [
+#: broken backend (name in broken_backends) -> the check whose failure must name its likely cause, and the phrase
+CAUSES = [
     ("MissingMscaleSquared", "numerics-fp32-tiny-prefill", r"likely cause: matches the reference without YaRN mscale²"),
     ("RopeLayoutMixup", "numerics-fp32-tiny-prefill", r"likely cause: matches the reference with rotate-half RoPE"),
     ("ChunkMaskTopLeft", "numerics-fp32-tiny-long_context",
      r"likely cause: matches the reference with each call's mask aligned top-left"),
     ("ShiftedDecodePosition", "numerics-fp32-tiny-prefill_decode",
      r"likely cause: matches the reference with one-token \(decode\) calls rotated at position - 1"),
-])
+    ("CausalExcludesSelf", "numerics-fp32-tiny-prefill",
+     r"likely cause: matches the reference with the causal mask off by one, key < query"),
+    # the convention test names a bug of another class, not a RoPE convention it does not have
+    ("MissingMscaleSquared", "conventions-fp32",
+     r"not a RoPE-convention mismatch: under the transformers convention the output matches the reference without "
+     r"YaRN mscale²"),
+]
+
+
+@pytest.mark.parametrize("broken,check,phrase", CAUSES)
 def test_failure_names_the_likely_cause(broken, check, phrase):
     """The numerics check itself (not only mla_conformance.checks.diagnose) says which bug the output matches."""
     from . import broken_backends

@@ -19,7 +19,8 @@ Read in vllm-project/vllm through the code index:
   as is (format "latent"); "fp8_ds_mla" writes the 656-byte row of FlashMLA's V3.2 layout
   (``concat_and_cache_ds_mla_kernel`` in ``csrc/cache_kernels.cu``, revision not recorded by the index: tile
   scale ``max(amax / 448, FLT_MIN)`` kept as a float32 -- declared ``write_fp8_scale_format = "fp32"`` -- with
-  no 1e-4 floor, so a tile with amax below 448e-4 gets another scale than FlashMLA's tests/quant.py; other
+  no 1e-4 floor, so a tile with amax below 448e-4 gets another scale than FlashMLA's tests/quant.py, which the
+  fp32 rule allows (a tile is judged by what it decodes to); other
   revisions round the scale up to a power of two (vLLM PRs #49435, #54563)). A negative slot writes nothing
   (the kernel returns for ``slot_idx < 0``).
 
