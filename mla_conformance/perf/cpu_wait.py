@@ -3,10 +3,10 @@
 torch's CPU ops and the BLAS under them run each op as an OpenMP parallel region, and by default a thread that
 finishes its share *spins* at the region's barrier. On a machine where another process holds a core, the
 thread that shares it is descheduled, and the spinning one keeps its own core instead of letting it run:
-every region then waits for a scheduler time slice. A decode step of many short regions suffers most: on the
-2-core development machine with one core busy, reference-absorbed's 16k bf16 step (about 20 regions) went from
-about 15 ms to 190-420 ms while reference-naive's (a few long ones) only doubled, so ``bench`` printed a 2-4x
-speed-up where it is 13-21x with passive waiting in the same conditions. Waiting passively, an idle thread
+every region then waits for a scheduler time slice. A decode step of many short regions suffers most:
+reference-absorbed's step (tens of regions) slows far more than reference-naive's (a few long ones), so `bench`
+printed a fraction of the absorbed speed-up on a 2-core machine with one core busy (issue 31; the figures are
+`bench`'s, run with and without the policy). Waiting passively, an idle thread
 sleeps and its core runs the descheduled one.
 
 OpenMP reads the policy once, when torch loads its runtime, so :func:`prefer_passive_wait` must run before
