@@ -3,12 +3,18 @@
 The suite's options, markers, backend parametrisation and report header come from the installed plugin
 (``mla_conformance.pytest_plugin``, entry point ``pytest11``), so they work from any directory; this file only
 holds what is specific to this checkout: where the fixtures and goldens live, ``pytester`` for the tests that
-run the suite inside a test (tests/meta/harness.py), and xdist's grouping of their tests.
+run the suite inside a test (tests/meta/harness.py), xdist's grouping of their tests, and the OpenMP wait policy
+of the timed steps (mla_conformance.perf.cpu_wait).
 """
 
 from pathlib import Path
 
 import pytest
+
+from mla_conformance.perf import cpu_wait
+
+#: before anything imports torch: the CPU threads of the timed steps (the benchmarks) wait passively, as `bench`'s do
+cpu_wait.prefer_passive_wait()
 
 #: pytester: the suite-in-suite runs of tests/meta (a top-level conftest is the one place pytest takes it from)
 pytest_plugins = ["pytester"]

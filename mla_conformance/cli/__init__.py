@@ -12,6 +12,7 @@ import os
 import sys
 
 from mla_conformance.errors import MLAInputError
+from mla_conformance.perf import cpu_wait
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -26,6 +27,10 @@ COMMANDS = {
     "bench": "mla_conformance.cli.bench",
     "docs": "mla_conformance.cli.docs",
 }
+
+#: What a command's process sets before its module (and so torch) is imported: bench's timed CPU threads wait
+#: passively (mla_conformance.perf.cpu_wait: a spinning thread on a shared machine stalls every op).
+BEFORE_IMPORT = {"bench": cpu_wait.prefer_passive_wait}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -45,6 +50,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in BEFORE_IMPORT:
+        BEFORE_IMPORT[argv[0]]()
     parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -30,6 +30,8 @@ import torch
 from mla_conformance.arch.device import device_description
 from mla_conformance.errors import MLAInputError
 from mla_conformance.model.config import MLAConfig
+from mla_conformance.perf.cases import cache_byte_ratio
+from mla_conformance.perf.cpu_wait import wait_policy
 from mla_conformance.perf.sparse import SPARSE_CONTEXTS, SPARSE_PRESET, sparse_decode_bytes
 from mla_conformance.perf.step import NotSupported, Prepared, prepare, resolve_dtype, say_stderr
 from mla_conformance.perf.timing import BANDWIDTH_PROBE_BYTES, default_rounds, measure_bandwidth, time_interleaved
@@ -39,9 +41,9 @@ from mla_conformance.specs import get_backend
 BENCH_SCHEMA = "mla-conformance/bench"
 
 
-def speed_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
-    """naive median / absorbed median per context (and batch/codec when not 1/"none"), where both were timed."""
-    out: dict[str, float] = {}
+def ratio_pairs(results: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(key, naive row, absorbed row) per context (and batch/codec when not 1/"none"), where both were timed."""
+    out = []
     index = {(r["backend"], r["context"], r["batch"], r["kv_codec"]): r for r in results
              if r.get("median_s")}
     for (name, ctx, batch, codec), r in index.items():
@@ -51,8 +53,13 @@ def speed_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
         if naive is None:
             continue
         key = str(ctx) + ("" if batch == 1 else f"/b{batch}") + ("" if codec == "none" else f"/{codec}")
-        out[key] = naive["median_s"] / r["median_s"]
+        out.append((key, naive, r))
     return out
+
+
+def speed_ratios(results: list[dict[str, Any]]) -> dict[str, float]:
+    """naive median / absorbed median per context (and batch/codec when not 1/"none"), where both were timed."""
+    return {key: naive["median_s"] / absorbed["median_s"] for key, naive, absorbed in ratio_pairs(results)}
 
 
 _NO_FIGURES = {"median_s": None, "gb_per_s": None, "bytes_per_step": None, "flops": None, "bandwidth_fraction": None}
@@ -127,7 +134,8 @@ def run_bench(specs: list[str], preset: str, contexts: list[int], dtype: str, *,
         sparse["sparse_decode_bytes_preset"] = sparse_decode_bytes(preset, sorted(set(contexts)))
     return {"schema": BENCH_SCHEMA, "schema_version": 1, **sparse,
             "results": results, "device": device_description(device), "measured_bandwidth_gb_per_s": bw / 1e9,
-            "naive_over_absorbed": speed_ratios(results),
+            "naive_over_absorbed": speed_ratios(results), "cache_byte_ratio": cache_byte_ratio(preset),
+            "cpu_wait_policy": wait_policy(),
             "command": {"preset": preset, "contexts": contexts, "dtype": dtype, "backends": specs, "batch": batch,
                         "kv_codec": kv_codec, "rounds": rounds, "warmup": warmup, "seed": seed},
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

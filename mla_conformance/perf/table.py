@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mla_conformance.arch.device import device_line
+from mla_conformance.perf.bench import ratio_pairs
 
 
 def _checked(r: dict[str, Any]) -> str:
@@ -22,7 +23,10 @@ def _checked(r: dict[str, Any]) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"decode step on {device_line(report['device'])}, measured bandwidth "
+    policy = report.get("cpu_wait_policy")
+    lines = [f"decode step on {device_line(report['device'])}"
+             + (f" (OMP_WAIT_POLICY={policy})" if policy and report["device"].get("device") == "cpu" else "")
+             + ", measured bandwidth "
              f"{report['measured_bandwidth_gb_per_s']:.1f} GB/s; every timed step was first checked against the "
              "float64 oracle (err/bound: its worst error over its bound, the suite's plus the score-rounding term)",
              ""]
@@ -41,10 +45,16 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{lead} {r['median_s'] * 1e3:>9.3f} {r['bytes_per_step'] / 1e6:>9.2f} {r['gb_per_s']:>7.2f} "
                      f"{r['bandwidth_fraction']:>6.1%} {r['flops'] / 1e6:>9.1f} {r['gflop_per_s']:>8.2f} "
                      f"{_checked(r):>9}  {r['flop_model']}")
-    ratios = report.get("naive_over_absorbed") or {}
-    if ratios:
-        lines += ["", "reference-naive / reference-absorbed time per step (absorbed speed-up):"]
-        lines += [f"  context {k}: {v:.2f}x" for k, v in ratios.items()]
+    pairs = ratio_pairs(report["results"])
+    if pairs:
+        byte_ratio = report.get("cache_byte_ratio")
+        lines += ["", "reference-naive / reference-absorbed time per step (absorbed speed-up)"
+                  + (f"; the cache byte ratio (expanded / latent bytes per token) is {byte_ratio:.2f}x" if byte_ratio
+                     else "") + ":"]
+        bw = report["measured_bandwidth_gb_per_s"]
+        lines += [f"  context {k}: {n['median_s'] / a['median_s']:.2f}x (absorbed {a['gb_per_s']:.2f} GB/s = "
+                  f"{a['bandwidth_fraction']:.1%} of the measured {bw:.1f} GB/s copy bandwidth, naive "
+                  f"{n['gb_per_s']:.2f} GB/s = {n['bandwidth_fraction']:.1%})" for k, n, a in pairs]
     for key in ("sparse_decode_bytes", "sparse_decode_bytes_preset"):
         sparse = report.get(key)
         if not sparse:

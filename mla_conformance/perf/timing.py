@@ -117,9 +117,9 @@ def ratio_verdict(ratio: float, floor: float, fraction: float, *, what: str = "r
     spike is not a property of the code under test.
     """
     if ratio >= floor:
-        return "ok", f"{what} {ratio:.2f}x >= stated floor {floor:g}x"
+        return "ok", f"{what} {ratio:.2f}x >= stated floor {floor:.3g}x"
     if fraction < BUSY_FRACTION:
-        return "inconclusive", (f"{what} {ratio:.2f}x < stated floor {floor:g}x: inconclusive (machine busy: "
+        return "inconclusive", (f"{what} {ratio:.2f}x < stated floor {floor:.3g}x: inconclusive (machine busy: "
                                 f"{fraction:.0%} of copy bandwidth measured)")
-    return "below floor", (f"{what} {ratio:.2f}x < stated floor {floor:g}x with the machine's copy bandwidth "
+    return "below floor", (f"{what} {ratio:.2f}x < stated floor {floor:.3g}x with the machine's copy bandwidth "
                            f"steady ({fraction:.0%} of its best reading)")

@@ -95,8 +95,16 @@ class SlotCache:
 
     def read(self, name: str, T: int, new_lens: torch.Tensor) -> torch.Tensor:
         """The first T slots of every row of buffer ``name``; zeros (selected, never multiplied) where a
-        row holds no token."""
+        row holds no token.
+
+        When every row holds all T slots (a decode step of equal rows, the benchmarks') there is nothing to
+        select: the buffer's own slots are returned as a view, read in place by the attention that follows
+        (a ``torch.where`` over them would copy the whole cache every step: one more read and one write of
+        every cached byte). Callers only read what this returns.
+        """
         buf = self._buffers[name][:, :T]
+        if bool((new_lens >= T).all()):
+            return buf
         valid = self.valid_slots(T, new_lens).reshape(self.batch_size, T, *([1] * (buf.dim() - 2)))
         return torch.where(valid, buf, torch.zeros((), dtype=buf.dtype, device=buf.device))
 
