@@ -199,10 +199,33 @@ def pytest_report_teststatus(report, config):
     return None
 
 
+def pytest_collection_finish(session):  # a serial pytest: what it is to run, journalled (`run` names what it missed)
+    ResultsSession.of(session.config).collected(item.nodeid for item in session.items)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):  # xdist controller: where each worker's fault file and benchmarks go
-    ResultsSession.of(node.config).configure_node(node)
+    results = ResultsSession.of(node.config)
+    results.configure_node(node)
     footprint.hand_to_worker(node)
+    results.worker_event(node, "starting")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodeready(node):
+    ResultsSession.of(node.config).worker_event(node, "ready")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    results = ResultsSession.of(node.config)
+    results.collected(ids)
+    results.worker_event(node, "collected", tests=len(ids))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    ResultsSession.of(node.config).worker_event(node, "down", **({"error": str(error)[:500]} if error else {}))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -56,6 +56,15 @@ def sync_figures(item) -> dict | None:
     return plain
 
 
+def worker_popen(node):
+    """The ``subprocess.Popen`` of an xdist worker started by execnet's popen gateway, or None."""
+    return getattr(getattr(getattr(node, "gateway", None), "_io", None), "popen", None)
+
+
+def worker_pid(node) -> int | None:
+    return getattr(worker_popen(node), "pid", None)
+
+
 class ResultsSession:
     """This process's results and run state (see the module's docstring)."""
 
@@ -66,6 +75,8 @@ class ResultsSession:
         self.finished: set[str] = set()
         self.journal: isolation.Journal | None = None
         self._journal_opened = False
+        self._header_written = False
+        self._collection_written = False
         self.fault_file = None  # where faulthandler writes (a worker's file, or beside --mla-results)
         self.fault_dir: str | None = None  # xdist controller: the workers' fault files
         self.watch: isolation.Watch | None = None
@@ -160,28 +171,44 @@ class ResultsSession:
                 "device": selection.device_of(self.config), "backends": backends, "ops": [o.name for o in ops],
                 "op_declarations": {o.name: selection.op_declarations(o) for o in ops}}
 
-    def _journal(self) -> isolation.Journal | None:
-        """The journal beside --mla-results (opened, with its header, on the first test), or None."""
+    def _write(self, record: dict) -> None:
+        """One journal record (the journal beside --mla-results opened on the first); the header goes in before
+        the first test's start (the backends are resolved by then)."""
+        if not self.recording:
+            return
         if not self._journal_opened:
             self._journal_opened = True
-            if self.recording:
-                try:
-                    self.journal = isolation.Journal(isolation.journal_path(self.config.getoption("--mla-results")))
-                except OSError:
-                    return None
+            try:
+                self.journal = isolation.Journal(isolation.journal_path(self.config.getoption("--mla-results")))
+            except OSError:
+                self.journal = None
+        if self.journal is not None:
+            if "start" in record and not self._header_written:
+                self._header_written = True
                 self.journal.write({"header": self.header(None)})
-        return self.journal
-
-    def _write(self, record: dict) -> None:
-        journal = self._journal()
-        if journal is not None:
-            journal.write(record)
+            self.journal.write(record)
 
     def started(self, nodeid: str) -> None:
         if self.recording:
             self.running[nodeid] = True
             self.finished.discard(nodeid)
             self._write({"start": nodeid})
+
+    def collected(self, nodeids) -> None:
+        """The tests the run is to run (a serial pytest's collection, or the first xdist worker's): `run` names
+        from it the tests a run that was ended did not reach."""
+        if self.recording and not self._collection_written:
+            self._collection_written = True
+            self._write({"collection": [str(n) for n in nodeids]})
+
+    def worker_event(self, node, event: str, **info) -> None:
+        """xdist controller: a worker starting, ready (its pid), collected (its test count) or down (its
+        error); `run`'s watch sees the run make progress from these as from tests."""
+        if self.recording:
+            gateway = getattr(node, "gateway", None)
+            pid = worker_pid(node)
+            self._write({"worker": str(getattr(gateway, "id", None) or "?"), "event": event,
+                         **({"pid": pid} if pid else {}), **info})
 
     def reported(self, report) -> None:
         if not self.recording or getattr(report, "mla_ignore", False):
@@ -223,20 +250,14 @@ class ResultsSession:
 
     def _known_params(self, nodeid: str) -> dict:
         """A crashed test's backend or op when no report of it carried its parameters: the name in its id."""
-        params = nodeid.partition("[")[2].rstrip("]")
-        if not params:
-            return {}
-        found = {}
-        for key, names in (("backend", lambda: [b.name for b in selection.backends(self.config)]),
-                           ("op", lambda: [o.name for o in selection.ops(self.config)])):
+        names = {}
+        for key, names_of in (("backend", lambda: [b.name for b in selection.backends(self.config)]),
+                              ("op", lambda: [o.name for o in selection.ops(self.config)])):
             try:
-                hits = [n for n in names() if params == n or params.startswith(n + "-") or params.endswith("-" + n)
-                        or f"-{n}-" in params]
+                names[key] = names_of()
             except pytest.UsageError:
-                hits = []
-            if hits:
-                found[key] = max(hits, key=len)
-        return found
+                names[key] = []
+        return isolation.params_from_nodeid(nodeid, names["backend"], names["op"])
 
     def finish(self, exitstatus) -> None:
         """Write --mla-results (tests interrupted mid-test have no result) and close the journal and fault file."""
@@ -322,9 +343,8 @@ class ResultsSession:
         """xdist: a worker died while ``crashitem`` was its current test. Say how it died and record the test
         as an error (``crashed``, or ``timeout`` when the watchdog ended it); a worker that ended itself after
         a finished test (a sticky CUDA error) is no crash of that test."""
-        gateway = getattr(node, "gateway", None)
-        workerid = getattr(gateway, "id", "?")
-        popen = getattr(getattr(gateway, "_io", None), "popen", None)
+        workerid = getattr(getattr(node, "gateway", None), "id", "?")
+        popen = worker_popen(node)
         returncode = None
         if popen is not None:
             try:

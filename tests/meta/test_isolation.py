@@ -290,7 +290,7 @@ def test_out_proven_writable_before_any_test(tmp_path, capsys, monkeypatch, brea
     else:
         monkeypatch.setattr(outdir.os.path, "ismount", lambda p: Path(p) == out)
     ran = []
-    monkeypatch.setattr(R, "_run_pytest", lambda cmd: ran.append(cmd) or (0, None))
+    monkeypatch.setattr(R, "_run_pytest", lambda cmd, watch=None: ran.append(cmd) or (0, None))
     rc = main(["run", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and not ran and len(err.strip().splitlines()) == 1, err
@@ -307,7 +307,7 @@ def test_not_tested_fails_the_run_unless_unnamed_and_narrowed(tmp_path, capsys, 
                "tests": [{"nodeid": "suites/test_cache_bytes.py::test_seed_table[reference-absorbed]",
                           "outcome": "skipped", "params": {"backend": "reference-absorbed"}, "reason": "declined"}]}
 
-    def fake(cmd):
+    def fake(cmd, watch=None):
         Path(cmd[cmd.index("--mla-results") + 1]).write_text(json.dumps(results))
         return 0, None
 
