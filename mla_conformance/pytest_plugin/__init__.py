@@ -225,7 +225,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    ResultsSession.of(node.config).worker_event(node, "down", **({"error": str(error)[:500]} if error else {}))
+    ResultsSession.of(node.config).worker_down(node, error)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -172,8 +172,7 @@ class ResultsSession:
                 "op_declarations": {o.name: selection.op_declarations(o) for o in ops}}
 
     def _write(self, record: dict) -> None:
-        """One journal record (the journal beside --mla-results opened on the first); the header goes in before
-        the first test's start (the backends are resolved by then)."""
+        """One journal record (the journal beside --mla-results opened, with the header, on the first)."""
         if not self.recording:
             return
         if not self._journal_opened:
@@ -183,7 +182,7 @@ class ResultsSession:
             except OSError:
                 self.journal = None
         if self.journal is not None:
-            if "start" in record and not self._header_written:
+            if not self._header_written:
                 self._header_written = True
                 self.journal.write({"header": self.header(None)})
             self.journal.write(record)
@@ -328,16 +327,28 @@ class ResultsSession:
             self.config.add_cleanup(lambda d=self.fault_dir: shutil.rmtree(d, ignore_errors=True))
         node.workerinput["mla_fault_dir"] = self.fault_dir
 
-    def _read_fault_file(self, workerid: str) -> str:
+    def _read_fault_file(self, workerid: str, keep: bool = False) -> str:
         if not self.fault_dir:
             return ""
         path = Path(self.fault_dir) / f"{workerid}.txt"
         try:
             text = path.read_text(encoding="utf-8", errors="replace")
-            path.unlink()
+            if not keep:
+                path.unlink()
         except OSError:
             return ""
         return text
+
+    def worker_down(self, node, error) -> None:
+        """xdist controller: a worker ended (``error``: it died); the fatal error and innermost frame its fault
+        file names go into the journal's record (a worker that dies while collecting has no test to carry them)."""
+        info = {"error": str(error)[:500]} if error else {}
+        if error:
+            dump = self._read_fault_file(str(getattr(getattr(node, "gateway", None), "id", "?")), keep=True)
+            fatal, where = isolation.fatal_signal_of(dump), isolation.innermost_frame(dump)
+            if fatal or where:
+                info["fatal"] = " in ".join(x for x in (fatal, where) if x)
+        self.worker_event(node, "down", **info)
 
     def crashed(self, crashitem: str, report, node) -> None:
         """xdist: a worker died while ``crashitem`` was its current test. Say how it died and record the test

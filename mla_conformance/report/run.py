@@ -126,8 +126,9 @@ def run_command(args) -> int:
         results = None
         if watch.fired:  # pytest was ended: the journal has what it gathered
             print(f"mla-conformance run: the run stalled: {watch.fired}; {watch.description}; pytest and its "
-                  "workers were ended; the report holds the results recorded, the running tests as stalled and "
-                  "the tests not reached as not run", file=sys.stderr)
+                  "workers were ended; " + ("the report holds the results recorded, the running tests as stalled "
+                                            "and the tests not reached as not run" if watch.state.collection is not None
+                                            else "the report holds no test: none had been collected"), file=sys.stderr)
             results = results_from_journal(journal, returncode, stalled=watch.fired)
             if results is None:
                 print("mla-conformance run: no result had been recorded; no report written", file=sys.stderr)
@@ -144,8 +145,9 @@ def run_command(args) -> int:
             results = results_from_journal(journal, returncode, Path(str(results_path) + ".fault"))
             if results is None:
                 print(f"mla-conformance run: pytest {isolation.describe_exit(returncode)} before any result was "
-                      "recorded; no report written", file=sys.stderr)
-                return returncode or 1
+                      "recorded (while it started or collected: loading a backend or op, a conftest or a plugin; "
+                      "the stack above, from faulthandler, says where); no report written", file=sys.stderr)
+                return returncode if returncode > 0 else 1
             died = [t for t in results["tests"] if (t.get("fault") or {}).get("serial")]
             print(f"mla-conformance run: pytest {isolation.describe_exit(returncode)}"
                   + (f" while running {', '.join(t['nodeid'] for t in died)}" if died else "")
@@ -171,7 +173,7 @@ def run_command(args) -> int:
         print(f"  NOT RUN: {len(not_run)} test{'s' if len(not_run) != 1 else ''} (errors in the report): "
               f"{not_run[0]['reason']}", file=sys.stderr)
     not_selected = [who for who, v, _ in judged if v["verdict"] == "NOT SELECTED"]
-    if not_selected:
+    if not_selected and not watch.fired:
         print(f"mla-conformance run: not selected (no test of theirs matched the pytest arguments; not a failure): "
               f"{', '.join(not_selected)}")
     named = {f"op {n}" for n in op_names} | set(backend_names)
@@ -294,7 +296,8 @@ def _run_pytest(cmd: list[str], watch: RunWatch | None = None) -> tuple[int, int
     stalled the group is killed (``watch.fired`` says why). Whatever the group left running when pytest exits
     (a worker, a test's child) is killed too.
     """
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    # faulthandler from the first line: a crash while pytest or a worker starts prints its stack too
+    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     if watch is not None:
         watch.pid = proc.pid
     got: list[int] = []

@@ -75,8 +75,8 @@ class RunWatch:
             self.last = now
             self._seen = True
         if self.state.deaths_before_collection >= COLLECTION_DEATHS:
-            errors = sorted({str(w.get("error") or "no error given") for w in self.state.workers.values()
-                             if w.get("event") == "down"})
+            errors = sorted({", ".join(str(w[k]) for k in ("error", "fatal") if w.get(k)) or "no error given"
+                             for w in self.state.workers.values() if w.get("event") == "down"})
             self.fired = (f"{self.state.deaths_before_collection} xdist workers in a row died before collecting "
                           f"their tests ({'; '.join(errors)}): each replacement would die the same way")
         elif self.stall_s > 0:
@@ -120,7 +120,8 @@ class RunWatch:
 def _worker_state(w: dict) -> str:
     event = w.get("event")
     if event == "down":
-        return "down" + (f" ({w['error']})" if w.get("error") else "")
+        why = ", ".join(str(w[k]) for k in ("error", "fatal") if w.get(k))
+        return "down" + (f" ({why})" if why else "")
     what = {"starting": "starting", "ready": "started, collecting",
             "collected": f"collected {w.get('tests', '?')} tests"}.get(event, str(event))
     return f"{what} ({process_state(w.get('pid'))})"
