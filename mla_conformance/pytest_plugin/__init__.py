@@ -1,6 +1,7 @@
 """pytest plugin (entry point ``pytest11``): the suite's options, markers and hooks; the work is done by
 :mod:`.selection` (what runs), :mod:`.session` (the results), :mod:`.terminal` (what is printed),
-:mod:`.footprint` (nothing left in the user's directory) and :mod:`.isolation` (timeouts, crashes, CUDA faults).
+:mod:`.footprint` (nothing left in the user's directory), :mod:`.isolation` (timeouts, crashes, CUDA faults) and
+:mod:`.sentinel` (a serial pytest that dies names its test).
 
 Options::
 
@@ -147,6 +148,8 @@ def pytest_sessionstart(session):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     results = ResultsSession.of(item.config)
+    if selection.is_suite_item(item):
+        results.sentinel.started(item.config, item.nodeid)
     if not results.arm(item):
         yield
         return
@@ -258,4 +261,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    ResultsSession.of(session.config).finish(exitstatus)
+    results = ResultsSession.of(session.config)
+    results.sentinel.finish()
+    results.finish(exitstatus)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.pytest_plugin import isolation, selection
+from mla_conformance.pytest_plugin.sentinel import Sentinel
 from mla_conformance.errors import BackendError
 from mla_conformance.report.schema import Figures
 
@@ -81,6 +82,7 @@ class ResultsSession:
         self.fault_dir: str | None = None  # xdist controller: the workers' fault files
         self.watch: isolation.Watch | None = None
         self.poisoned: str | None = None  # the test after which this worker ends (a sticky CUDA error)
+        self.sentinel = Sentinel()  # a serial pytest that dies names its test (mla_conformance.pytest_plugin.sentinel)
 
     @classmethod
     def of(cls, config) -> "ResultsSession":
