@@ -6,6 +6,8 @@ and no process left. Each is a real process started in the background when the s
 module (tests/meta/background.py): it runs on the core the session leaves idle, under the load of the session's
 own tests. ``python -m tests.meta.fault_scenarios --repeat 10 --load`` runs every scenario over and over."""
 
+import concurrent.futures
+
 import pytest
 
 from . import background
@@ -13,14 +15,22 @@ from .fault_scenarios import DEFAULT, check, run_scenario
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_fault_scenarios")]
 
+
+def run_default() -> dict:
+    """Every scenario of :data:`DEFAULT`, three at a time: most of a scenario's time is a wait (a stall bound, a
+    hang's timeout, xdist restarting a worker), so together they take little more than their CPU time."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fault-scenario") as pool:
+        return dict(zip(DEFAULT, pool.map(run_scenario, DEFAULT)))
+
+
 #: started when the session has collected this module (tests/meta/background.py)
-BACKGROUND = {f"fault-{key}": ("fault_run", key, lambda key=key: run_scenario(key)) for key in DEFAULT}
+BACKGROUND = {"fault-scenarios": ("fault_run", None, run_default)}
 
 
 @pytest.fixture(scope="module", params=DEFAULT)
 def fault_run(request, suite_runs):
-    key = f"fault-{request.param}"
-    return request.param, suite_runs.get(key, lambda: background.result(key, lambda: run_scenario(request.param)))
+    runs = suite_runs.get("fault-scenarios", lambda: background.result("fault-scenarios", run_default))
+    return request.param, runs[request.param]
 
 
 def test_the_run_ends_with_the_verdict_the_dead_test_named_and_nothing_left(fault_run):

@@ -122,7 +122,7 @@ def _sigterm_run() -> dict:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # until the hanging test has started (the journal says so)
         journals = list(tmpdir.glob("mla-conformance-run-*/results.json.journal"))
-        if journals and hung in journals[0].read_text():
+        if journals and f'"start": "suite/test_cache_bytes.py::{hung}"' in journals[0].read_text():
             break
         time.sleep(0.05)
     else:
