@@ -254,7 +254,9 @@ def check(key: str, got: dict) -> None:
             if kind == N:
                 assert row["reason"].startswith("not run: "), f"{key}: {row}"
     if S in {_kind(t) for t in report["tests"]}:
-        assert "the run stalled: no progress for" in err and "last test started:" in err, f"{key}: no stall line{out}"
+        line = "the run stalled: no progress for" in err and "; running: " in err
+        state = ("pytest (no xdist worker): pid" if "no:xdist" in s.pytest_args else "; workers: gw") in err
+        assert line and state, f"{key}: no stall line naming the running test and the workers' state{out}"
 
 
 def _burner() -> subprocess.Popen:
