@@ -12,8 +12,9 @@ output directory (:mod:`mla_conformance.report.outdir`):
 Inputs are checked first; a run that fails before pytest writes nothing (not even an empty ``reports/``).
 ``run`` exits non-zero when a backend or op fails or is NOT TESTED (unless it was not named and the pytest
 arguments narrowed the selection). A test whose worker died, that timed out or hit a CUDA fault is an error
-with a ``fault`` (:mod:`mla_conformance.pytest_plugin.isolation`); SIGINT / SIGTERM keep the results
-gathered so far beside ``--out`` and leave the previous report as it was.
+with a ``fault`` (:mod:`mla_conformance.pytest_plugin.isolation`); a run that makes no progress is ended by
+its watch (:mod:`mla_conformance.report.watchdog`) and reported from the journal; SIGINT / SIGTERM keep the
+results gathered so far beside ``--out`` and leave the previous report as it was.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 from mla_conformance.arch.device import check_device
+from mla_conformance.contract.layer import BUILTINS
+from mla_conformance.contract.op import BUILTIN_OPS
 from mla_conformance.errors import MLAInputError
 from mla_conformance.model.checkpoint import validate_checkpoint
 from mla_conformance.pytest_plugin import isolation
@@ -42,8 +45,6 @@ from mla_conformance.report.plots import safe_plots
 from mla_conformance.report.suites import find_suites
 from mla_conformance.report.watchdog import DEFAULT_STALL_S, RunWatch
 from mla_conformance.resources import pytest_location_args
-from mla_conformance.contract.op import BUILTIN_OPS
-from mla_conformance.contract.layer import BUILTINS
 from mla_conformance.specs import spec_name
 
 
@@ -212,6 +213,8 @@ def checked_spec_name(spec: str, kind: str) -> str:
                 out = {"error": f"{spec}: {type(exc).__name__}: {exc}"}
             os.write(write, json.dumps(out).encode())
         finally:
+            for stream in (sys.stdout, sys.stderr):  # what the spec's import printed
+                stream.flush()
             os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as fh:
