@@ -27,11 +27,27 @@ def pytest_configure(config):
     for every unmarked test), so the tests of a meta module's run of the suite do not wait on the worker making
     it (the run is made once either way: tests/meta/harness.py SuiteRuns). The controller schedules by group;
     a worker, which parses only the command line, is told to name its tests by group. With pytest 9.2 and
-    xdist 3.8 the naming has no effect (pytest-dev/pytest-xdist#1386) until xdist's fix is released."""
-    if getattr(config.option, "dist", "no") == "load":
+    xdist 3.8 the naming has no effect (pytest-dev/pytest-xdist#1386) until xdist's fix is released.
+
+    Only for a session that runs the project's own tests (tests/): a run of the suites alone (``mla-conformance
+    run``, ``pytest suites -n N``) keeps ``load``. xdist 3.8's ``loadgroup``/``loadscope`` cannot replace a crashed
+    worker: the replacement is sent one test and waits for a second before it runs it (a worker needs its next
+    test), while the controller sends more only when a test finishes (docs/report.md, "A run survives its
+    backend")."""
+    if getattr(config.option, "dist", "no") == "load" and runs_own_tests(config):
         config.option.dist = "loadgroup"
     if getattr(config, "workerinput", {}).get("loadgroup"):
         config.option.loadgroup = True
+
+
+def runs_own_tests(config) -> bool:
+    """The session's paths include this checkout's tests/ (or a directory above it)."""
+    tests = ROOT / "tests"
+    for arg in config.args:
+        path = (Path(config.invocation_params.dir) / arg.split("::")[0]).resolve()
+        if path == tests or tests in path.parents or path in tests.parents:
+            return True
+    return False
 
 
 @pytest.hookimpl(optionalhook=True)

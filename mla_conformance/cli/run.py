@@ -8,6 +8,7 @@ import math
 from mla_conformance.contract.op import BUILTIN_OPS, DEFAULT_OPS
 from mla_conformance.pytest_plugin.isolation import DEFAULT_TIMEOUT_S
 from mla_conformance.report.run import run_command
+from mla_conformance.report.watchdog import DEFAULT_STALL_S
 
 
 def _seconds(text: str) -> float:
@@ -46,5 +47,10 @@ def add_cli(sub) -> None:
     p.add_argument("--timeout", type=_seconds, metavar="SECONDS",
                    help=f"bound on each test (pytest's --mla-timeout; default {DEFAULT_TIMEOUT_S:g} s, 0 = "
                         "none): past it the test is an error and the run goes on in a fresh worker")
+    p.add_argument("--stall-timeout", type=_seconds, metavar="SECONDS",
+                   help=f"bound on the whole run making no progress (default {DEFAULT_STALL_S:g} s, 0 = none): no "
+                        "test started or finished and no worker started or collected for this long (beyond what "
+                        "a running test's --timeout allows) ends the run with the report of what was recorded, "
+                        "the tests not reached as errors 'not run' (mla_conformance.report.watchdog)")
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS")
     p.set_defaults(func=run_command)

@@ -1,6 +1,7 @@
 """pytest plugin (entry point ``pytest11``): the suite's options, markers and hooks; the work is done by
 :mod:`.selection` (what runs), :mod:`.session` (the results), :mod:`.terminal` (what is printed),
-:mod:`.footprint` (nothing left in the user's directory) and :mod:`.isolation` (timeouts, crashes, CUDA faults).
+:mod:`.footprint` (nothing left in the user's directory), :mod:`.isolation` (timeouts, crashes, CUDA faults) and
+:mod:`.sentinel` (a serial pytest that dies names its test).
 
 Options::
 
@@ -150,6 +151,8 @@ def pytest_sessionstart(session):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     results = ResultsSession.of(item.config)
+    if selection.is_suite_item(item):
+        results.sentinel.started(item.config, item.nodeid)
     if not results.arm(item):
         yield
         return
@@ -202,10 +205,33 @@ def pytest_report_teststatus(report, config):
     return None
 
 
+def pytest_collection_finish(session):  # a serial pytest: what it is to run, journalled (`run` names what it missed)
+    ResultsSession.of(session.config).collected(item.nodeid for item in session.items)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):  # xdist controller: where each worker's fault file and benchmarks go
-    ResultsSession.of(node.config).configure_node(node)
+    results = ResultsSession.of(node.config)
+    results.configure_node(node)
     footprint.hand_to_worker(node)
+    results.worker_event(node, "starting")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodeready(node):
+    ResultsSession.of(node.config).worker_event(node, "ready")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    results = ResultsSession.of(node.config)
+    results.collected(ids)
+    results.worker_event(node, "collected", tests=len(ids))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    ResultsSession.of(node.config).worker_down(node, error)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -238,4 +264,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    ResultsSession.of(session.config).finish(exitstatus)
+    results = ResultsSession.of(session.config)
+    results.sentinel.finish()
+    results.finish(exitstatus)

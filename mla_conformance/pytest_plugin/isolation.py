@@ -16,8 +16,10 @@ The plugin (:mod:`mla_conformance.pytest_plugin`) uses these pieces; ``mla-confo
   after a sticky one (an illegal memory access, a device-side assert, ...: the CUDA context is unusable)
   the worker ends itself once the test is reported, so xdist replaces it rather than reuse the context.
 * **The journal** (:class:`Journal`, ``<--mla-results FILE>.journal``): one JSON line per test started, per
-  result and per test finished, written as they happen by the process that writes the results file; what
-  a run that was killed had gathered (:func:`read_journal`).
+  result and per test finished, the run's collection, and each xdist worker's start, collection and end,
+  written as they happen by the process that writes the results file: what a run that was killed had
+  gathered (:func:`read_journal`), and what ``run``'s watch over the whole run reads to see it make progress
+  (:mod:`mla_conformance.report.watchdog`).
 """
 
 from __future__ import annotations
@@ -265,8 +267,9 @@ def journal_path(results_path: str | Path) -> Path:
 
 
 class Journal:
-    """Append-only JSON lines: ``{"header": …}``, ``{"start": nodeid}``, ``{"result": entry}``,
-    ``{"finish": nodeid}``; each line flushed as it is written."""
+    """Append-only JSON lines: ``{"header": …}``, ``{"collection": [nodeid, …]}``, ``{"start": nodeid}``,
+    ``{"result": entry}``, ``{"finish": nodeid}``, ``{"worker": id, "event": "starting" | "ready" | "collected" |
+    "down", …}``; each line flushed as it is written."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -289,30 +292,85 @@ class Journal:
             self.path.unlink(missing_ok=True)
 
 
+class JournalState:
+    """What a journal's records say, fed in order (:meth:`feed`): ``header`` (dict or None), ``results``
+    {nodeid: entry}, ``running`` {nodeid: None} (started, not finished, in start order), ``finished`` (count),
+    ``collection`` (the node ids the run collected, or None), ``workers`` {id: the worker's last event, with
+    its pid, test count and error}, ``last_test`` (nodeid, "started" or "finished") and
+    ``deaths_before_collection`` (workers in a row that went down before collecting). One reader for `run`'s
+    report of a dead pytest and for its watch over a live one (:mod:`mla_conformance.report.watchdog`)."""
+
+    def __init__(self):
+        self.header: dict | None = None
+        self.results: dict[str, dict] = {}
+        self.running: dict[str, None] = {}
+        self.finished = 0
+        self.collection: list[str] | None = None
+        self.workers: dict[str, dict] = {}
+        self.last_test: tuple[str, str] | None = None
+        self.deaths_before_collection = 0
+
+    def feed(self, line: str) -> bool:
+        """One line of the journal; False for a torn or foreign line (the writer was killed mid-line)."""
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return False
+        if not isinstance(rec, dict):
+            return False
+        if "header" in rec:
+            self.header = rec["header"]
+        elif "start" in rec:
+            self.running[rec["start"]] = None
+            self.last_test = (rec["start"], "started")
+        elif "finish" in rec:
+            self.running.pop(rec["finish"], None)
+            self.finished += 1
+            self.last_test = (rec["finish"], "finished")
+        elif "collection" in rec:
+            if self.collection is None and isinstance(rec["collection"], list):
+                self.collection = [str(n) for n in rec["collection"]]
+        elif "worker" in rec:
+            state = self.workers.setdefault(str(rec["worker"]), {})
+            if rec.get("event") == "down" and state.get("event") != "collected":
+                self.deaths_before_collection += 1
+            elif rec.get("event") == "collected":
+                self.deaths_before_collection = 0
+            state.update({k: v for k, v in rec.items() if k != "worker"})
+        elif isinstance(rec.get("result"), dict) and rec["result"].get("nodeid"):
+            self.results[rec["result"]["nodeid"]] = rec["result"]
+        else:
+            return False
+        return True
+
+
 def read_journal(path: str | Path) -> dict:
-    """What a journal holds: ``header`` (dict or None), ``results`` {nodeid: entry} and ``running`` (tests
-    started and not finished, in start order). A torn last line (the writer was killed) is ignored."""
-    header, results, running = None, {}, {}
+    """What a journal holds (:class:`JournalState`): ``header``, ``results``, ``running`` (a list, in start
+    order), ``collection`` and ``workers``. A torn last line (the writer was killed) is ignored."""
+    state = JournalState()
     try:
         lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         lines = []
     for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(rec, dict):
-            continue
-        if "header" in rec:
-            header = rec["header"]
-        elif "start" in rec:
-            running[rec["start"]] = True
-        elif "finish" in rec:
-            running.pop(rec["finish"], None)
-        elif isinstance(rec.get("result"), dict) and rec["result"].get("nodeid"):
-            results[rec["result"]["nodeid"]] = rec["result"]
-    return {"header": header, "results": results, "running": list(running)}
+        state.feed(line)
+    return {"header": state.header, "results": state.results, "running": list(state.running),
+            "collection": state.collection, "workers": state.workers}
+
+
+def params_from_nodeid(nodeid: str, backends, ops) -> dict:
+    """A test's backend and op when no report of it carried its parameters: the names (of ``backends`` and
+    ``ops``) in its id's parameters (the longest that matches)."""
+    params = nodeid.partition("[")[2].rstrip("]")
+    if not params:
+        return {}
+    found = {}
+    for key, names in (("backend", backends), ("op", ops)):
+        hits = [n for n in names if params == n or params.startswith(n + "-") or params.endswith("-" + n)
+                or f"-{n}-" in params]
+        if hits:
+            found[key] = max(hits, key=len)
+    return found
 
 
 def current_block(dump: str, limit: int = 8_000) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.pytest_plugin import isolation, selection
+from mla_conformance.pytest_plugin.sentinel import Sentinel
 from mla_conformance.errors import BackendError
 from mla_conformance.report.schema import Figures
 
@@ -56,6 +57,15 @@ def sync_figures(item) -> dict | None:
     return plain
 
 
+def worker_popen(node):
+    """The ``subprocess.Popen`` of an xdist worker started by execnet's popen gateway, or None."""
+    return getattr(getattr(getattr(node, "gateway", None), "_io", None), "popen", None)
+
+
+def worker_pid(node) -> int | None:
+    return getattr(worker_popen(node), "pid", None)
+
+
 class ResultsSession:
     """This process's results and run state (see the module's docstring)."""
 
@@ -66,10 +76,13 @@ class ResultsSession:
         self.finished: set[str] = set()
         self.journal: isolation.Journal | None = None
         self._journal_opened = False
+        self._header_written = False
+        self._collection_written = False
         self.fault_file = None  # where faulthandler writes (a worker's file, or beside --mla-results)
         self.fault_dir: str | None = None  # xdist controller: the workers' fault files
         self.watch: isolation.Watch | None = None
         self.poisoned: str | None = None  # the test after which this worker ends (a sticky CUDA error)
+        self.sentinel = Sentinel()  # a serial pytest that dies names its test (mla_conformance.pytest_plugin.sentinel)
 
     @classmethod
     def of(cls, config) -> "ResultsSession":
@@ -160,28 +173,43 @@ class ResultsSession:
                 "device": selection.device_of(self.config), "backends": backends, "ops": [o.name for o in ops],
                 "op_declarations": {o.name: selection.op_declarations(o) for o in ops}}
 
-    def _journal(self) -> isolation.Journal | None:
-        """The journal beside --mla-results (opened, with its header, on the first test), or None."""
+    def _write(self, record: dict) -> None:
+        """One journal record (the journal beside --mla-results opened, with the header, on the first)."""
+        if not self.recording:
+            return
         if not self._journal_opened:
             self._journal_opened = True
-            if self.recording:
-                try:
-                    self.journal = isolation.Journal(isolation.journal_path(self.config.getoption("--mla-results")))
-                except OSError:
-                    return None
+            try:
+                self.journal = isolation.Journal(isolation.journal_path(self.config.getoption("--mla-results")))
+            except OSError:
+                self.journal = None
+        if self.journal is not None:
+            if not self._header_written:
+                self._header_written = True
                 self.journal.write({"header": self.header(None)})
-        return self.journal
-
-    def _write(self, record: dict) -> None:
-        journal = self._journal()
-        if journal is not None:
-            journal.write(record)
+            self.journal.write(record)
 
     def started(self, nodeid: str) -> None:
         if self.recording:
             self.running[nodeid] = True
             self.finished.discard(nodeid)
             self._write({"start": nodeid})
+
+    def collected(self, nodeids) -> None:
+        """The tests the run is to run (a serial pytest's collection, or the first xdist worker's): `run` names
+        from it the tests a run that was ended did not reach."""
+        if self.recording and not self._collection_written:
+            self._collection_written = True
+            self._write({"collection": [str(n) for n in nodeids]})
+
+    def worker_event(self, node, event: str, **info) -> None:
+        """xdist controller: a worker starting, ready (its pid), collected (its test count) or down (its
+        error); `run`'s watch sees the run make progress from these as from tests."""
+        if self.recording:
+            gateway = getattr(node, "gateway", None)
+            pid = worker_pid(node)
+            self._write({"worker": str(getattr(gateway, "id", None) or "?"), "event": event,
+                         **({"pid": pid} if pid else {}), **info})
 
     def reported(self, report) -> None:
         if not self.recording or getattr(report, "mla_ignore", False):
@@ -223,20 +251,14 @@ class ResultsSession:
 
     def _known_params(self, nodeid: str) -> dict:
         """A crashed test's backend or op when no report of it carried its parameters: the name in its id."""
-        params = nodeid.partition("[")[2].rstrip("]")
-        if not params:
-            return {}
-        found = {}
-        for key, names in (("backend", lambda: [b.name for b in selection.backends(self.config)]),
-                           ("op", lambda: [o.name for o in selection.ops(self.config)])):
+        names = {}
+        for key, names_of in (("backend", lambda: [b.name for b in selection.backends(self.config)]),
+                              ("op", lambda: [o.name for o in selection.ops(self.config)])):
             try:
-                hits = [n for n in names() if params == n or params.startswith(n + "-") or params.endswith("-" + n)
-                        or f"-{n}-" in params]
+                names[key] = names_of()
             except pytest.UsageError:
-                hits = []
-            if hits:
-                found[key] = max(hits, key=len)
-        return found
+                names[key] = []
+        return isolation.params_from_nodeid(nodeid, names["backend"], names["op"])
 
     def finish(self, exitstatus) -> None:
         """Write --mla-results (tests interrupted mid-test have no result) and close the journal and fault file."""
@@ -307,24 +329,35 @@ class ResultsSession:
             self.config.add_cleanup(lambda d=self.fault_dir: shutil.rmtree(d, ignore_errors=True))
         node.workerinput["mla_fault_dir"] = self.fault_dir
 
-    def _read_fault_file(self, workerid: str) -> str:
+    def _read_fault_file(self, workerid: str, keep: bool = False) -> str:
         if not self.fault_dir:
             return ""
         path = Path(self.fault_dir) / f"{workerid}.txt"
         try:
             text = path.read_text(encoding="utf-8", errors="replace")
-            path.unlink()
+            if not keep:
+                path.unlink()
         except OSError:
             return ""
         return text
+
+    def worker_down(self, node, error) -> None:
+        """xdist controller: a worker ended (``error``: it died); the fatal error and innermost frame its fault
+        file names go into the journal's record (a worker that dies while collecting has no test to carry them)."""
+        info = {"error": str(error)[:500]} if error else {}
+        if error:
+            dump = self._read_fault_file(str(getattr(getattr(node, "gateway", None), "id", "?")), keep=True)
+            fatal, where = isolation.fatal_signal_of(dump), isolation.innermost_frame(dump)
+            if fatal or where:
+                info["fatal"] = " in ".join(x for x in (fatal, where) if x)
+        self.worker_event(node, "down", **info)
 
     def crashed(self, crashitem: str, report, node) -> None:
         """xdist: a worker died while ``crashitem`` was its current test. Say how it died and record the test
         as an error (``crashed``, or ``timeout`` when the watchdog ended it); a worker that ended itself after
         a finished test (a sticky CUDA error) is no crash of that test."""
-        gateway = getattr(node, "gateway", None)
-        workerid = getattr(gateway, "id", "?")
-        popen = getattr(getattr(gateway, "_io", None), "popen", None)
+        workerid = getattr(getattr(node, "gateway", None), "id", "?")
+        popen = worker_popen(node)
         returncode = None
         if popen is not None:
             try:

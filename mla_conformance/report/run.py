@@ -12,8 +12,9 @@ output directory (:mod:`mla_conformance.report.outdir`):
 Inputs are checked first; a run that fails before pytest writes nothing (not even an empty ``reports/``).
 ``run`` exits non-zero when a backend or op fails or is NOT TESTED (unless it was not named and the pytest
 arguments narrowed the selection). A test whose worker died, that timed out or hit a CUDA fault is an error
-with a ``fault`` (:mod:`mla_conformance.pytest_plugin.isolation`); SIGINT / SIGTERM keep the results
-gathered so far beside ``--out`` and leave the previous report as it was.
+with a ``fault`` (:mod:`mla_conformance.pytest_plugin.isolation`); a run that makes no progress is ended by
+its watch (:mod:`mla_conformance.report.watchdog`) and reported from the journal; SIGINT / SIGTERM keep the
+results gathered so far beside ``--out`` and leave the previous report as it was.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 from mla_conformance.arch.device import check_device
+from mla_conformance.contract.layer import BUILTINS
+from mla_conformance.contract.op import BUILTIN_OPS
 from mla_conformance.errors import MLAInputError
 from mla_conformance.model.checkpoint import validate_checkpoint
 from mla_conformance.pytest_plugin import isolation
@@ -40,6 +43,7 @@ from mla_conformance.report.markdown import render_markdown
 from mla_conformance.report.outdir import check_out_dir, write_file_atomically, write_owned_dir
 from mla_conformance.report.plots import safe_plots
 from mla_conformance.report.suites import find_suites
+from mla_conformance.report.watchdog import DEFAULT_STALL_S, RunWatch
 from mla_conformance.resources import pytest_location_args
 from mla_conformance.specs import spec_name
 
@@ -76,11 +80,12 @@ def run_command(args) -> int:
         raise MLAInputError(f"--suites {args.suites}: not the suites directory (no test_cache_bytes.py)")
     name = _check_name(args.name or default_name())
     device = check_device(args.device) if args.device else None
-    for spec in args.backend or []:
-        spec_name(spec, "backend")  # fail fast, naming the spec, before anything is written
+    # fail fast, naming the spec, before anything is written
+    backend_names = [checked_spec_name(spec, "backend") for spec in args.backend or []]
+    op_names = []
     for spec in args.op or []:
         try:
-            spec_name(spec, "op")
+            op_names.append(checked_spec_name(spec, "op"))
         except MLAInputError as exc:
             raise MLAInputError(f"--op: {exc}") from None
     if args.checkpoint:
@@ -109,14 +114,28 @@ def run_command(args) -> int:
             cmd += ["--mla-timeout", f"{args.timeout:g}"]
         cmd += isolation_args(user_args) + threads_args(user_args) + user_args
         print(f"mla-conformance run: {' '.join(cmd[2:])}", flush=True)
-        t0 = time.perf_counter()
-        returncode, signum = _run_pytest(cmd)
-        wall = time.perf_counter() - t0
         journal = isolation.journal_path(results_path)
+        stall = DEFAULT_STALL_S if args.stall_timeout is None else args.stall_timeout
+        watch = RunWatch(journal, stall_s=stall, now=time.monotonic(),
+                         test_timeout_s=isolation.DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout)
+        t0 = time.perf_counter()
+        returncode, signum = _run_pytest(cmd, watch)
+        wall = time.perf_counter() - t0
+        watch.close()
         if signum is not None:
             return _interrupted(signum, out, partial, results_path, journal)
         results = None
-        if results_path.exists():
+        if watch.fired:  # pytest was ended: the journal has what it gathered
+            print(f"mla-conformance run: the run stalled: {watch.fired}; {watch.description}; pytest and its "
+                  "workers were ended; " + ("the report holds the results recorded, the running tests as stalled "
+                                            "and the tests not reached as not run" if watch.state.collection is not None
+                                            else "the report holds no test: none had been collected"), file=sys.stderr)
+            results = results_from_journal(journal, returncode, stalled=watch.fired)
+            if results is None:
+                print("mla-conformance run: no result had been recorded; no report written", file=sys.stderr)
+                return 1
+            returncode = 1
+        elif results_path.exists():
             try:
                 results = json.loads(results_path.read_text())
             except ValueError as exc:
@@ -127,8 +146,9 @@ def run_command(args) -> int:
             results = results_from_journal(journal, returncode, Path(str(results_path) + ".fault"))
             if results is None:
                 print(f"mla-conformance run: pytest {isolation.describe_exit(returncode)} before any result was "
-                      "recorded; no report written", file=sys.stderr)
-                return returncode or 1
+                      "recorded (while it started or collected: loading a backend or op, a conftest or a plugin; "
+                      "the stack above, from faulthandler, says where); no report written", file=sys.stderr)
+                return returncode if returncode > 0 else 1
             died = [t for t in results["tests"] if (t.get("fault") or {}).get("serial")]
             print(f"mla-conformance run: pytest {isolation.describe_exit(returncode)}"
                   + (f" while running {', '.join(t['nodeid'] for t in died)}" if died else "")
@@ -146,14 +166,18 @@ def run_command(args) -> int:
     for who, v, s in judged:
         print(f"  {who}: {v['verdict']} ({s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
               f"{s['skipped']} skipped)")
-    faults = [t for t in report["tests"] if (t.get("fault") or {}).get("kind") in ("crashed", "timeout")]
+    faults = [t for t in report["tests"] if (t.get("fault") or {}).get("kind") in ("crashed", "timeout", "stalled")]
     for t in faults:
         print(f"  {t['fault']['kind'].upper()}: {t['nodeid']}: {t.get('reason', '')}", file=sys.stderr)
+    not_run = [t for t in report["tests"] if (t.get("fault") or {}).get("kind") == "not-run"]
+    if not_run:
+        print(f"  NOT RUN: {len(not_run)} test{'s' if len(not_run) != 1 else ''} (errors in the report): "
+              f"{not_run[0]['reason']}", file=sys.stderr)
     not_selected = [who for who, v, _ in judged if v["verdict"] == "NOT SELECTED"]
-    if not_selected:
+    if not_selected and not watch.fired:
         print(f"mla-conformance run: not selected (no test of theirs matched the pytest arguments; not a failure): "
               f"{', '.join(not_selected)}")
-    named = {f"op {n}" for n in _named(args.op, "op")} | set(_named(args.backend, "backend"))
+    named = {f"op {n}" for n in op_names} | set(backend_names)
     narrowed = narrows_selection(user_args)
     not_tested = [who for who, v, _ in judged if v["verdict"] == "NOT TESTED"]
     failing = [who for who in not_tested if who in named or not narrowed]
@@ -168,9 +192,45 @@ def run_command(args) -> int:
     return returncode
 
 
-def _named(specs, kind: str) -> list[str]:
-    """The names of the backends (kind "backend") or ops the user named (their specs resolved before the run)."""
-    return [spec_name(s, kind) for s in specs or []]
+def checked_spec_name(spec: str, kind: str) -> str:
+    """:func:`mla_conformance.specs.spec_name`, the user's code loaded in a forked child when this process is a
+    command's (one thread): an import or constructor that crashes the process (a segfault in an extension) is one
+    line naming the spec and how the process died, as a spec that raises is, and nothing is written. In a
+    process with threads (a test calling the command in-process) it loads here: forking would copy their locks."""
+    if spec.strip() in (BUILTIN_OPS if kind == "op" else BUILTINS) or threading.active_count() > 1 \
+            or not hasattr(os, "fork"):
+        return spec_name(spec, kind)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the name, or the error's message, then out without running any cleanup
+        os.close(read)
+        try:
+            try:
+                out = {"name": spec_name(spec, kind)}
+            except MLAInputError as exc:
+                out = {"error": str(exc)}
+            except BaseException as exc:  # noqa: BLE001 - reported as spec_name would have raised it
+                out = {"error": f"{spec}: {type(exc).__name__}: {exc}"}
+            os.write(write, json.dumps(out).encode())
+        finally:
+            for stream in (sys.stdout, sys.stderr):  # what the spec's import printed
+                stream.flush()
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        got = json.loads(data.decode()) if data else {}
+    except ValueError:
+        got = {}
+    if "name" in got:
+        return got["name"]
+    if "error" in got:
+        raise MLAInputError(got["error"])
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    raise MLAInputError(f"{spec}: the process loading this {kind} {isolation.describe_exit(code)} (a crash in "
+                        "its import or constructor): no test can run it")
 
 
 def narrows_selection(pytest_args: list[str]) -> bool:
@@ -230,14 +290,19 @@ def _killpg(pgid: int, sig: int) -> bool:
         return False
 
 
-def _run_pytest(cmd: list[str]) -> tuple[int, int | None]:
+def _run_pytest(cmd: list[str], watch: RunWatch | None = None) -> tuple[int, int | None]:
     """Run pytest in a process group of its own; (its return code, the signal that interrupted ``run`` or None).
 
     SIGINT, SIGTERM or SIGHUP to ``run`` is forwarded to the whole group as SIGINT (pytest stops after
     saying where it was); a second signal, or pytest still running :data:`STOP_GRACE_S` later, kills the
-    group. Whatever the group left running when pytest exits (a worker, a test's child) is killed too.
+    group. The ``watch`` (:mod:`mla_conformance.report.watchdog`) is polled meanwhile: when the run has
+    stalled the group is killed (``watch.fired`` says why). Whatever the group left running when pytest exits
+    (a worker, a test's child) is killed too.
     """
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    # faulthandler from the first line: a crash while pytest or a worker starts prints its stack too
+    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    if watch is not None:
+        watch.pid = proc.pid
     got: list[int] = []
     deadline: list[float] = []
 
@@ -260,6 +325,8 @@ def _run_pytest(cmd: list[str]) -> tuple[int, int | None]:
                 break
             except subprocess.TimeoutExpired:
                 if deadline and time.monotonic() > deadline[0]:
+                    _killpg(proc.pid, signal.SIGKILL)
+                elif watch is not None and not got and watch.poll(time.monotonic()):
                     _killpg(proc.pid, signal.SIGKILL)
     except BaseException:
         _killpg(proc.pid, signal.SIGKILL)
@@ -290,9 +357,12 @@ def _remove_partial(path: Path) -> None:
         pass
 
 
-def results_from_journal(journal: Path, returncode: int | None, fault_file: Path | None = None) -> dict | None:
-    """The results a pytest that died had journalled, its running test recorded as an error (``crashed``,
-    or ``timeout`` when the watchdog's dump is in ``fault_file``); None when it journalled nothing."""
+def results_from_journal(journal: Path, returncode: int | None, fault_file: Path | None = None, *,
+                         stalled: str | None = None) -> dict | None:
+    """The results a pytest that died (or that ``run`` ended: ``stalled`` says why) had journalled: its running
+    tests are errors (``stalled``; else ``crashed``, or ``timeout`` when the watchdog's dump is in
+    ``fault_file``), the collected tests it never reached are errors (``not-run``); None when it journalled no
+    test."""
     j = isolation.read_journal(journal)
     if j["header"] is None:
         return None
@@ -306,18 +376,32 @@ def results_from_journal(journal: Path, returncode: int | None, fault_file: Path
     for nodeid in j["running"]:
         entry = dict(tests.get(nodeid) or {"nodeid": nodeid})
         where = isolation.innermost_frame(dump)
-        if isolation.is_watchdog_dump(dump):
+        if stalled:
+            fault = {"kind": "stalled"}
+            reason = f"stalled: {stalled} while it ran; `mla-conformance run` ended the run"
+        elif isolation.is_watchdog_dump(dump):
             fault = {"kind": "timeout", "native": True, "serial": True, "stack": isolation.current_block(dump)}
             reason = ("timed out (--mla-timeout)" + (f" in {where}" if where else "") + ": Python could not "
-                      "interrupt it, so the watchdog ended pytest")
+                      "interrupt it, so the watchdog ended pytest (a serial run: the tests after it did not run)")
         else:
             fault = {"kind": "crashed", "exit_code": returncode, "serial": True}
             if returncode is not None and returncode < 0:
                 fault["signal"] = isolation.signal_name(-returncode)
-            reason = f"crashed: pytest {isolation.describe_exit(returncode)} while running it"
-        entry.update(outcome="error", reason=reason + " (a serial run: the tests after it did not run)", fault=fault)
+            reason = (f"crashed: pytest {isolation.describe_exit(returncode)} while running it (a serial run: the "
+                      "tests after it did not run)")
+        entry.update(outcome="error", reason=reason, fault=fault)
         tests[nodeid] = entry
-    return {**j["header"], "exitstatus": returncode, "tests": [tests[k] for k in sorted(tests)]}
+    why = (f"the run stalled ({stalled}) and `mla-conformance run` ended it" if stalled else
+           f"pytest {isolation.describe_exit(returncode)}" + (f" while running {', '.join(j['running'])}"
+                                                               if j["running"] else ""))
+    header = j["header"]
+    for nodeid in j["collection"] or []:
+        if nodeid not in tests:
+            tests[nodeid] = {"nodeid": nodeid, "outcome": "error", "reason": f"not run: {why}",
+                             "fault": {"kind": "not-run"},
+                             "params": isolation.params_from_nodeid(nodeid, header.get("backends") or [],
+                                                                    header.get("ops") or [])}
+    return {**header, "exitstatus": returncode, "tests": [tests[k] for k in sorted(tests)]}
 
 
 def _interrupted(signum: int, out: Path, partial: Path, results_path: Path, journal: Path) -> int:

@@ -4,6 +4,10 @@ isolation meta tests (``tests/meta/test_isolation.py``); the counting is per pro
 
 ``NativeHang`` blocks every catchable signal and calls libc ``pause()``: no signal handler can run, so only
 the C-level watchdog (faulthandler) ends it -- a stand-in for a hung kernel or a deadlocked C++ extension.
+``Stopped`` stops its own process (SIGSTOP): not even the C watchdog runs, so only ``run``'s watch over the
+whole run ends it. ``SegfaultFirst`` crashes on the first call of every process: each of its tests crashes, one
+after another, each in a fresh worker. ``CollectionCrash`` (``faulty_collection_backend.py``) crashes every
+pytest process that imports it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,25 @@ class Segfault(_Faulty):
 
     def misbehave(self):
         os.kill(os.getpid(), signal.SIGSEGV)
+
+
+class SegfaultFirst(Segfault):
+    name = "segfault-first"
+    on_call = 1
+
+
+class Abort(_Faulty):
+    name = "abort"
+
+    def misbehave(self):
+        os.abort()
+
+
+class Stopped(_Faulty):
+    name = "stopped"
+
+    def misbehave(self):
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class Exit(_Faulty):

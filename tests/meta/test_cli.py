@@ -53,7 +53,7 @@ def fake_pytest(monkeypatch):
     calls = []
     state = {"results": _results(), "raise": None}
 
-    def fake_run(cmd):
+    def fake_run(cmd, watch=None):
         calls.append(cmd)
         if state["raise"] is not None:
             raise state["raise"]

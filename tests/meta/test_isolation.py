@@ -1,11 +1,11 @@
 """A run that survives its backend (issue 19): crashes, hangs, CUDA faults and signals become verdicts.
 
-The backends of ``faulty_backends.py`` segfault, ``os._exit``, hang in Python, hang in native code with every
-signal blocked, or raise CUDA errors on their 2nd ``attend`` of a process. They run through
-``mla-conformance run`` on a three-test suite of their own (``SUITE``, written as the ``--suites`` directory),
-once serially (``run``'s default: one xdist worker, replaced when it dies) and once with ``-- -n 2``. Each is a
-real ``mla-conformance run`` process (its pytest and workers are real processes that really die), started in
-the background when the session has collected this module (tests/meta/background.py). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
+The backends of ``faulty_backends.py`` ``os._exit``, hang in Python or raise CUDA errors on their 2nd ``attend``
+of a process. They run through ``mla-conformance run -- -n 2`` on a three-test suite of their own
+(tests/meta/fault_scenarios.py ``SUITE``, written as the ``--suites`` directory): a real ``mla-conformance run``
+process (its pytest and workers are real processes that really die), started in the background when the
+session has collected this module (tests/meta/background.py). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
+The other faults, run's default (one worker) and serial runs: tests/meta/test_fault_scenarios.py.
 """
 
 from __future__ import annotations
@@ -25,57 +25,28 @@ from mla_conformance.pytest_plugin import isolation
 from mla_conformance.cli import main
 
 from . import background
+from .fault_scenarios import LEAN, backend_args, write_suite
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_isolation")]  # module fixtures run once under -n
 
-HERE = Path(__file__).resolve().parent
-FAULTY = HERE / "faulty_backends.py"
-
-#: The suite: named test_cache_bytes.py because --suites DIR must hold one. Three attend calls per backend.
-SUITE = '''import pytest
-
-
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_attend(mla_backend, k):
-    assert mla_backend.attend(None, None, None, None) == "ok"
-'''
-
-#: Plugins the workers need not load (hypothesis alone costs a worker start ~1 s here).
-LEAN = ["-p", "no:hypothesispytest", "-p", "no:randomly"]
-
-
-def _suite(tmp: Path) -> Path:
-    d = tmp / "suite"
-    d.mkdir()
-    (d / "test_cache_bytes.py").write_text(SUITE)
-    return d
-
-
-def _backend_args(*classes: str) -> list[str]:
-    return [a for c in classes for a in ("--backend", f"{FAULTY}:{c}")]
-
-
-SCENARIOS = {  # mode -> (pytest args, backends)
-    "serial": ([], ("Good", "Segfault", "NativeHang")),
+SCENARIOS = {  # mode -> (pytest args, backends); run's default (-n 1) and serial runs: tests/meta/fault_scenarios.py
     "n2": (["-n", "2"], ("Good", "Exit", "PythonHang", "CudaIllegalAccess", "CudaOOM")),
 }
 
 
 def _faulty_run(mode: str):
     """`mla-conformance run` (a real process: its pytest and workers are real processes that really die) on the
-    faulty backends of one scenario: (mode, rc, conformance.json, conformance.md, wall seconds)."""
+    faulty backends of one scenario: (mode, rc, conformance.json, conformance.md)."""
     extra, classes = SCENARIOS[mode]
     tmp = background.scratch(f"mla-faulty-{mode}-")
-    suite, out = _suite(tmp), tmp / "out"
-    t0 = time.perf_counter()
+    suite, out = write_suite(tmp), tmp / "out"
     proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
-                           str(out), "--name", "host", "--timeout", "0.5", *_backend_args(*classes), "--", "-q",
+                           str(out), "--name", "host", "--timeout", "0.5", *backend_args(*classes), "--", "-q",
                            "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120, env=background.env())
-    wall = time.perf_counter() - t0
     if not (out / "conformance.json").is_file():
         raise AssertionError(f"{mode}: no report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return mode, proc.returncode, json.loads((out / "conformance.json").read_text()), \
-        (out / "conformance.md").read_text(), wall
+        (out / "conformance.md").read_text()
 
 
 #: started when the session has collected this module (tests/meta/background.py): they run on the core the
@@ -91,10 +62,9 @@ def faulty_run(request, suite_runs):
 
 
 def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(faulty_run):
-    mode, rc, report, md, wall = faulty_run
-    names = {"serial": ("good", "segfault", "hang-native"),
-             "n2": ("good", "exit3", "hang-python", "cuda-illegal", "cuda-oom")}[mode]
-    assert rc != 0 and wall < 30
+    mode, rc, report, md = faulty_run
+    names = {"n2": ("good", "exit3", "hang-python", "cuda-illegal", "cuda-oom")}[mode]
+    assert rc != 0
     assert sorted(report["verdicts"]) == sorted(names)
     by_backend = {b: [t for t in report["tests"] if t.get("backend") == b] for b in names}
     for backend, rows in by_backend.items():
@@ -106,19 +76,13 @@ def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(fa
         assert report["verdicts"][backend]["verdict"] == "DOES NOT CONFORM", backend
         assert len(bad) == 1 and bad[0]["outcome"] == "error", (backend, bad)
         (t,) = bad
-        if backend in ("segfault", "hang-python", "hang-native"):  # where: the innermost frame (os._exit leaves none)
+        if backend == "hang-python":  # where: the innermost frame (os._exit leaves none)
             assert "faulty_backends.py" in t["reason"] and "in misbehave" in t["reason"], t
         kind = t["fault"]["kind"]
-        if backend == "segfault":
-            assert kind == "crashed" and t["fault"]["signal"] == "SIGSEGV" and "SIGSEGV" in t["reason"]
-            assert "while running it" in t["reason"] and "misbehave" in t["fault"]["stack"]
-        elif backend == "exit3":
+        if backend == "exit3":
             assert kind == "crashed" and t["fault"]["exit_code"] == 3 and "exited with code 3" in t["reason"]
         elif backend == "hang-python":
             assert kind == "timeout" and not t["fault"]["native"] and t["reason"].startswith("timed out after 0.5 s")
-        elif backend == "hang-native":
-            assert kind == "timeout" and t["fault"]["native"] and t["reason"].startswith("timed out after 0.5 s")
-            assert "could not interrupt" in t["reason"]
         elif backend == "cuda-illegal":
             assert kind == "cuda" and t["fault"]["sticky"] and "illegal memory access" in t["reason"]
         elif backend == "cuda-oom":
@@ -129,9 +93,7 @@ def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(fa
 def test_a_sticky_cuda_error_replaces_the_worker(faulty_run):
     """After the illegal memory access the worker ended itself; the next test of that backend ran in a fresh
     process (its attend count restarted, so it passed) and nothing was counted twice."""
-    mode, _, report, _, _ = faulty_run
-    if mode != "n2":
-        pytest.skip("the CUDA backends run in the -n 2 scenario")
+    mode, _, report, _ = faulty_run
     rows = sorted((t for t in report["tests"] if t.get("backend") == "cuda-illegal"), key=lambda t: t["nodeid"])
     assert [t["outcome"] for t in rows].count("error") == 1 and len(rows) == 3
 
@@ -143,7 +105,7 @@ def _sigterm_run() -> dict:
     """kill -TERM on a running `mla-conformance run` (a real one: the signal must reach `run`) once its hanging
     test has started; what the test then looks at."""
     tmp_path = background.scratch("mla-sigterm-")
-    suite, out = _suite(tmp_path), tmp_path / "out"
+    suite, out = write_suite(tmp_path), tmp_path / "out"
     out.mkdir()
     (out / "conformance.json").write_text("previous\n")
     (out / outdir.MARKER).write_text(json.dumps({"tool": "mla-conformance", "kind": "report",
@@ -153,14 +115,14 @@ def _sigterm_run() -> dict:
     tmpdir.mkdir()
     env = background.env(TMPDIR=str(tmpdir))
     proc = subprocess.Popen([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
-                             str(out), "--timeout", "60", *_backend_args("PythonHang"), "--", "-q",
+                             str(out), "--timeout", "60", *backend_args("PythonHang"), "--", "-q",
                              "--mla-device", "cpu", *LEAN],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     hung = "test_attend[hang-python-2]"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # until the hanging test has started (the journal says so)
         journals = list(tmpdir.glob("mla-conformance-run-*/results.json.journal"))
-        if journals and hung in journals[0].read_text():
+        if journals and f'"start": "suite/test_cache_bytes.py::{hung}"' in journals[0].read_text():
             break
         time.sleep(0.05)
     else:
@@ -290,7 +252,7 @@ def test_out_proven_writable_before_any_test(tmp_path, capsys, monkeypatch, brea
     else:
         monkeypatch.setattr(outdir.os.path, "ismount", lambda p: Path(p) == out)
     ran = []
-    monkeypatch.setattr(R, "_run_pytest", lambda cmd: ran.append(cmd) or (0, None))
+    monkeypatch.setattr(R, "_run_pytest", lambda cmd, watch=None: ran.append(cmd) or (0, None))
     rc = main(["run", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and not ran and len(err.strip().splitlines()) == 1, err
@@ -307,7 +269,7 @@ def test_not_tested_fails_the_run_unless_unnamed_and_narrowed(tmp_path, capsys, 
                "tests": [{"nodeid": "suites/test_cache_bytes.py::test_seed_table[reference-absorbed]",
                           "outcome": "skipped", "params": {"backend": "reference-absorbed"}, "reason": "declined"}]}
 
-    def fake(cmd):
+    def fake(cmd, watch=None):
         Path(cmd[cmd.index("--mla-results") + 1]).write_text(json.dumps(results))
         return 0, None
 

@@ -473,7 +473,7 @@ def _plain_run(pytester):
 
     from .harness import pytest_inprocess
 
-    def pytest_here(cmd):
+    def pytest_here(cmd, watch=None):
         assert cmd[1:3] == ["-m", "pytest"], cmd
         # the plugin is imported already, so pytest cannot assertion-rewrite it: say nothing about that
         return int(pytest_inprocess(pytester, *cmd[3:], "-W", "ignore::pytest.PytestAssertRewriteWarning").ret), None
@@ -682,7 +682,7 @@ def test_a_run_that_fails_on_its_inputs_writes_nothing(tmp_path, monkeypatch, ca
         pytest.skip("this host has a cuda:7")
     monkeypatch.chdir(tmp_path)
     ran = []
-    monkeypatch.setattr(report_run, "_run_pytest", lambda cmd: ran.append(cmd) or (0, None))
+    monkeypatch.setattr(report_run, "_run_pytest", lambda cmd, watch=None: ran.append(cmd) or (0, None))
     assert main(["run", *argv]) == 2 and main(["run", "--out", str(tmp_path / "x" / "y"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("mla-conformance run: error: ") for line in err), err

@@ -1,0 +1,84 @@
+"""A crash never hangs the run (issue 27): each scenario of tests/meta/fault_scenarios.py in the default run --
+a segfault, an abort, os._exit, a hang in C with signals blocked, a crash on every first call (crashes in a row),
+a crash in collection and in the backend's import, a stopped process, xdist's own wedge, serially, under xdist and
+through plain pytest -- must end with the expected verdict and counts, the dead test named, the report written
+and no process left. Each is a real process started in the background when the session has collected this
+module (tests/meta/background.py): it runs on the core the session leaves idle, under the load of the session's
+own tests. ``python -m tests.meta.fault_scenarios --repeat 10 --load`` runs every scenario over and over."""
+
+import concurrent.futures
+
+import pytest
+
+from . import background
+from .fault_scenarios import DEFAULT, check, run_scenario
+
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_fault_scenarios")]
+
+
+def run_default() -> dict:
+    """Every scenario of :data:`DEFAULT`, three at a time: most of a scenario's time is a wait (a stall bound, a
+    hang's timeout, xdist restarting a worker), so together they take little more than their CPU time."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fault-scenario") as pool:
+        return dict(zip(DEFAULT, pool.map(run_scenario, DEFAULT)))
+
+
+#: started when the session has collected this module (tests/meta/background.py)
+BACKGROUND = {"fault-scenarios": ("fault_run", None, run_default)}
+
+
+@pytest.fixture(scope="module", params=DEFAULT)
+def fault_run(request, suite_runs):
+    runs = suite_runs.get("fault-scenarios", lambda: background.result("fault-scenarios", run_default))
+    return request.param, runs[request.param]
+
+
+def test_the_run_ends_with_the_verdict_the_dead_test_named_and_nothing_left(fault_run):
+    check(*fault_run)
+
+
+# --------------------------------------------------------------------------- the watch's rule, on a journal by hand
+
+
+def _watch(tmp_path, lines, **kw):
+    import json
+
+    from mla_conformance.report.watchdog import RunWatch
+
+    journal = tmp_path / "r.json.journal"
+    journal.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    watch = RunWatch(journal, stall_s=10, test_timeout_s=1, now=0.0, **kw)
+    return watch
+
+
+def test_the_watch_fires_on_no_progress_beyond_what_is_allowed(tmp_path):
+    """Times are the watch's clock, passed in: no test here waits. Idle with every worker collected: the stall
+    bound; a test running: plus its --timeout and the C watchdog's margin; a process starting: STARTUP_S."""
+    from mla_conformance.pytest_plugin.isolation import hard_deadline
+    from mla_conformance.report.watchdog import STARTUP_S
+
+    (tmp_path / "none").mkdir()
+    before = _watch(tmp_path / "none", [])  # pytest starting: no line yet
+    assert before.poll(STARTUP_S - 1) is None and before.poll(STARTUP_S + 1)
+    collected = [{"header": {"backends": ["b"]}}, {"worker": "gw0", "event": "collected", "tests": 3, "pid": 1},
+                 {"collection": ["t[b-1]", "t[b-2]"]}]
+    idle = _watch(tmp_path, collected)
+    assert idle.poll(1.0) is None and idle.poll(10.9) is None and idle.poll(11.2)  # the lines were read at 1.0
+    assert "no progress for 10 s (--stall-timeout 10 s)" in idle.fired
+    assert "no test had started" in idle.description and "gw0 collected 3 tests (pid 1:" in idle.description
+    running = _watch(tmp_path, collected + [{"start": "t[b-1]"}])
+    bound = 10 + hard_deadline(1)
+    assert running.poll(0.0) is None and running.poll(bound - 0.1) is None and running.poll(bound + 0.1)
+    assert "last test started: t[b-1]" in running.description and "1 not finished" not in running.description
+    starting = _watch(tmp_path, collected[:1] + [{"worker": "gw1", "event": "starting"}])
+    assert starting.poll(0.0) is None and starting.poll(STARTUP_S - 1) is None and starting.poll(STARTUP_S + 1)
+
+
+def test_the_watch_ends_a_run_whose_workers_die_while_collecting(tmp_path):
+    deaths = [{"worker": f"gw{i}", "event": e, **({"error": "Not properly terminated"} if e == "down" else {})}
+              for i in range(3) for e in ("starting", "down")]
+    watch = _watch(tmp_path, deaths)
+    assert watch.poll(0.0) and "3 xdist workers in a row died before collecting" in watch.fired
+    assert "Not properly terminated" in watch.fired
+    later = _watch(tmp_path, deaths[:2] + [{"worker": "gw1", "event": "collected"}, {"worker": "gw1", "event": "down"}])
+    assert later.poll(0.0) is None  # a worker that collected and then died is a test's crash, not collection's
