@@ -36,6 +36,8 @@ MAX_SPLITS = 8
 #: the keys one split covers at least (small, so that the op suite's rows of ~100 keys are split too and the
 #: split merge is checked by every test; a GPU tuned for speed would split less)
 MIN_SPLIT = 64
+#: query heads per program of both kernels (tl.dot wants at least 16 rows on a GPU)
+BLOCK_H = 16
 #: head dims the kernels take (tl.arange needs powers of two): DeepSeek's 512 + 64, and the embedded tiny model's
 #: 64 + 16 (so ``--mla-backend op:triton`` runs the golden generations through it)
 HEAD_DIMS = ((D_QK, D_V), (80, 64))
@@ -132,11 +134,10 @@ class TritonMLAOp:
         out = torch.empty(B, s_q, H, d_v, dtype=torch.float32, device=o_part.device)
         lse = torch.empty(B, H, s_q, dtype=torch.float32, device=o_part.device)
         n_splits = o_part.shape[1]
-        block_h = 16
         sink = attn_sink.to(torch.float32).contiguous() if attn_sink is not None else lse_part
-        kernels().mla_decode_combine[(B * s_q, -(-H // block_h))](
+        kernels().mla_decode_combine[(B * s_q, -(-H // BLOCK_H))](
             o_part, lse_part, sink, out, lse, H, s_q, n_splits,
-            D_V=d_v, BLOCK_H=block_h, BLOCK_S=max(2, 1 << (n_splits - 1).bit_length()),
+            D_V=d_v, BLOCK_H=BLOCK_H, BLOCK_S=max(2, 1 << (n_splits - 1).bit_length()),
             HAS_SINK=attn_sink is not None)
         return out, lse
 
@@ -174,16 +175,15 @@ class TritonMLAOp:
         dev = q.device
         o_part = torch.empty(B * s_q, n_splits, H, d_v, dtype=torch.float32, device=dev)
         lse_part = torch.empty(B * s_q, n_splits, H, dtype=torch.float32, device=dev)
-        block_h = 16
         idx = indices if sparse else n_vis  # a placeholder pointer where there are no indices
         bt = block_table if not sparse else n_vis
-        kernels().mla_decode_partial[(B * s_q, -(-H // block_h), n_splits)](
+        kernels().mla_decode_partial[(B * s_q, -(-H // BLOCK_H), n_splits)](
             q, q.stride(0), q.stride(1), q.stride(2),
             rows, rows.stride(0), scales, scales.stride(0), rope, rope.stride(0),
             bt, bt.stride(0) if not sparse else 0,
             idx, idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
             n_vis, o_part, lse_part,
             softmax_scale * math.log2(math.e), H, s_q, n_slots, per, n_splits,
-            PAGE=page, D_V=d_v, D_PE=d_qk - d_v, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPARSE=sparse, FP8=fp8)
+            PAGE=page, D_V=d_v, D_PE=d_qk - d_v, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SPARSE=sparse, FP8=fp8)
         out, lse = self.combine(o_part, lse_part, attn_sink, (B, s_q, H, d_v))
         return out.to(q.dtype), lse
