@@ -4,9 +4,11 @@ The suite's options, markers, backend parametrisation and report header come fro
 (``mla_conformance.pytest_plugin``, entry point ``pytest11``), so they work from any directory; this file only
 holds what is specific to this checkout: where the fixtures and goldens live, ``pytester`` for the tests that
 run the suite inside a test (tests/meta/harness.py), xdist's grouping of their tests, and the OpenMP wait policy
-of the timed steps (mla_conformance.perf.cpu_wait).
+of the timed steps (mla_conformance.perf.cpu_wait), and that bytecode is written here (the test modules are
+rewritten once, not every session).
 """
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,12 @@ from mla_conformance.perf import cpu_wait
 
 #: before anything imports torch: the CPU threads of the timed steps (the benchmarks) wait passively, as `bench`'s do
 cpu_wait.prefer_passive_wait()
+
+#: Bytecode, pytest's assertion-rewritten test modules among it, is kept in __pycache__ (git-ignored) even where
+#: PYTHONDONTWRITEBYTECODE=1 (this machine's default): otherwise every session re-rewrites the ~150 test modules
+#: (~2 s of a run's collection). The suite-in-suite processes of tests/meta get the same
+#: (tests/meta/background.py, NO_BYTECODE).
+sys.dont_write_bytecode = False
 
 #: pytester: the suite-in-suite runs of tests/meta (a top-level conftest is the one place pytest takes it from)
 pytest_plugins = ["pytester"]

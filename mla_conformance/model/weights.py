@@ -34,7 +34,7 @@ V3_REFERENCE_NAMES = {
 }
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality, compared as int64 words where the bytes allow (torch.equal on bfloat16 converts every
     element: 5x slower at V2-Lite dims)."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
@@ -101,7 +101,7 @@ class MLAWeights(Mapping):
     def changed_from(self, other: "MLAWeights") -> list[str]:
         """Names of the tensors whose bits differ from ``other``'s (same names, shapes and dtypes): a write, even of
         an equal value (-0.0 for 0.0), is a change; a NaN left alone is not."""
-        return [k for k, v in self._tensors.items() if not _same_bits(v, other[k])]
+        return [k for k, v in self._tensors.items() if not same_bits(v, other[k])]
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -131,7 +131,8 @@ class MLAWeights(Mapping):
                 t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=draw_dtype)
             elif period is not None and shape[1] > period:
                 t = torch.randn((shape[0], period), generator=gen, dtype=draw_dtype)
-                t = t.mul_(gains.get(name, 1.0) / math.sqrt(shape[1])).repeat(1, -(-shape[1] // period))[:, :shape[1]]
+                t = t.mul_(gains.get(name, 1.0) / math.sqrt(shape[1])).to(device=device, dtype=dtype)  # cast, then tile
+                t = t.repeat(1, -(-shape[1] // period))[:, :shape[1]].contiguous()
             else:
                 t = torch.randn(shape, generator=gen, dtype=draw_dtype) / math.sqrt(shape[1])
                 t = t * gains.get(name, 1.0)
