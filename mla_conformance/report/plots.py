@@ -23,7 +23,7 @@ class _Pyplot:
     """matplotlib.pyplot on the Agg backend, imported when the first plot is drawn: a report with nothing to plot
     (its tests measured no figures) writes no PNG and costs no matplotlib import (~1 s of CPU per report)."""
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):  # each use: matplotlib.use("Agg") again is a no-op once it is the backend
         import matplotlib
 
         matplotlib.use("Agg")

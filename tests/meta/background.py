@@ -28,11 +28,9 @@ _DIRS: list[Path] = []
 #: by the spawning thread. (Turning vfork off instead costs ~0.1 s per spawn from this 2-3 GB process.)
 _ENV = dict(os.environ)
 
-#: Dropped from the jobs' environment: pytest assertion-rewrites every module of a pytest11 plugin's distribution
-#: (mla_conformance, hypothesis, syrupy, ...) and the test files in each process, and keeps the result (beside the
-#: source, in __pycache__) only where bytecode may be written. With PYTHONDONTWRITEBYTECODE=1 (this machine's
-#: default) every inner pytest redid it: ~1 s of CPU per process (a 1-test pytest: 1.57 s -> 0.58 s user once
-#: written). The session's own process is left as started (it reads what the jobs wrote).
+#: Dropped from the jobs' environment, so that their pytest processes keep and share bytecode, pytest's
+#: assertion-rewritten plugin and test modules among it (why and what it saves: the root conftest.py, which does
+#: the same for the session's own process).
 NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"
 
 
