@@ -60,9 +60,10 @@ def pytest_sessionstart(session):
 
     from tests.meta import background
 
-    for path in background.job_modules():
-        for key, (_, _, fn) in importlib.import_module(f"tests.meta.{path.stem}").BACKGROUND.items():
-            background.start(key, fn)
+    jobs = {key: fn for path in background.job_modules()
+            for key, (_, _, fn) in importlib.import_module(f"tests.meta.{path.stem}").BACKGROUND.items()}
+    for key in sorted(jobs, key=lambda k: k != background.LONGEST):
+        background.start(key, jobs[key])
     _one_thread(session.config)
 
 

@@ -1,8 +1,9 @@
 """Inner runs that mostly wait on other processes, started as soon as the session has collected them.
 
 A serial ``pytest`` keeps one core busy (torch runs one thread per process, ``--mla-threads``); the isolation
-scenarios spend their time in subprocesses that start workers, crash, hang and time out. Started on a thread
-when collection ends (tests/conftest.py), they run on the other core while the rest of the session goes on; the
+scenarios spend their time in subprocesses that start workers, crash, hang and time out. Started on two threads
+when the session starts or collection ends (tests/conftest.py), at a lower priority, they run on the other core while
+the rest of the session goes on; the
 tests that need them wait for their result. Jobs never call pytest in this process (pytest is not
 thread-safe): they drive subprocesses only. Under xdist, or when a test asks first, a job runs in the test.
 """
@@ -34,6 +35,20 @@ _ENV = dict(os.environ)
 NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"
 
 
+#: The jobs' threads, and so every process they start, run at this lower priority (on Linux a thread's nice value
+#: is its own and its children inherit it): the session's own tests keep their core, the jobs get the rest.
+NICE = 10
+
+
+#: Jobs at a time. Most jobs wait on their processes more than they compute (workers that start, crash, hang and
+#: time out); with two, the longest job (:data:`LONGEST`, started first) computes while the others take turns on
+#: the second thread, and every job's processes yield to the session's tests (:data:`NICE`).
+WORKERS = 2
+#: The job that takes longest (the kill matrix's process: ~30 s of CPU), started first in the whole default run
+#: (tests/conftest.py) so that it does not wait behind the others.
+LONGEST = "kill-matrix"
+
+
 def env(**extra: str) -> dict[str, str]:
     """The session's starting environment (less :data:`NO_BYTECODE`) plus ``extra``: what a job's subprocess
     gets."""
@@ -53,11 +68,18 @@ def scratch(prefix: str) -> Path:
     return d
 
 
+def _lower_priority() -> None:
+    if hasattr(os, "nice"):  # POSIX (elsewhere the jobs share the CPU evenly with the session)
+        os.nice(NICE)
+
+
 def start(key: str, fn: Callable[[], Any]) -> None:
-    """Run ``fn`` on the background thread (one job at a time: one core), once per session."""
+    """Run ``fn`` on a background thread, once per session: two jobs at a time (:data:`WORKERS`), the rest wait
+    their turn in the order started."""
     global _POOL
     if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="meta-background")
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="meta-background",
+                                                      initializer=_lower_priority)
     if key not in _JOBS:
         _JOBS[key] = _POOL.submit(fn)
 

@@ -93,6 +93,13 @@ class SuiteRun:
     def __getitem__(self, key: str):
         return self.payload[key]
 
+    def only(self, files: Iterable[str]) -> "SuiteRun":
+        """The same run with only the tests of ``files`` (``suites/test_x.py``): one matrix's view of a run that
+        holds several."""
+        files = tuple(files)
+        return SuiteRun(self.code, self.log, {**self.payload, "tests": [t for t in self.tests
+                                                                         if t["nodeid"].split("::")[0] in files]})
+
     def tail(self, n: int = 4000) -> str:
         return self.log[-n:]
 

@@ -11,8 +11,9 @@ pass -- and the correct implementations, written independently of the reference,
 
 Data, and the layer matrix's run. Both run through tests/meta/harness.py as a user runs the suite: the layer
 matrix in one pytest process started in the background (:func:`layer_run`, read by tests/meta/test_kill_matrix.py),
-and the op matrix and the generated-case meta run in the same process (:data:`OP_KEEP`: its cells, its correct ops'
-tests of :data:`OP_SUITES`; read by tests/meta/test_op_meta.py and tests/meta/test_generated_meta.py). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
+and the op matrix, the op methods' matrix and the generated-case meta run in the same process (:data:`OP_KEEP`: its cells, its correct ops'
+tests of :data:`OP_SUITES`; read by tests/meta/test_op_meta.py, tests/meta/test_op_methods_meta.py and
+tests/meta/test_generated_meta.py). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
 and op over the whole default suite, its failing variant on :data:`FAILURE_TEST`; read by
 tests/meta/test_readme_template.py): one process start-up, one set of session caches (weights, float64 oracles,
 the checkpoint probe) for both.
@@ -315,6 +316,8 @@ OP_SPECS = [spec for spec, _, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(),
 #: the op suites of the op matrix: every suites/test_op_*.py but those another meta module kills (ELSEWHERE)
 OP_SUITES = [f"suites/{p.name}" for p in sorted((harness.ROOT / "suites").glob("test_op_*.py"))
              if f"suites/{p.name}" not in ELSEWHERE]
+#: the suites of the op methods beyond decode (their matrix: tests/meta/test_op_methods_meta.py, run in this process)
+METHOD_SUITE_FILES = [f"suites/{name}" for name in METHOD_SUITES]
 #: what the op matrix keeps of a run: the cells of the broken and erroring ops, and every test of the correct ops
 #: in OP_SUITES
 OP_KEEP = ({n for _, _, n in OP_CELLS} | {n for _, n in OP_ERRORS},
@@ -370,8 +373,9 @@ def readme_specs(tmp) -> tuple[list[str], list[str]]:
 def layer_run() -> harness.SuiteRun:
     """The layer matrix in one pytest process, through the plugin and its --mla-results exactly as a user's run:
     every cell on its broken backend, the correct backends' cells, the crash cells; the op matrix (:data:`OP_KEEP`);
-    the generated-case meta run (tests/meta/test_generated_meta.py's cells and correct implementations); in the
-    same session the
+    the generated-case meta run (tests/meta/test_generated_meta.py's cells and correct implementations); the op
+    methods' matrix (tests/meta/test_op_methods_meta.py's cells and its correct ops' method suites); in the same
+    session the
     README's backend and op over the whole default suite and its failing variant on FAILURE_TEST only (every
     other test is deselected: :class:`harness.Keep`)."""
     tmp = background.scratch("mla-kill-")
@@ -384,11 +388,19 @@ def layer_run() -> harness.SuiteRun:
     from .test_generated_meta import BROKEN as GENERATED, CELLS as GENERATED_CELLS, CORRECT as GENERATED_CORRECT, \
         SUITES as GENERATED_SUITES
 
+    # and the op methods' (test_op_methods_meta's tables): their broken ops' cells, their correct ops' method suites
+    from .test_op_methods_meta import BROKEN_OPS as METHOD_BROKEN, CELLS as METHOD_CELLS, \
+        CORRECT_OPS as METHOD_CORRECT, ERROR_OPS as METHOD_ERRORS, ERRORS as METHOD_ERROR_CELLS
+
     generated = [*GENERATED.values(), *GENERATED_CORRECT.values()]
     specs += [s for o, s, *_ in generated if o == "--mla-backend" and s not in specs]
-    keep = harness.Keep({*cells, *OP_KEEP[0], *GENERATED_CELLS.values()},
-                        {README_NAMES["backend"]: None, README_NAMES["op"]: None, **OP_KEEP[1],
-                         **{name: GENERATED_SUITES for name in GENERATED_CORRECT}})
-    return harness.run_subprocess(tmp, ["suites"], backends=specs,
-                                  ops=[*readme_ops, *OP_SPECS, *(s for o, s, *_ in generated if o == "--mla-op")],
-                                  extra=["-s"], keep=keep, expect=1)
+    ops = [*readme_ops, *OP_SPECS, *(s for o, s, *_ in generated if o == "--mla-op")]
+    ops += dict.fromkeys(s for s, *_ in [*METHOD_BROKEN.values(), *METHOD_CORRECT.values(), *METHOD_ERRORS.values()]
+                         if s not in ops)
+    names = {README_NAMES["backend"]: None, README_NAMES["op"]: None, **OP_KEEP[1],
+             **{name: GENERATED_SUITES for name in GENERATED_CORRECT}}
+    for _, name in METHOD_CORRECT.values():  # frozen-base-op is in both op tables: its decode and its method suites
+        names[name] = [*names.get(name, []), *METHOD_SUITE_FILES]
+    keep = harness.Keep({*cells, *OP_KEEP[0], *GENERATED_CELLS.values(), *(n for _, _, n in METHOD_CELLS),
+                         *(n for _, n in METHOD_ERROR_CELLS)}, names)
+    return harness.run_subprocess(tmp, ["suites"], backends=specs, ops=ops, extra=["-s"], keep=keep, expect=1)

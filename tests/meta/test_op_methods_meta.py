@@ -3,8 +3,9 @@ tests/meta/broken_op_methods.py must come out *failed* (an AssertionError verdic
 an error, a skip or a pass) in the method tests named for it; the ops written independently of reference-op
 (tests/meta/independent_op_methods.py) pass every method test they have the method for, and an op with only
 decode (tests/meta/frozen_base_op.py, never edited) skips every one, naming the method it lacks. All of it in
-one in-process run of the suite (tests/meta/harness.py: the plugin, --mla-op, --mla-results, as a user runs
-it) over the method suites only (mla_conformance.checks.op_methods.METHOD_SUITES)."""
+the layer matrix's pytest process (tests/meta/kill_matrix.py: the plugin, --mla-op, --mla-results, as a user runs
+it), which keeps these tables' cells and their correct ops' tests of the method suites
+(mla_conformance.checks.op_methods.METHOD_SUITES)."""
 
 import ast
 
@@ -13,7 +14,8 @@ import pytest
 from mla_conformance.checks.op_methods import METHOD_SUITES
 from mla_conformance.contract.op import METHOD_DECLARATIONS, SIGNATURES
 
-from . import harness
+from . import background, harness
+from .kill_matrix import METHOD_SUITE_FILES, layer_run
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_methods_meta")]
 ROOT = harness.ROOT
@@ -159,19 +161,15 @@ def method_tests() -> set[str]:
     return found
 
 
-def _methods_run(pytester) -> harness.SuiteRun:
-    """One pytest session, in this process, over the method suites with every op of the tables."""
-    return harness.run_inprocess(pytester, [str(SUITES / name) for name in METHOD_SUITES],
-                                 ops=[spec for spec, *_ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(),
-                                                            *ERROR_OPS.values()]],
-                                 plugins=[harness.Keep({n for _, _, n in CELLS} | {n for _, n in ERRORS},
-                                                       {n for _, n in CORRECT_OPS.values()})],
-                                 expect=1)
+#: the op methods' matrix runs in the layer matrix's background process (tests/meta/kill_matrix.py's layer_run keeps
+#: these tables' cells and correct ops' method suites: one process start-up, one set of session caches), started
+#: when the session has collected this module
+BACKGROUND = {"kill-matrix": ("run", None, layer_run)}
 
 
 @pytest.fixture
-def run(suite_run) -> harness.SuiteRun:
-    return suite_run("op-methods", _methods_run)
+def run(suite_runs) -> harness.SuiteRun:
+    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run)).only(METHOD_SUITE_FILES)
 
 
 def test_every_method_test_is_failed_by_a_broken_op():
