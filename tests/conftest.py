@@ -23,8 +23,15 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     # The modules whose tests read a background job's result (``BACKGROUND``: tests/meta/background.py) run
-    # last, so the jobs have had the whole session to finish on the other core instead of being waited for.
-    items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "BACKGROUND", None)))
+    # last, so the jobs have had the whole session to finish on the other core instead of being waited for; those
+    # of the longest job last of all.
+    from tests.meta.background import LONGEST
+
+    def waits(item) -> tuple[bool, bool]:
+        jobs = getattr(getattr(item, "module", None), "BACKGROUND", None) or {}
+        return bool(jobs), LONGEST in jobs
+
+    items.sort(key=waits)
     if "triton_interpret" not in (config.option.markexpr or ""):
         tier = pytest.mark.skip(reason="the Triton interpreter tier (minutes): run it with `pytest -m triton_interpret` "
                                        "after `pip install -e .[triton]`; .ci/run does")
