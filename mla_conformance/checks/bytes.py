@@ -21,8 +21,9 @@ from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.contract.layer import cache_format_of, declared_on
 from mla_conformance.kv.caches.measure import (POISON_BYTES, Poisoned, bookkeeping_limit, describe_buffers,
                                                is_bookkeeping, slot_figures, written_bytes, written_masks)
-from mla_conformance.kv.codecs import FP8_INDEXER_BLOCK, get_codec
+from mla_conformance.kv.codecs import get_codec
 from mla_conformance.model.config import MLAConfig
+from mla_conformance.model.reference import FP8_INDEXER_BLOCK
 from mla_conformance.model.weights import MLAWeights
 
 
