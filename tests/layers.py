@@ -35,9 +35,12 @@ Why each layer is where it is (what it needs below it):
   ``generation``.
 * ``pytest_plugin`` -- the suites' options, fixtures, isolation and the results a run records (under
   ``schema``'s keys); ``checks`` and ``specs`` below it, never the report it feeds.
-* ``report`` -- the plugin's results into conformance.json / .md, plots, merge, the generated docs tables.
+* ``report`` -- the plugin's results into conformance.json / .md, plots, merge; the generated docs tables (from
+  the plugin's options among others) and ``run``'s work (``report.run``: pytest in a subprocess, watched through
+  the plugin's journal): all read the plugin, so above it. The command's options are ``cli.run``, one layer up
+  past ``perf``, which neither uses.
 * ``perf`` -- timings and the bench's gate: ``checks``' correctness before any clock.
-* ``cli`` -- the commands, ``run`` (pytest in a subprocess, then the report) among them: everything below.
+* ``cli`` -- the commands' options (argparse lives here only), each calling into the layer that does the work.
 """
 
 #: lowest first; a package may import the packages of the layers before its own
