@@ -132,7 +132,7 @@ def suite_run(request, suite_runs):
 def mla_figures(record_property):
     """The tool's own tests are in no report, so their figures are free-form (a plain dict, kept as a test
     property). The suites' figures are what the report reads: there the plugin's fixture refuses a key that
-    mla_conformance/report/schema.py does not declare."""
+    mla_conformance/schema.py does not declare."""
     data: dict = {}
     yield data
     if data:

@@ -1,10 +1,15 @@
-"""The package's layout rules (issue 20), checked from its source: no import cycle, no file over 700 lines,
-argparse only in cli/, no globals-update namespace injection in the tests."""
+"""The package's layout rules (issue 20), checked from its source: no import cycle, packages import downward only
+(issue 29: the order of tests/layers.py), no file over 700 lines, argparse only in cli/, no globals-update
+namespace injection in the tests."""
 from __future__ import annotations
 
 import ast
 import functools
 from pathlib import Path
+
+import pytest
+
+from tests.layers import LAYERS
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mla_conformance"
@@ -36,22 +41,24 @@ def _imports(path: Path) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
     return found
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    return {_module_name(p, root): p for p in sorted((root / PKG.name).rglob("*.py"))}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the package modules it imports, at module level or inside a function (an implicit parent
-    package import is not an edge: ``import a.b.c`` runs ``a.b``'s ``__init__`` but depends on ``a.b.c``)."""
-    mods = _modules()
-    graph: dict[str, set[str]] = {m: set() for m in mods}
+def import_edges(root: Path = ROOT) -> list[tuple[str, str, str]]:
+    """(module, package module it imports, "file:line") for every import statement of the package under ``root``,
+    at module level or inside a function (an implicit parent package import is not an edge: ``import a.b.c`` runs
+    ``a.b``'s ``__init__`` but depends on ``a.b.c``)."""
+    mods = _modules(root)
+    edges = []
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
+        where = path.relative_to(root).as_posix()
         for node, _ in _imports(path):
             targets = []
             if isinstance(node, ast.Import):
@@ -65,10 +72,38 @@ def import_graph() -> dict[str, set[str]]:
                 for a in node.names:
                     sub = f"{base}.{a.name}"
                     targets.append(sub if sub in mods else base)
-            for t in targets:
+            for t in dict.fromkeys(targets):
                 if t in mods and t != name:
-                    graph[name].add(t)
+                    edges.append((name, t, f"{where}:{node.lineno}"))
+    return edges
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the package modules it imports (:func:`import_edges`)."""
+    graph: dict[str, set[str]] = {m: set() for m in _modules(root)}
+    for name, target, _ in import_edges(root):
+        graph[name].add(target)
     return graph
+
+
+def package_of(module: str) -> str:
+    """The first-level subpackage or top-level module a module belongs to; ``ROOT`` for the package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "ROOT"
+
+
+def check_downward(edges: list[tuple[str, str, str]], modules, layers=LAYERS) -> None:
+    """AssertionError naming every package outside ``layers`` and every import of a package that is not below the
+    importer's (its own layer's peers included), as ``pkg_a -> pkg_b (file:line)``."""
+    rank = {pkg: i for i, layer in enumerate(layers) for pkg in layer}
+    unplaced = sorted({package_of(m) for m in [*modules, *(t for _, t, _ in edges)]} - set(rank))
+    if unplaced:  # raised, not asserted: the message stays the lines below (no assertion rewriting around it)
+        raise AssertionError(f"package(s) in no layer of tests/layers.py: {', '.join(unplaced)}")
+    upward = sorted({f"{a} -> {b} ({where})" for m, t, where in edges
+                     if (a := package_of(m)) != (b := package_of(t)) and rank[b] >= rank[a]})
+    if upward:
+        raise AssertionError("imports of a package not below the importer's (tests/layers.py, lowest first: "
+                             + " < ".join("/".join(layer) for layer in layers) + "):\n" + "\n".join(upward))
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -100,6 +135,55 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_layers_name_each_package_once():
+    named = [pkg for layer in LAYERS for pkg in layer]
+    assert len(named) == len(set(named)), f"a package in two layers of tests/layers.py: {named}"
+    stale = sorted(set(named) - {package_of(m) for m in _modules()})
+    assert not stale, f"tests/layers.py names packages that do not exist: {stale}"
+
+
+def test_packages_import_downward():
+    check_downward(import_edges(), _modules())
+
+
+PLANTED = {  # a tiny tree: kv imports checks (upward) in a function, model imports kv.codecs (upward) as a.b.c
+    "mla_conformance/__init__.py": "",
+    "mla_conformance/errors.py": "",
+    "mla_conformance/model/__init__.py": "",
+    "mla_conformance/model/config.py": "from mla_conformance.errors import *\nimport mla_conformance.kv.codecs\n",
+    "mla_conformance/kv/__init__.py": "",
+    "mla_conformance/kv/codecs.py": ("from ..model.config import *\n\n\ndef f():\n"
+                                     "    from mla_conformance.checks import driver\n"),
+    "mla_conformance/checks/__init__.py": "",
+    "mla_conformance/checks/driver.py": "from mla_conformance.kv import codecs\n",
+}
+
+
+def test_an_upward_import_fails_naming_it(tmp_path):
+    """The check fails (an AssertionError, not an error) on a tree with planted upward imports, naming each."""
+    for rel, src in PLANTED.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(src)
+    with pytest.raises(AssertionError) as exc:
+        check_downward(import_edges(tmp_path), _modules(tmp_path))
+    lines = str(exc.value).splitlines()[1:]
+    assert lines == ["kv -> checks (mla_conformance/kv/codecs.py:5)",
+                     "model -> kv (mla_conformance/model/config.py:2)"], lines
+
+
+def test_a_planted_edge_in_the_real_graph_fails_naming_it():
+    edges = import_edges() + [("mla_conformance.model.config", "mla_conformance.report.build",
+                               "mla_conformance/model/config.py:1")]
+    with pytest.raises(AssertionError) as exc:
+        check_downward(edges, _modules())
+    assert "model -> report (mla_conformance/model/config.py:1)" in str(exc.value).splitlines()[1:], str(exc.value)
+
+
+def test_a_package_in_no_layer_fails_naming_it():
+    with pytest.raises(AssertionError, match="in no layer of tests/layers.py: newpkg"):
+        check_downward([], [*_modules(), "mla_conformance.newpkg.thing"])
 
 
 def test_no_file_over_700_lines():

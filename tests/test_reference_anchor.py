@@ -16,7 +16,8 @@ import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
 from mla_conformance.specs import get_backend
-from mla_conformance.impl.backends.hf import _hf_config, restore_yarn_softmax_scale, yarn_scale_diagnosis
+from mla_conformance.impl.backends.hf import _hf_config, yarn_scale_diagnosis
+from mla_conformance.model.probe import restore_yarn_softmax_scale
 from mla_conformance.model.config import PRESETS as ALL_PRESETS
 from mla_conformance.model.config import rope_inv_freq
 from mla_conformance.model.reference import reference_attention_f64

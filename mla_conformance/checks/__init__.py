@@ -9,6 +9,8 @@ One job per module, re-exported here under the names the suites call as ``checks
 * :mod:`~mla_conformance.checks.tolerances` -- the tolerance tables, each number with its reason;
 * :mod:`~mla_conformance.checks.metrics` -- error metrics, dtype names, the margin, the NaN sentences;
 * :mod:`~mla_conformance.checks.driver` -- running a backend through a scenario (weights, inputs, poison);
+* :mod:`~mla_conformance.contract.calls` -- the call boundary the driver uses (``call_backend``, ``check_output``:
+  the contract's, named here too);
 * :mod:`~mla_conformance.checks.bytes` -- the byte formulas, THE byte measurement, :func:`cache_bytes`;
 * :mod:`~mla_conformance.checks.layer_numerics` -- outputs against the float64 reference;
 * :mod:`~mla_conformance.checks.diagnose` -- oracles of known bug classes, for "likely cause";
@@ -24,16 +26,16 @@ from mla_conformance.checks.bytes import (INDEXER_FORMATS, WrittenBytes, cache_b
                                           format_bytes_per_token, indexer_bytes_per_token, indexer_elements,
                                           indexer_format_of, measure_written_bytes, per_token_elements,
                                           v2_lite_cache_probe)
-from mla_conformance.checks.driver import (SCENARIOS, NonFiniteOutput, Scenario, call_backend, check_output, diagnosis,
-                                           inputs_for, master_weights, require_support, run_scenario,
-                                           scenario_lengths, tensors_of_checked, weights_for)
+from mla_conformance.checks.driver import (SCENARIOS, Scenario, diagnosis, inputs_for, master_weights, require_support,
+                                           run_scenario, scenario_lengths, weights_for)
 from mla_conformance.checks.layer_numerics import (NUMERICS_PRESETS, incremental_equals_prefill, likely_cause_message,
                                                    numerics)
-from mla_conformance.checks.metrics import (DTYPES, NAN_FROM_POISON, NAN_HINT, NAN_OWN, dtype_name, error_metrics,
-                                            format_metrics, margin, row_metrics)
+from mla_conformance.checks.metrics import (DTYPES, NAN_FROM_POISON, NAN_OWN, dtype_name, error_metrics, format_metrics,
+                                            margin, row_metrics)
 from mla_conformance.checks.tolerances import (ANCHOR_TOLERANCES, FP8_E4M3_PRODUCT_ERROR, OP_ACC_ROUNDINGS,
                                                OP_DOT_ROUNDINGS, OP_LSE_ROUNDING, OP_TOLERANCES, TOLERANCES,
                                                OpTolerance, Tolerance, tolerance_figures, unit_roundoff)
+from mla_conformance.contract.calls import NAN_HINT, NonFiniteOutput, call_backend, check_output, tensors_of_checked
 
 __all__ = [
     "ANCHOR_TOLERANCES", "DTYPES", "FP8_E4M3_PRODUCT_ERROR", "INDEXER_FORMATS", "NAN_FROM_POISON", "NAN_HINT",

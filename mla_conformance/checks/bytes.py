@@ -15,14 +15,15 @@ from typing import Any, Callable
 
 import torch
 
-from mla_conformance.checks.driver import (Scenario, call_backend, inputs_for, require_support, run_scenario,
-                                           tensors_of_checked)
+from mla_conformance.checks.driver import Scenario, inputs_for, require_support, run_scenario
 from mla_conformance.checks.metrics import dtype_name
+from mla_conformance.contract.calls import call_backend, tensors_of_checked
 from mla_conformance.contract.layer import cache_format_of, declared_on
 from mla_conformance.kv.caches.measure import (POISON_BYTES, Poisoned, bookkeeping_limit, describe_buffers,
                                                is_bookkeeping, slot_figures, written_bytes, written_masks)
-from mla_conformance.kv.codecs import FP8_INDEXER_BLOCK, get_codec
+from mla_conformance.kv.codecs import get_codec
 from mla_conformance.model.config import MLAConfig
+from mla_conformance.model.reference import FP8_INDEXER_BLOCK
 from mla_conformance.model.weights import MLAWeights
 
 

@@ -1,66 +1,22 @@
 """Running a backend through a scenario: the scenarios, the seeded weights and inputs they use, the calls into
-the backend (whatever it raises is a BackendError), the checks on every attend() result, and the poison the
+the backend and the checks on every attend() result (:mod:`mla_conformance.contract.calls`), and the poison the
 suite puts in a fresh cache (:mod:`mla_conformance.kv.caches.measure`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import pytest
 import torch
 
-from mla_conformance.checks.metrics import NAN_FROM_POISON, NAN_HINT, NAN_OWN
+from mla_conformance.checks.metrics import NAN_FROM_POISON, NAN_OWN
+from mla_conformance.contract.calls import NAN_HINT, NonFiniteOutput, call_backend, check_output, tensors_of_checked
 from mla_conformance.contract.layer import support_reason
-from mla_conformance.errors import BackendError, BackendOutputError
+from mla_conformance.errors import BackendError
 from mla_conformance.kv.caches.measure import poison
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.weights import MLAWeights
-
-
-class NonFiniteOutput(AssertionError):
-    """attend() returned NaN/inf on a valid slot; ``where`` is the message without its cause clause."""
-
-    def __init__(self, where: str, hint: str = NAN_HINT):
-        super().__init__(f"{where}; {hint}")
-        self.where = where
-
-
-def check_output(backend, out: Any, hidden_states: torch.Tensor, lengths: torch.Tensor, where: str,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Type, shape and dtype of one attend() result (a BackendOutputError: an *error*), then finiteness
-    on valid slots (an AssertionError: a *failure*, the output is wrong)."""
-    __tracebackhide__ = True
-    name = getattr(backend, "name", backend)
-    if not isinstance(out, torch.Tensor):
-        raise BackendOutputError(f"{name}: attend() returned {type(out).__name__}, not a Tensor ({where})")
-    if tuple(out.shape) != tuple(hidden_states.shape):
-        raise BackendOutputError(f"{name}: attend() returned shape {tuple(out.shape)}, expected "
-                                 f"{tuple(hidden_states.shape)} ({where})")
-    if out.dtype != hidden_states.dtype:
-        raise BackendOutputError(f"{name}: attend() returned {out.dtype}, expected hidden_states' "
-                                 f"{hidden_states.dtype} ({where})")
-    valid = torch.arange(out.shape[1], device=out.device)[None, :] < lengths.to(out.device)[:, None]
-    bad = ~torch.isfinite(out) & valid[..., None]
-    if bool(bad.any()):
-        b, s, h = (int(i) for i in bad.nonzero()[0])
-        kind = "NaN" if bool(torch.isnan(out[b, s, h])) else "inf"
-        pos = int(positions[b, s]) if positions is not None else s
-        raise NonFiniteOutput(f"{name}: attend() output has {int(bad.sum())} non-finite value(s): {kind} "
-                              f"at row {b}, position {pos}, channel {h} ({where})")
-    return out
-
-
-def call_backend(backend, method: str, *args, **kwargs):
-    """Call a backend method; any exception it raises (AssertionError included: it comes from the
-    backend's code, not from a check) becomes a BackendError naming the backend and the method."""
-    __tracebackhide__ = True
-    try:
-        return getattr(backend, method)(*args, **kwargs)
-    except Exception as exc:
-        raise BackendError(f"{getattr(backend, 'name', backend)}: {method}() raised "
-                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def diagnosis(backend, weights) -> str:
@@ -273,14 +229,6 @@ def _nan_cause(backend, weights, x, scenario, **kw) -> str:
     except Exception:
         return NAN_HINT
     return NAN_FROM_POISON
-
-
-def tensors_of_checked(tensors, where: str) -> dict[str, torch.Tensor]:
-    __tracebackhide__ = True
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise BackendOutputError(f"{where}: tensors() must return a dict of name -> Tensor, got "
-                                 f"{type(tensors).__name__}")
-    return tensors
 
 
 def scenario_lengths(scenario: Scenario) -> torch.Tensor:

@@ -26,12 +26,12 @@ import functools
 import torch
 
 from mla_conformance.checks.bytes import format_bytes_per_token
-from mla_conformance.checks.driver import (Scenario, call_backend, diagnosis, inputs_for, master_weights,
-                                           require_support, run_scenario, scenario_lengths, tensors_of_checked,
-                                           weights_for)
+from mla_conformance.checks.driver import (Scenario, diagnosis, inputs_for, master_weights, require_support,
+                                           run_scenario, scenario_lengths, weights_for)
 from mla_conformance.checks.layer_numerics import check_rows, likely_cause_message
 from mla_conformance.checks.metrics import dtype_name, error_metrics, row_metrics
 from mla_conformance.checks.tolerances import row_tolerance, tolerance_figures
+from mla_conformance.contract.calls import call_backend, tensors_of_checked
 from mla_conformance.contract.layer import cache_format_of
 from mla_conformance.kv.caches.measure import bookkeeping_limit, is_bookkeeping
 from mla_conformance.model.reference import reference_attention_f64

@@ -1,5 +1,6 @@
 """The error metrics every check reports (one definition each), dtype names, the margin, and the sentences that
-explain a NaN in an output."""
+explain a NaN in an output (the one said before the control run, ``NAN_HINT``, is the contract's:
+:mod:`mla_conformance.contract.calls`)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,6 @@ def format_metrics(m: dict[str, float]) -> str:
     return (f"rel_fro={m['rel_fro']:.3e} max_abs={m['max_abs']:.3e} mean_abs={m['mean_abs']:.3e} "
             f"p99_abs={m['p99_abs']:.3e} exact={m['exact_fraction']:.4f} cos_diff={m['cosine_diff']:.3e} "
             f"(ref rms {m['ref_rms']:.3f})")
-
-
-NAN_HINT = ("the suite fills every cache slot no token was written to with NaN (and 0xFF bytes in integer "
-            "storage), as a reused or torch.empty pool may hold: a backend that reads slots past seq_lens and "
-            "masks them by multiplying with 0 (0 * NaN = NaN) or by adding a large negative number to scores "
-            "computed from them (NaN + -inf = NaN) gets NaN; select with torch.where or read only the written slots")
 
 
 #: the NaN message's last clause, once the zero-filled control run has told the two causes apart

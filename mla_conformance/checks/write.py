@@ -36,7 +36,8 @@ from mla_conformance.contract.op import MethodCase, OpCase, declared
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.kv import cache_write, model1
 from mla_conformance.checks.tolerances import WRITE_FP32_SCALE_REL
-from mla_conformance.kv.codecs import FLASHMLA_SCALE_FLOOR, FP8_E4M3_MAX, flashmla_fp8_scales
+from mla_conformance.dtypes import FP8_E4M3_MAX
+from mla_conformance.kv.codecs import FLASHMLA_SCALE_FLOOR, flashmla_fp8_scales
 from mla_conformance.impl.ops.reference import oracle
 
 METHOD = "write"

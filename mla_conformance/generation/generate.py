@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mla_conformance.checks.driver import call_backend, check_output
+from mla_conformance.contract.calls import call_backend, check_output
 from mla_conformance.contract.layer import support_reason
 from mla_conformance.model import reference as ref
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint

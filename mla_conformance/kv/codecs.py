@@ -38,19 +38,16 @@ from typing import Any
 
 import torch
 
+from mla_conformance.dtypes import FP8_E4M3_MAX
 from mla_conformance.model.config import MLAConfig
 
 Storage = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
-FP8_E4M3_MAX = 448.0
 #: FlashMLA's floor on amax / 448 before rounding the scale up to a power of two (its FP8_AMAX_MARGIN).
 FLASHMLA_SCALE_FLOOR = 1e-4
 
 
 FLASHMLA_TILE = 128
-#: DeepSeek-V3.2's FP8 indexer key (and act_quant's block): e4m3 values with one float32 scale per block of
-#: this many values along the head dim, 128 + 4 = 132 B per token at index_head_dim 128.
-FP8_INDEXER_BLOCK = 128
 FLASHMLA_ROW_BYTES = 656
 
 

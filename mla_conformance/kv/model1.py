@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from mla_conformance.kv.codecs import FLASHMLA_SCALE_FLOOR, FP8_E4M3_MAX
+from mla_conformance.dtypes import FP8_E4M3_MAX
+from mla_conformance.kv.codecs import FLASHMLA_SCALE_FLOOR
 
 NAME = "fp8-e4m3-model1"
 D_NOPE = 448

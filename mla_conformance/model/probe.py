@@ -8,16 +8,28 @@ them all). Each backend then runs a prefill of all but the last token and a 1-to
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import torch
 
-from mla_conformance.impl.backends.hf import restore_yarn_softmax_scale
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.errors import CheckpointError
 from mla_conformance.model.weights import MLAWeights
+
+
+def restore_yarn_softmax_scale(attn, softmax_scale: float) -> None:
+    """For input preparation only (:func:`layer1_input`, the reference anchor's test), never for the backend under
+    test: give a DeepseekV2Attention YaRN's softmax factor mscale(factor, mscale_all_dim)^2 where it lacks it.
+
+    Some transformers releases (4.57 among them) set ``scaling = qk_head_dim ** -0.5`` and drop that factor,
+    which DeepSeek's own code and later transformers apply. Detected from the module, never the version.
+    """
+    plain = attn.qk_head_dim ** -0.5
+    if attn.scaling == plain and not math.isclose(softmax_scale, plain, rel_tol=1e-12):
+        attn.scaling = softmax_scale
 
 
 def _hf_config(directory: Path):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_conformance.kv.codecs import FP8_E4M3_MAX, FP8_INDEXER_BLOCK
+from mla_conformance.dtypes import FP8_E4M3_MAX
 from mla_conformance.model.config import MLAConfig, rope_inv_freq
 from mla_conformance.model.weights import MLAWeights
 
@@ -245,6 +245,9 @@ def other_rope_layout(layout: str) -> str:
     """The layout a backend that mixes them up would use: the other one."""
     return "half" if layout == "interleaved" else "interleaved"
 
+#: DeepSeek-V3.2's FP8 indexer key (and act_quant's block): e4m3 values with one float32 scale per block of
+#: this many values along the head dim, 128 + 4 = 132 B per token at index_head_dim 128.
+FP8_INDEXER_BLOCK = 128
 #: Elements per FP8 scale in DeepSeek's act_quant (a block of at most this many along the head dim).
 FP8_BLOCK = FP8_INDEXER_BLOCK
 

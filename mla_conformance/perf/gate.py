@@ -45,11 +45,12 @@ from typing import Any
 
 import torch
 
-from mla_conformance.checks.driver import NonFiniteOutput, check_output, master_weights, weights_for
+from mla_conformance.checks.driver import master_weights, weights_for
 from mla_conformance.checks.metrics import dtype_name, row_metrics
 from mla_conformance.checks.op_compare import check_against_oracle
 from mla_conformance.checks.op_inputs import Spec, unsupported
 from mla_conformance.checks.tolerances import TOLERANCES
+from mla_conformance.contract.calls import NonFiniteOutput, check_output
 from mla_conformance.contract.layer import cache_format_of
 from mla_conformance.contract.op import D_QK, D_V, OpCase
 from mla_conformance.errors import BackendOutputError

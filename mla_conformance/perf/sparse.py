@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mla_conformance.checks.bytes import format_bytes_per_token, measure_written_bytes
-from mla_conformance.checks.driver import call_backend, tensors_of_checked
+from mla_conformance.contract.calls import call_backend, tensors_of_checked
 from mla_conformance.errors import MLAInputError
 from mla_conformance.impl.backends.reference import ReferenceDSA
 from mla_conformance.kv.caches.measure import poison

@@ -180,7 +180,7 @@ def mla_checkpoint(request) -> Path | None:
 
 @pytest.fixture
 def mla_figures(request):
-    """The test's measured figures (a :class:`mla_conformance.report.schema.Figures`: only declared keys); they
+    """The test's measured figures (a :class:`mla_conformance.schema.Figures`: only declared keys); they
     go into the --mla-results JSON and reports -- failing tests' too (the checks fill it before they raise)."""
     return new_figures(request.node)
 

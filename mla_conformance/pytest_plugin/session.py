@@ -23,7 +23,7 @@ import pytest
 from mla_conformance.pytest_plugin import isolation, selection
 from mla_conformance.pytest_plugin.sentinel import Sentinel
 from mla_conformance.errors import BackendError
-from mla_conformance.report.schema import Figures
+from mla_conformance.schema import Figures
 
 _KEY = pytest.StashKey["ResultsSession"]()
 _FIGURES_KEY = pytest.StashKey[dict]()
@@ -39,7 +39,7 @@ def is_failure(excinfo) -> bool:
 
 
 def new_figures(item):
-    """The ``mla_figures`` of a test: a :class:`mla_conformance.report.schema.Figures` (it refuses a key the
+    """The ``mla_figures`` of a test: a :class:`mla_conformance.schema.Figures` (it refuses a key the
     schema does not declare), kept with the test; :func:`sync_figures` copies it into the reports."""
     figures = item.stash[_FIGURES_KEY] = Figures()
     return figures

@@ -1,6 +1,5 @@
 """Reports: what ``mla-conformance run`` and ``merge`` write for people and CI. One job per module:
 
-* :mod:`~mla_conformance.report.schema` -- the declared sections and figure keys (checks write, renderers read);
 * :mod:`~mla_conformance.report.environment` -- the environment block (the device under test, kernel gating);
 * :mod:`~mla_conformance.report.build` -- the plugin's results into a report: rows, verdicts, op results;
 * :mod:`~mla_conformance.report.markdown` and :mod:`~mla_conformance.report.sections` -- conformance.md;
@@ -11,5 +10,6 @@
 * :mod:`~mla_conformance.report.merge` -- ``merge``: several reports in one matrix;
 * :mod:`~mla_conformance.report.docs` -- the generated tables of the docs.
 
-The commands' options are in :mod:`mla_conformance.cli.run` and :mod:`mla_conformance.cli.merge`.
+The declared sections and figure keys the renderers read are :mod:`mla_conformance.schema` (below the plugin that
+records them). The commands' options are in :mod:`mla_conformance.cli.run` and :mod:`mla_conformance.cli.merge`.
 """

@@ -8,8 +8,12 @@ from typing import Any
 from mla_conformance.report.build import INDEPENDENT, number, op_case_of, verdict_of
 from mla_conformance.report.fmt import NOT_RECORDED, cell, declared_cell, fmt_e, mark, numbers_cell, plural
 from mla_conformance.report.plots import PLOT_TITLES
-from mla_conformance.report.schema import GENERIC_SECTIONS, SECTIONS
 from mla_conformance.report.sections import REPORT_SECTIONS, bytes_lines, error_lines
+from mla_conformance.schema import SECTIONS
+
+#: The sections rendered as one generic table each (test, case, outcome, worst error and bound).
+GENERIC_SECTIONS: tuple[str, ...] = ("op_prefill", "op_sparse_prefill", "op_merge", "op_write", "op_composition",
+                                     "op_generated", "layer_generated")
 
 
 def _not_tested_lines(who: str, v: dict) -> list[str]:
@@ -125,7 +129,7 @@ def _worst(f: dict) -> str:
 
 
 def _generic_lines(report) -> list[str]:
-    """One table per section of :data:`~mla_conformance.report.schema.GENERIC_SECTIONS` the run has rows of:
+    """One table per section of :data:`GENERIC_SECTIONS` the run has rows of:
     test, case, outcome and the worst error against its bound."""
     out: list[str] = []
     for section in sorted(GENERIC_SECTIONS):

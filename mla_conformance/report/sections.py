@@ -1,6 +1,6 @@
 """The measured tables of conformance.md: cache bytes (the V2-Lite cache probe, slot overhead), numerical
 error with tolerance and margin, RoPE conventions, KV codecs, generation, the checkpoint probe, kernel
-gating. Each reads the figures the checks recorded (:mod:`mla_conformance.report.schema`); a figure the run
+gating. Each reads the figures the checks recorded (:mod:`mla_conformance.schema`); a figure the run
 did not record reads "not recorded", never a number computed here in its place."""
 
 from __future__ import annotations

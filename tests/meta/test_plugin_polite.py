@@ -145,7 +145,7 @@ def test_undeclared(mla_figures):
 
 
 def test_figures_are_the_schemas(pytester):
-    """mla_figures takes only the figure keys mla_conformance.report.schema declares: another key is an error
+    """mla_figures takes only the figure keys mla_conformance.schema declares: another key is an error
     naming the key and where to declare it; declared figures reach the results."""
     pytester.makepyfile(test_figs=FIGURES)
     results = pytester.path / "results.json"
@@ -154,4 +154,4 @@ def test_figures_are_the_schemas(pytester):
     run = harness.SuiteRun(int(got.ret), "\n".join(got.outlines), json.loads(results.read_text()))
     assert run.result("test_figs.py::test_declared")["figures"] == {"case": "B=1"}
     reason = run.assert_error("test_figs.py::test_undeclared", "UndeclaredFigure")
-    assert "'my_own_number' is not declared" in reason and "mla_conformance/report/schema.py" in reason, reason
+    assert "'my_own_number' is not declared" in reason and "mla_conformance/schema.py" in reason, reason

@@ -609,7 +609,7 @@ def test_identical_failures_are_one_row_with_a_count():
 
 
 def test_figures_refuse_an_undeclared_key():
-    from mla_conformance.report.schema import FIGURES, Figures, is_declared
+    from mla_conformance.schema import FIGURES, Figures, is_declared
 
     f = Figures(rel_fro=1e-7)
     f.update({"max_abs": 1.0}, case="x")
@@ -620,17 +620,17 @@ def test_figures_refuse_an_undeclared_key():
                   lambda: f.setdefault("nope"), lambda: Figures(nope=1)):
         with pytest.raises(KeyError) as exc:
             write()
-        assert "is not declared" in str(exc.value) and "mla_conformance/report/schema.py" in str(exc.value)
+        assert "is not declared" in str(exc.value) and "mla_conformance/schema.py" in str(exc.value)
         assert "\n" not in str(exc.value)
     assert not is_declared("rowx_vs_float64") and list(FIGURES) == sorted(FIGURES), "FIGURES is kept sorted"
 
 
 def test_renderers_read_only_declared_figures_and_sections():
-    """Every figure key and section the report's renderers read by string is declared in report/schema.py,
+    """Every figure key and section the report's renderers read by string is declared in mla_conformance/schema.py,
     and no renderer imports checks or the config."""
     import re
 
-    from mla_conformance.report.schema import FIGURES, SECTIONS, is_declared
+    from mla_conformance.schema import FIGURES, SECTIONS, is_declared
 
     src = "\n".join((ROOT / "mla_conformance" / "report" / f).read_text()
                     for f in ("build.py", "markdown.py", "sections.py", "plots.py", "merge.py"))
@@ -650,7 +650,7 @@ def test_renderers_read_only_declared_figures_and_sections():
 
 
 def test_generic_sections_get_a_table_of_their_own():
-    from mla_conformance.report.schema import GENERIC_SECTIONS
+    from mla_conformance.report.markdown import GENERIC_SECTIONS
 
     assert {"op_prefill", "op_sparse_prefill", "op_merge", "op_write", "op_composition", "op_generated",
             "layer_generated"} == set(GENERIC_SECTIONS)

@@ -85,18 +85,6 @@ def v32_unavailable_reason() -> str | None:
             "DeepSeek Sparse Attention configs only through a release that has it")
 
 
-def restore_yarn_softmax_scale(attn, softmax_scale: float) -> None:
-    """For input preparation only (mla_conformance.model.probe), never for the backend under test: give a
-    DeepseekV2Attention YaRN's softmax factor mscale(factor, mscale_all_dim)^2 where it lacks it.
-
-    Some transformers releases (4.57 among them) set ``scaling = qk_head_dim ** -0.5`` and drop that factor,
-    which DeepSeek's own code and later transformers apply. Detected from the module, never the version.
-    """
-    plain = attn.qk_head_dim ** -0.5
-    if attn.scaling == plain and not math.isclose(softmax_scale, plain, rel_tol=1e-12):
-        attn.scaling = softmax_scale
-
-
 def yarn_scale_diagnosis(attn, softmax_scale: float) -> str | None:
     """A sentence when transformers' module scales scores differently from YaRN's definition."""
     if math.isclose(attn.scaling, softmax_scale, rel_tol=1e-9):

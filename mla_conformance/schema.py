@@ -1,9 +1,10 @@
-"""The report's declared schema: every section a conformance test's rows belong to and every figure key a
-check records, each with its meaning and unit. Checks write figures under these keys (the ``mla_figures``
-fixture yields a :class:`Figures`, which refuses any other key); the report's renderers read them and
-nothing else (never the checks' tables or the config).
+"""The results' declared schema: every section a conformance test's rows belong to and every figure key a
+check records, each with its meaning and unit. Checks write figures under these keys (the plugin's
+``mla_figures`` fixture yields a :class:`Figures`, which refuses any other key); the report's renderers read them
+and nothing else (never the checks' tables or the config).
 
-Pure python (no torch): ``merge`` and the renderers import it without the numerics.
+Pure python (no torch, no pytest): ``merge`` and the renderers import it without the numerics, the plugin without
+the report (a package of its own, below both: tests/layers.py).
 
 To add a figure: one line in :data:`FIGURES` (kept sorted), ``"key": "meaning (unit)"``. A key with ``{n}``
 stands for that key with any decimal number there (``row{n}_vs_float64``: ``row0_vs_float64``, ...).
@@ -51,10 +52,6 @@ SECTIONS: dict[str, str] = {
     "paged": "a paged cache equals the contiguous one; unused pages never reach the outputs",
     "v2-lite-cache-probe": "seed 000's cache probe at DeepSeek-V2-Lite dims in BF16",
 }
-
-#: The sections rendered as one generic table each (test, case, outcome, worst error and bound).
-GENERIC_SECTIONS: tuple[str, ...] = ("op_prefill", "op_sparse_prefill", "op_merge", "op_write", "op_composition",
-                                     "op_generated", "layer_generated")
 
 #: figure key -> meaning (unit). One flat dict, sorted by key: append a line to add one.
 FIGURES: dict[str, str] = {
@@ -229,7 +226,7 @@ class UndeclaredFigure(KeyError):
 
 def _undeclared(key: Any) -> UndeclaredFigure:
     return UndeclaredFigure(f"figure {key!r} is not declared: add it with its meaning and unit to FIGURES in "
-                            "mla_conformance/report/schema.py")
+                            "mla_conformance/schema.py")
 
 
 class Figures(dict):
