@@ -29,15 +29,19 @@ from mla_conformance.checks import op_inputs
 from mla_conformance.checks.op_compare import empty_row_sentences, lse_base_hint
 from mla_conformance.checks.op_inputs import declared_otherwise, not_declared, op_reason
 from mla_conformance.checks.op_run import permuted, raised
-from mla_conformance.contract.op import SIGNATURES, declared, has_method, layout_of
+from mla_conformance.contract.methods import FLAG, METHOD_SPECS, method_spec
+from mla_conformance.contract.op import declared, has_method, layout_of
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.model.attention_oracles import to_natural
 from mla_conformance.dtypes import dtype_name
 
-#: The suite files of the optional methods (the decode op meta test, tests/meta/test_op_meta.py, covers the
-#: others; tests/meta/test_op_methods_meta.py covers these).
-METHOD_SUITES = ("test_op_prefill.py", "test_op_sparse_prefill.py", "test_op_merge.py", "test_op_write.py",
-                 "test_op_composition.py")
+#: The suites of compositions of methods, not of one method (no MethodSpec lists them): test_op_composition.py runs
+#: an op's prefill, merge and write together as chunked prefill does (mla_conformance.checks.composition).
+COMPOSITION_SUITES = ("test_op_composition.py",)
+#: The suite files of the optional methods (each MethodSpec's but the base method's), then the compositions' (the
+#: decode op meta test, tests/meta/test_op_meta.py, covers the others; tests/meta/test_op_methods_meta.py covers
+#: these).
+METHOD_SUITES = tuple(s for spec in METHOD_SPECS if not spec.base for s in spec.suites) + COMPOSITION_SUITES
 
 
 def where(op, case, check: str) -> str:
@@ -45,8 +49,8 @@ def where(op, case, check: str) -> str:
 
 
 def missing_method_reason(op, method: str) -> str:
-    return (f"op {op.name} has no {method} method (optional: {SIGNATURES[method]}; define it to have {method} "
-            "tested)")
+    return (f"op {op.name} has no {method} method (optional: {method_spec(method).signature}; define it to have "
+            f"{method} tested)")
 
 
 def require_method(op, *methods: str) -> None:
@@ -59,24 +63,19 @@ def require_method(op, *methods: str) -> None:
 
 def unsupported(op, case) -> str | None:
     """The op's sentence for a case it declines (a raising unsupported_reason is a BackendError), else the
-    sentence of a declaration the case needs and the op does not make."""
+    sentence of the first declaration of the case's method (its MethodSpec's, in order) that gates the case
+    (``Declaration.gate``) and does not admit it: a flag the op does not declare, a value it does not list."""
     __tracebackhide__ = True
     reason = op_reason(op, case)
     if reason:
         return reason
-    m = case.method
-    if m in ("prefill", "sparse_prefill"):
-        dims = declared(op, f"{m}_head_dims")
-        if dims != "any" and (case.d_qk, case.d_v) not in dims:
-            return declared_otherwise(op, f"{m}_head_dims", (case.d_qk, case.d_v), f"{m} at these head dims")
-    if m == "sparse_prefill":
-        for flag in ("topk_length", "attn_sink"):
-            if getattr(case, flag) and not declared(op, f"sparse_prefill_{flag}"):
-                return not_declared(f"sparse_prefill_{flag}", f"sparse prefill with {flag}")
-    if m == "write":
-        for key, value in (("write_kv_formats", case.kv_format), ("write_page_block_sizes", case.page_block_size)):
-            if value not in declared(op, key):
-                return declared_otherwise(op, key, value, "write")
+    for decl in method_spec(case.method).declarations:
+        if not decl.gate:
+            continue
+        needed = decl.needed(case)
+        if not decl.admits(declared(op, decl.name), needed):
+            return (not_declared(decl.name, decl.needed_for) if decl.kind == FLAG else
+                    declared_otherwise(op, decl.name, needed, decl.needed_for))
     return None
 
 
@@ -334,5 +333,5 @@ def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, 
     return figures
 
 
-__all__ = ["METHOD_SUITES", "require_method", "missing_method_reason", "unsupported", "require", "first_supported",
+__all__ = ["METHOD_SUITES", "COMPOSITION_SUITES", "require_method", "missing_method_reason", "unsupported", "require", "first_supported",
            "Buffer", "buffers", "call", "tensor_out", "tuple_out", "Bounds", "attention_bounds", "compare_attention", "where"]

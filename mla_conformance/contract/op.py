@@ -17,7 +17,10 @@ with a ``name`` string, ``unsupported_reason(case) -> str | None`` and at least 
 
 Each method is detected on the op and optional: its tests run once per op that has it, and skip, naming the
 method, for an op that has not (an op with only ``merge`` is an op). ``decode`` is described first; the
-other methods follow it (*Optional methods*).
+other methods follow it (*Optional methods*). Each method is one entry of :data:`METHOD_SPECS`
+(:mod:`mla_conformance.contract.methods`: its signature, tensors, declarations, suites and report sections);
+the tables here (:data:`METHODS`, :data:`SIGNATURES`, :data:`TENSORS`, :data:`DECLARATIONS`,
+:data:`METHOD_DECLARATIONS`) are derived from it.
 
 Inputs (the op must not write them):
 
@@ -235,8 +238,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mla_conformance.errors import BackendSpecError
-from mla_conformance.dtypes import dtype_name
+from mla_conformance.contract.methods import (BASE_METHOD, D_QK, D_ROPE, D_V, DECLARATIONS, FP8_ROW_BYTES, KV_FORMATS,
+                                              METHOD_DECLARATIONS, METHOD_SPECS, METHODS, OPTIONAL_METHODS,
+                                              PREFILL_D_QK, PREFILL_D_V, SIGNATURES, TENSORS, WRITE_KV_FORMATS,
+                                              declaration, method_spec)
 
 #: Built-in ops: name -> "module:attr".
 BUILTIN_OPS: dict[str, str] = {
@@ -254,183 +259,12 @@ DEFAULT_OPS = ("reference-op",)
 
 #: What every op has besides its ``name``; then at least one of :data:`METHODS`.
 REQUIRED_METHODS = ("unsupported_reason",)
-#: The kernels an op may implement, each optional (its tests skip, naming it, on an op without it).
-METHODS = ("decode", "prefill", "sparse_prefill", "merge", "write")
-#: Each method's signature, as the skip of an op without it and the usage errors quote it.
-SIGNATURES: dict[str, str] = {
-    "decode": "decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None, "
-              "topk_length=None, attn_sink=None) -> (out, lse)",
-    "prefill": "prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal) -> (out, lse)",
-    "sparse_prefill": "sparse_prefill(q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn_sink=None) "
-                      "-> (out, max_logits, lse)",
-    "merge": "merge(out_a, lse_a, out_b, lse_b) -> (out, lse)",
-    "write": "write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format) -> None",
-}
-
-#: The head dims of the op contract: q and the latent key are 576 = 512 (kv_lora, also the value) + 64 (rope).
-D_QK = 576
-D_V = 512
-D_ROPE = 64
-FP8_ROW_BYTES = 656
-
-#: What ``decode`` reads and ``write`` writes; "fp8-e4m3-model1" is FlashMLA's MODEL1 layout (584 B/token,
-#: mla_conformance.kv.model1), read by sparse decode only.
-KV_FORMATS = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
-WRITE_KV_FORMATS = KV_FORMATS
-#: DeepSeek-V3's prefill head dims in "MHA mode": q / k 128 nope + 64 rope, v 128.
-PREFILL_D_QK = 192
-PREFILL_D_V = 128
-
-#: Each method's tensors, its inputs then what it returns: (name, shape, what it holds) -- docs/op-contract.md's
-#: tables (``mla-conformance docs``) and the layouts a shape error of an op's result names.
-TENSORS: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "decode": (
-        ("q", f"[B, s_q, h_q, {D_QK}]", f"q's dtype: the absorbed nope part ({D_V}, already x W_UK), then the rotated "
-                                        f"rope part ({D_ROPE}); may be non-contiguous"),
-        ("kv_cache", f"[num_blocks, page_block_size, 1, {D_QK}]",
-         f"q's dtype (`latent`: the normed latent c, then the rotated k_pe); uint8 [..., {FP8_ROW_BYTES}] "
-         f"(`fp8-e4m3-flashmla`: {D_V} e4m3, 4 float32 tile scales, {D_ROPE} bfloat16 rope); uint8 [..., 584] "
-         "(`fp8-e4m3-model1`)"),
-        ("block_table", "[B, max_blocks]", "int32: row b's j-th page is kv_cache[block_table[b, j]]; entries past a "
-                                           "row's pages may hold anything"),
-        ("cache_seqlens", "[B]", "int32: keys per row, 0 allowed"),
-        ("indices", "[B, s_q, topk]", "int32 (`sparse_decode`): into the flattened cache, block * page_block_size + "
-                                      "offset; -1 (and, under `invalid_index = \"out-of-range\"`, any entry outside "
-                                      "the cache) invalid"),
-        ("topk_length", "[B]", "int32 or None (`sparse_decode`): only the first topk_length[b] entries count"),
-        ("attn_sink", "[h_q]", "float32 or None (`attn_sink`)"),
-        ("out", f"[B, s_q, h_q, {D_V}]", "any floating dtype (compared in float64; half a step of its own dtype "
-                                      "allowed); a query with no keys: 0"),
-        ("lse", "[B, h_q, s_q]", "float32, heads first, in `lse_base`; a query with no keys: `empty_row` (+inf); "
-                                 "None under `returns_lse = False`"),
-    ),
-    "prefill": (
-        ("q", "[total_q, h_q, d_qk]", "the model dtype; may be a strided view"),
-        ("k", "[total_k, h_k, d_qk]", "q's dtype; h_q % h_k == 0, query head h reads kv head h // (h_q / h_k); may be "
-                                      "a strided view"),
-        ("v", "[total_k, h_k, d_v]", "q's dtype; may be a slice of a buffer padded to d_qk"),
-        ("cu_seqlens_q", "[B + 1]", "int32: row b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]"),
-        ("cu_seqlens_k", "[B + 1]", "int32: row b's keys are k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]] (0 allowed)"),
-        ("out", "[total_q, h_q, d_v]", "any floating dtype; a query with no keys: 0"),
-        ("lse", "[total_q, h_q]", "float32, tokens first (not decode's [B, h_q, s_q]), in `prefill_lse_base`; a "
-                                  "query with no keys: `prefill_empty_row`; None under `prefill_returns_lse = False`"),
-    ),
-    "sparse_prefill": (
-        ("q", "[s_q, h_q, d_qk]", "the model dtype"),
-        ("kv", "[s_kv, h_kv, d_qk]", "q's dtype; the value is kv[..., :d_v]"),
-        ("indices", "[s_q, h_kv, topk]", "int32 into kv's s_kv; an entry < 0 or >= s_kv is invalid"),
-        ("topk_length", "[s_q]", "int32 or None (`sparse_prefill_topk_length`)"),
-        ("attn_sink", "[h_q]", "float32 or None (`sparse_prefill_attn_sink`)"),
-        ("out", "[s_q, h_q, d_v]", "any floating dtype; a row with no valid index: 0"),
-        ("max_logits", "[s_q, h_q]", "float32: the largest scaled logit (natural units); no valid index: -inf"),
-        ("lse", "[s_q, h_q]", "float32, tokens first, in `sparse_prefill_lse_base`; no valid index: +inf"),
-    ),
-    "merge": (
-        ("out_a", "[T, h, d]", "any floating dtype, possibly strided; an empty side's out is 0"),
-        ("lse_a", "[T, h]", "float32, tokens first (possibly a view of [h, T] storage, as vLLM keeps it), in "
-                            "`merge_lse_base`; +inf or -inf marks an empty side (those `merge_empty_input` takes)"),
-        ("out_b", "[T, h, d]", "out_a's dtype"),
-        ("lse_b", "[T, h]", "as lse_a"),
-        ("out", "[T, h, d]", "out_a's dtype: (w_a out_a + w_b out_b) / (w_a + w_b), w = exp(lse - max); both "
-                             "sides empty: 0"),
-        ("lse", "[T, h]", "float32, in `merge_lse_base`: the log of the summed weights; both sides empty: "
-                          "`merge_empty_row` (the output's marker only)"),
-    ),
-    "write": (
-        ("kv_c", f"[T, {D_V}]", "the model dtype (`fp8-e4m3-model1`: [T, 448]); may be a view of the projection output"),
-        ("k_pe", f"[T, {D_ROPE}]", "the model dtype: the rotated rope key"),
-        ("kv_cache", "as decode reads `kv_format`", "written in place: the slots slot_mapping names, nothing else"),
-        ("slot_mapping", "[T]", "int64: token t goes to slot block * page_block_size + offset (block = slot // "
-                                "page_block_size); a negative slot writes nothing (under `write_padding_slot = "
-                                "\"dummy-slot-0\"` padding comes with slot 0 instead); a slot twice in one call is "
-                                "the caller's error"),
-    ),
-}
 
 
 def layout_of(method: str, name: str) -> str:
-    """The shape of ``method``'s tensor ``name`` as :data:`TENSORS` writes it ("[T, h]"), or ''."""
-    return next((shape for n, shape, _ in TENSORS.get(method, ()) if n == name), "")
-
-
-#: Optional declarations and their defaults.
-DECLARATIONS: dict[str, Any] = {
-    "lse_base": "e",
-    "returns_lse": True,
-    "empty_row": "+inf",
-    "sparse_decode": False,
-    "sparse_decode_extra_cache": False,
-    "invalid_index": "minus-one",
-    "attn_sink": False,
-    "page_block_sizes": (64,),
-    "kv_formats": ("latent",),
-    "fp8_scale_format": "pow2",
-    "deterministic": False,
-    "batch_invariant": False,
-    "head_dims": ((D_QK, D_V),),
-    "padding_rows": "defined",
-    "out_buffers": False,
-    # prefill: the (d_qk, d_v) pairs it takes; the base of its lse; the lse of a query with no keys
-    "prefill_head_dims": ((PREFILL_D_QK, PREFILL_D_V),),
-    "prefill_lse_base": "e",
-    "prefill_empty_row": "+inf",
-    "prefill_returns_lse": True,
-    # sparse_prefill: (d_qk, d_v) pairs (576 / 512 V3.2, 512 / 512 MODEL1), lse base, topk_length, attn_sink
-    "sparse_prefill_head_dims": ((D_QK, D_V),),
-    "sparse_prefill_lse_base": "e",
-    "sparse_prefill_topk_length": False,
-    "sparse_prefill_attn_sink": False,
-    # merge: the base of the lse it takes and returns; the lse it returns when both sides are empty; the infinity
-    # that marks an empty side among its inputs
-    "merge_lse_base": "e",
-    "merge_empty_row": "+inf",
-    "merge_empty_input": "either",
-    # write: the formats it writes, the FP8 tile-scale convention it writes, the page sizes it writes into
-    "write_kv_formats": ("latent",),
-    "write_fp8_scale_format": "pow2",
-    "write_page_block_sizes": (64,),
-    "write_padding_slot": "negative",
-}
-
-#: Which method each declaration belongs to (what the report prints for an op: the declarations of the
-#: methods it has, so an op written before a method existed reports what it reported then).
-METHOD_DECLARATIONS: dict[str, tuple[str, ...]] = {
-    "decode": ("lse_base", "returns_lse", "empty_row", "sparse_decode", "sparse_decode_extra_cache", "invalid_index",
-               "attn_sink",
-               "page_block_sizes", "kv_formats", "fp8_scale_format", "deterministic", "batch_invariant",
-               "head_dims", "padding_rows", "out_buffers"),
-    "prefill": ("prefill_head_dims", "prefill_lse_base", "prefill_empty_row", "prefill_returns_lse"),
-    "sparse_prefill": ("sparse_prefill_head_dims", "sparse_prefill_lse_base", "sparse_prefill_topk_length",
-                       "sparse_prefill_attn_sink"),
-    "merge": ("merge_lse_base", "merge_empty_row", "merge_empty_input"),
-    "write": ("write_kv_formats", "write_fp8_scale_format", "write_page_block_sizes", "write_padding_slot"),
-}
-
-_ALLOWED = {
-    "lse_base": ("e", "2"),
-    "empty_row": ("+inf", "-inf"),
-    "fp8_scale_format": ("pow2", "fp32"),
-    "invalid_index": ("minus-one", "out-of-range"),
-    "returns_lse": (True, False),
-    "sparse_decode": (True, False),
-    "sparse_decode_extra_cache": (True, False),
-    "attn_sink": (True, False),
-    "out_buffers": (True, False),
-    "prefill_lse_base": ("e", "2"),
-    "prefill_empty_row": ("+inf", "-inf"),
-    "prefill_returns_lse": (True, False),
-    "sparse_prefill_lse_base": ("e", "2"),
-    "sparse_prefill_topk_length": (True, False),
-    "sparse_prefill_attn_sink": (True, False),
-    "merge_lse_base": ("e", "2"),
-    "merge_empty_row": ("+inf", "-inf"),
-    "merge_empty_input": ("either", "+inf", "-inf"),
-    "write_fp8_scale_format": ("pow2", "fp32"),
-    "write_padding_slot": ("negative", "dummy-slot-0"),
-    "padding_rows": ("defined", "undefined"),
-}
-_HEAD_DIMS = ("head_dims", "prefill_head_dims", "sparse_prefill_head_dims")
-_FORMATS = {"kv_formats": KV_FORMATS, "write_kv_formats": WRITE_KV_FORMATS}
+    """The shape of ``method``'s tensor ``name`` as :data:`TENSORS` writes it ("[T, h]"), or '' (a method that is not
+    one is a ValueError)."""
+    return next((shape for n, shape, _ in method_spec(method).tensors if n == name), "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,19 +307,8 @@ class OpCase:
         return self.topk is not None
 
     def describe(self) -> str:
-        dt = dtype_name(self.dtype)
-        parts = [f"B={self.batch}", f"s_q={self.s_q}", f"h_q={self.h_q}", f"page={self.page_block_size}", dt,
-                 self.kv_format, "causal" if self.causal else "non-causal"]
-        if self.topk is not None:
-            parts.append(f"sparse top-{self.topk}")
-        if self.attn_sink:
-            parts.append("attn_sink")
-        if self.rows_without_keys:
-            parts.append("rows without keys")
-        if self.padding_rows:
-            parts.append(f"{self.padding_rows} padding rows")
-        parts.append(self.device)
-        return ", ".join(parts)
+        """One line of the case (the base method's :meth:`MethodSpec.describe <mla_conformance.contract.methods.MethodSpec.describe>`)."""
+        return BASE_METHOD.describe(self)
 
 
 def _kinds_of_rows_without_keys(case, zero_length: bool = False) -> None:
@@ -540,66 +363,33 @@ class MethodCase:
     queries_before_first_key: bool = False
 
     def __post_init__(self):
-        if self.method in ("prefill", "sparse_prefill"):  # merge's "empty side" and write have no kinds
+        spec = method_spec(self.method)  # a name that is not a method is a ValueError naming the methods
+        if spec.base:
+            raise ValueError(f"MethodCase is a case of {', '.join(OPTIONAL_METHODS)}; {spec.name}'s cases are OpCase")
+        if spec.row_kinds:  # merge's "empty side" and write have no kinds
             _kinds_of_rows_without_keys(self)
 
     def describe(self) -> str:
-        dt = dtype_name(self.dtype)
-        parts = [self.method]
-        if self.method == "prefill":
-            parts += [f"B={self.batch}", f"total_q={self.tokens}", f"h_q={self.h_q}", f"h_k={self.h_k}",
-                      f"d={self.d_qk}/{self.d_v}", dt, "causal" if self.causal else "non-causal"]
-        elif self.method == "sparse_prefill":
-            parts += [f"s_q={self.tokens}", f"h_q={self.h_q}", f"h_kv={self.h_k}", f"d={self.d_qk}/{self.d_v}",
-                      f"top-{self.topk}", dt]
-            parts += [p for p, on in (("topk_length", self.topk_length), ("attn_sink", self.attn_sink)) if on]
-        elif self.method == "merge":
-            parts += [f"T={self.tokens}", f"h={self.h_q}", f"d={self.d_v}", f"out {dt}", f"lse base {self.lse_base}"]
-        else:
-            parts += [f"T={self.tokens}", self.kv_format, f"page={self.page_block_size}", dt]
-        if self.rows_without_keys:
-            parts.append("empty sides" if self.method == "merge" else "rows without keys")
-        if self.strided:
-            parts.append("strided")
-        if self.padding_rows:
-            parts.append(f"{self.padding_rows} padding rows")
-        parts.append(self.device)
-        return ", ".join(parts)
+        """One line of the case: the method's name, then what its spec says of it
+        (:meth:`MethodSpec.describe <mla_conformance.contract.methods.MethodSpec.describe>`)."""
+        return method_spec(self.method).describe(self)
 
 
 def declared(op, key: str):
     """The op's declaration ``key`` (its attribute), else the default of :data:`DECLARATIONS`; a value
-    outside the allowed ones raises BackendSpecError naming the op and the attribute."""
+    outside the allowed ones (the declaration's kind: :class:`~mla_conformance.contract.methods.Declaration`) raises
+    BackendSpecError naming the op and the attribute; a ``key`` that is no declaration is a ValueError."""
+    decl = declaration(key)
     value = getattr(op, key, None)
     if value is None:
-        return DECLARATIONS[key]
-    if isinstance(DECLARATIONS[key], bool) and key in _ALLOWED and not isinstance(value, bool):
-        raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} = {value!r} is not True or False")
-    if key in _ALLOWED and value not in _ALLOWED[key]:
-        raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} = {value!r} is not one of "
-                               f"{', '.join(map(repr, _ALLOWED[key]))}")
-    if key in _HEAD_DIMS:
-        if value == "any":
-            return value
-        try:
-            pairs = tuple((int(a), int(b)) for a, b in value)
-        except (TypeError, ValueError):
-            pairs = ()
-        if not pairs or any(not 0 < v <= qk for qk, v in pairs):
-            raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} {value!r} must be 'any' or (d_qk, d_v) "
-                                   f"pairs with 0 < d_v <= d_qk, e.g. ({DECLARATIONS[key][0]!r},)")
-        return pairs
-    if key in ("page_block_sizes", "write_page_block_sizes", *_FORMATS):
-        value = tuple(value)
-        if key in _FORMATS and any(f not in _FORMATS[key] for f in value):
-            raise BackendSpecError(f"op {getattr(op, 'name', op)!r}: {key} {value!r} must be among "
-                                   f"{', '.join(map(repr, _FORMATS[key]))}")
-    return value
+        return decl.default
+    return decl.validate(getattr(op, "name", op), value)
 
 
 def has_method(op, method: str) -> bool:
-    """Whether the op implements ``method`` (one of :data:`METHODS`): a callable attribute of that name."""
-    return callable(getattr(op, method, None))
+    """Whether the op implements ``method`` (one of :data:`METHODS`, else a ValueError): a callable attribute of
+    that name."""
+    return callable(getattr(op, method_spec(method).name, None))
 
 
 def methods_of(op) -> tuple[str, ...]:
@@ -615,9 +405,9 @@ def takes_head_dims(op, d_qk: int, d_v: int) -> bool:
 
 def declarations(op) -> dict[str, Any]:
     """Every declaration of the methods the op has, defaults filled in (what the report prints)."""
-    return {key: declared(op, key) for m in methods_of(op) for key in METHOD_DECLARATIONS[m]}
+    return {d.name: declared(op, d.name) for m in methods_of(op) for d in method_spec(m).declarations}
 
 
 __all__ = ["OpCase", "MethodCase", "BUILTIN_OPS", "DEFAULT_OPS", "DECLARATIONS", "METHOD_DECLARATIONS", "METHODS",
-           "SIGNATURES", "TENSORS", "layout_of", "KV_FORMATS", "WRITE_KV_FORMATS", "declared", "declarations", "has_method", "methods_of",
-           "takes_head_dims", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES", "PREFILL_D_QK", "PREFILL_D_V"]
+           "METHOD_SPECS", "OPTIONAL_METHODS", "method_spec", "SIGNATURES", "TENSORS", "layout_of", "KV_FORMATS",
+           "WRITE_KV_FORMATS", "declared", "declarations", "has_method", "methods_of", "takes_head_dims", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES", "PREFILL_D_QK", "PREFILL_D_V"]

@@ -30,7 +30,7 @@ from mla_conformance import checks
 from mla_conformance import pytest_plugin as plugin
 from mla_conformance.arch import MATRIX
 from mla_conformance.checks import TOLERANCES
-from mla_conformance.contract import op
+from mla_conformance.contract.methods import METHOD_SPECS
 from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS
 from mla_conformance.model.config import PRESETS, MLAConfig
 
@@ -210,20 +210,20 @@ def support_matrix_table() -> str:
 
 
 def op_methods_table() -> str:
-    """The op contract's methods: signature and declarations with their defaults (contract/op.py)."""
+    """The op contract's methods: signature and declarations with their defaults (contract/methods.py METHOD_SPECS)."""
     def value(v: Any) -> str:
         return repr(v).replace("'", '"')
 
-    rows = [(f"`{m}`", f"`{op.SIGNATURES[m]}`",
-             ", ".join(f"`{k}` = `{value(op.DECLARATIONS[k])}`" for k in op.METHOD_DECLARATIONS.get(m, ())) or "-")
-            for m in op.METHODS]
+    rows = [(f"`{spec.name}`", f"`{spec.signature}`",
+             ", ".join(f"`{d.name}` = `{value(d.default)}`" for d in spec.declarations) or "-")
+            for spec in METHOD_SPECS]
     return _table(("method", "signature", "declarations (defaults)"), ("l", "l", "l"), rows)
 
 
 def op_tensors_table() -> str:
-    """Every method's tensors: shape and what each holds, inputs then results (contract/op.py TENSORS)."""
-    rows = [(f"`{m}`" if i == 0 else "", f"`{name}`", shape, text)
-            for m in op.METHODS for i, (name, shape, text) in enumerate(op.TENSORS[m])]
+    """Every method's tensors: shape and what each holds, inputs then results (contract/methods.py METHOD_SPECS)."""
+    rows = [(f"`{spec.name}`" if i == 0 else "", f"`{name}`", shape, text)
+            for spec in METHOD_SPECS for i, (name, shape, text) in enumerate(spec.tensors)]
     return _table(("method", "tensor", "shape", "dtype, layout, meaning"), ("l", "l", "l", "l"), rows)
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from mla_conformance.contract.methods import METHOD_SPECS
 from mla_conformance.report.build import INDEPENDENT, number, op_case_of, verdict_of
 from mla_conformance.report.fmt import NOT_RECORDED, cell, declared_cell, fmt_e, mark, numbers_cell, plural
 from mla_conformance.report.plots import PLOT_TITLES
 from mla_conformance.report.sections import REPORT_SECTIONS, bytes_lines, error_lines
 from mla_conformance.schema import SECTIONS
 
-#: The sections rendered as one generic table each (test, case, outcome, worst error and bound).
-GENERIC_SECTIONS: tuple[str, ...] = ("op_prefill", "op_sparse_prefill", "op_merge", "op_write", "op_composition",
-                                     "op_generated", "layer_generated")
+#: The sections rendered as one generic table each (test, case, outcome, worst error and bound): those of the op
+#: contract's optional methods (their MethodSpecs'; the base method's, decode's, are the op cases' tables), and
+#: the composition's and the generated cases'.
+GENERIC_SECTIONS: tuple[str, ...] = (*(sec for spec in METHOD_SPECS if not spec.base for sec in spec.sections),
+                                     "op_composition", "op_generated", "layer_generated")
 
 
 def _not_tested_lines(who: str, v: dict) -> list[str]:

@@ -12,6 +12,7 @@ import ast
 import pytest
 
 from mla_conformance.checks.op_methods import METHOD_SUITES
+from mla_conformance.contract.methods import METHOD_SPECS
 from mla_conformance.contract.op import METHOD_DECLARATIONS, SIGNATURES
 
 from . import background, harness
@@ -135,9 +136,10 @@ ERROR_OPS = {
     "merge-out-float32": (f"{BROKEN}:MergeOutFloat32", "broken-merge-out-float32",
                           "test_op_merge.py::test_merge_vs_oracle[-bfloat16]", "expected bfloat16 [T, h, d]"),
 }
-#: the method each suite's tests need first (the one an op without it is told it lacks)
-SUITE_METHOD = {"test_op_prefill.py": "prefill", "test_op_sparse_prefill.py": "sparse_prefill",
-                "test_op_merge.py": "merge", "test_op_write.py": "write", "test_op_composition.py": "prefill"}
+#: the method each suite's tests need first (the one an op without it is told it lacks): a method's suites (its
+#: MethodSpec's) need it; the composition (prefill, then merge) needs prefill first
+SUITE_METHOD = {**{suite: spec.name for spec in METHOD_SPECS if not spec.base for suite in spec.suites},
+                "test_op_composition.py": "prefill"}
 
 
 def _node(test: str, name: str) -> str:
