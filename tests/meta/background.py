@@ -44,7 +44,7 @@ NICE = 10
 #: time out); with two, the longest job (:data:`LONGEST`, started first) computes while the others take turns on
 #: the second thread, and every job's processes yield to the session's tests (:data:`NICE`).
 WORKERS = 2
-#: The job that takes longest (the kill matrix's process: ~30 s of CPU), started first in the whole default run
+#: The job that takes longest (the kill matrix's process), started first in the whole default run
 #: (tests/conftest.py) so that it does not wait behind the others.
 LONGEST = "kill-matrix"
 

@@ -395,8 +395,8 @@ def layer_run() -> harness.SuiteRun:
     generated = [*GENERATED.values(), *GENERATED_CORRECT.values()]
     specs += [s for o, s, *_ in generated if o == "--mla-backend" and s not in specs]
     ops = [*readme_ops, *OP_SPECS, *(s for o, s, *_ in generated if o == "--mla-op")]
-    ops += dict.fromkeys(s for s, *_ in [*METHOD_BROKEN.values(), *METHOD_CORRECT.values(), *METHOD_ERRORS.values()]
-                         if s not in ops)
+    ops = list(dict.fromkeys([*ops, *(s for s, *_ in [*METHOD_BROKEN.values(), *METHOD_CORRECT.values(),
+                                                       *METHOD_ERRORS.values()])]))  # the frozen op is in both: once
     names = {README_NAMES["backend"]: None, README_NAMES["op"]: None, **OP_KEEP[1],
              **{name: GENERATED_SUITES for name in GENERATED_CORRECT}}
     for _, name in METHOD_CORRECT.values():  # frozen-base-op is in both op tables: its decode and its method suites
