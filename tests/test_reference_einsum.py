@@ -3,6 +3,8 @@ is the fast form that reads the cache in place)."""
 import torch
 
 from mla_conformance.model import reference as ref
+from mla_conformance.model.config import MLAConfig
+from mla_conformance.model.weights import MLAWeights
 
 
 def _rand(*shape):
@@ -32,3 +34,43 @@ def test_absorbed_equals_naive_in_float64():
     zero_r, zero_k = torch.zeros(2, 3, 4, 1, dtype=torch.float64), torch.zeros(2, 7, 1, dtype=torch.float64)
     torch.testing.assert_close(ref.absorbed_scores(q_lat, zero_r, c, zero_k), ref.naive_scores(q, k_nope),
                                rtol=1e-12, atol=1e-12)
+
+
+def _absorbed_mix_with_views(weights, q_nope, q_pe, c, k_pe, allowed):
+    """absorbed_scores_and_mix as it was before the memo: W_UK / W_UV as split_kv_b's strided views."""
+    w_uk, w_uv = ref.split_kv_b(weights)
+    q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
+    scores = ref.absorbed_scores(q_lat, q_pe, c, k_pe) * weights.config.softmax_scale
+    scores = scores.to(ref.softmax_dtype(q_nope.dtype)).masked_fill(~allowed[:, :, None, :], float("-inf"))
+    p = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0).to(q_nope.dtype)
+    o = torch.einsum("bshc,hdc->bshd", torch.einsum("bsht,btc->bshc", p, c), w_uv)
+    return o.flatten(-2) @ weights["o_proj.weight"].T
+
+
+def test_contiguous_kv_b_gives_the_same_bits():
+    """absorbed_kv_b's contiguous halves (made once, not copied by einsum at every step) change no bit of the
+    absorbed output, in every dtype, decode and prefill shapes, a row with no key included."""
+    cfg = MLAConfig.preset("tiny")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        w = MLAWeights.random(cfg, seed=1, dtype=dtype)
+        H, B = cfg.num_attention_heads, 2
+        for S, T in ((1, 9), (3, 5)):
+            g = torch.Generator().manual_seed(S)
+            q_nope = torch.randn(B, S, H, cfg.qk_nope_head_dim, generator=g).to(dtype)
+            q_pe = torch.randn(B, S, H, cfg.qk_rope_head_dim, generator=g).to(dtype)
+            c = torch.randn(B, T, cfg.kv_lora_rank, generator=g).to(dtype)
+            k_pe = torch.randn(B, T, cfg.qk_rope_head_dim, generator=g).to(dtype)
+            allowed = torch.ones(B, S, T, dtype=torch.bool)
+            allowed[1, 0] = False  # a query with no key: zeros, not NaN
+            got = ref.absorbed_scores_and_mix(w, q_nope, q_pe, c, k_pe, allowed)
+            assert torch.equal(got, _absorbed_mix_with_views(w, q_nope, q_pe, c, k_pe, allowed)), (dtype, S, T)
+
+
+def test_contiguous_kv_b_follows_an_in_place_change():
+    w = MLAWeights.random(MLAConfig.preset("tiny"), seed=2, dtype=torch.float32)
+    w_uk, _ = ref.absorbed_kv_b(w)
+    assert ref.absorbed_kv_b(w)[0] is w_uk  # made once
+    w["kv_b_proj.weight"].mul_(2)
+    w_uk2, w_uv2 = ref.absorbed_kv_b(w)
+    views = ref.split_kv_b(w)
+    assert torch.equal(w_uk2, views[0]) and torch.equal(w_uv2, views[1])
