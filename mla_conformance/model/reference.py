@@ -137,8 +137,10 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Softmax over t of scores [B,S,H,T] where allowed [B,S,T]; a row with no key gives zeros."""
     work = softmax_dtype(out_dtype)
-    # in place on a copy of our own (never on the caller's scores): the same values, two score-sized copies fewer
-    scores = scores.to(work, copy=True).masked_fill_(~allowed[:, :, None, :], float("-inf"))
+    # in place on a contiguous copy of our own (never on the caller's scores; softmax would make a strided one
+    # contiguous itself): the same values, three score-sized copies fewer
+    scores = scores.to(work, copy=True, memory_format=torch.contiguous_format)
+    scores.masked_fill_(~allowed[:, :, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
     return torch.nan_to_num_(p, nan=0.0).to(out_dtype)
 
