@@ -20,7 +20,7 @@ Why each layer is where it is (what it needs below it):
   exception is a BackendError, a bad result an error or a failure); names dtypes, raises errors. Above
   ``arch`` only so the order is strict: neither imports the other.
 * ``model`` -- the MLA config, weights, checkpoints and the float64 reference (``FP8_INDEXER_BLOCK``, DeepSeek's
-  act_quant block, is the reference's), and the checkpoint probe (``restore_yarn_softmax_scale`` with it); needs
+  act_quant block, is the DSA reference's), and the checkpoint probe (``restore_yarn_softmax_scale`` with it); needs
   ``errors``, ``resources``, ``dtypes``.
 * ``ROOT`` -- ``__version__`` and the lazy ``MLAConfig`` / ``MLAWeights``: the model it re-exports, and nothing
   else; whatever prints the version (the plugin, the report, the CLI) is above it.

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, MLAWeights, checks
-from mla_conformance.model.reference import (indexer_scores_f64, reference_attention_f64, select_topk,
-                                       select_topk_f64, selection_mask, sparse_attention_f64)
+from mla_conformance.model.reference import reference_attention_f64
+from mla_conformance.model.dsa_reference import indexer_scores_f64, select_topk, select_topk_f64, selection_mask, sparse_attention_f64
 
 PRESET = "tiny-dsa"
 T = 48

@@ -6,7 +6,7 @@ import torch
 
 from mla_conformance.arch.device import device_description
 from mla_conformance.checks.driver import master_weights
-from mla_conformance.model.reference import sparse_attention_f64
+from mla_conformance.model.dsa_reference import sparse_attention_f64
 from mla_conformance.perf import gate
 from mla_conformance.perf.fill import hidden_chunk
 from mla_conformance.perf.flops import decode_flops
@@ -77,7 +77,7 @@ def test_prepare_fills_dsa_indexer_keys(dsa_step):
 
 
 def test_sparse_decode_oracle_is_the_sparse_reference(dsa_step):
-    """The gate's decode-step oracle over a selection equals ``reference.sparse_attention_f64``'s last position over
+    """The gate's decode-step oracle over a selection equals ``dsa_reference.sparse_attention_f64``'s last position over
     the same selection (the whole sequence recomputed, per query), to float64 rounding; over no given selection it
     is the float64 indexer's own top-k, as sparse_attention_f64's default."""
     p = dsa_step

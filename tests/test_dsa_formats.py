@@ -136,7 +136,7 @@ def test_config_indexer_rope_layout():
     """indexer_rope_interleave: a DSA config field (default False = DeepSeek-V3.2's half-split), read from HF
     configs where present (GLM-MoE-DSA), refused on a dense config; the oracle follows it."""
     from mla_conformance.errors import MLAInputError
-    from mla_conformance.model.reference import indexer_rope_layout, indexer_scores_f64
+    from mla_conformance.model.dsa_reference import indexer_rope_layout, indexer_scores_f64
 
     v32, glm = MLAConfig.preset("v3.2-mini"), MLAConfig.preset("glm-dsa-mini")
     assert (v32.indexer_rope_interleave, glm.indexer_rope_interleave) == (False, True)

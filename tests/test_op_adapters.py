@@ -24,7 +24,8 @@ from mla_conformance.contract.op import OpCase, declarations
 from mla_conformance.specs import get_op
 from mla_conformance.impl.ops.flashinfer import FlashInferFA2Op, FlashInferOp
 from mla_conformance.impl.ops.flashmla import FlashMLAOp, FlashMLASparseOp
-from mla_conformance.impl.ops.reference import ReferenceOp, encode_fp8_656, lse_to_natural
+from mla_conformance.impl.ops.reference import ReferenceOp, encode_fp8_656
+from mla_conformance.model.attention_oracles import lse_to_natural
 from mla_conformance.model import attention_oracles as ao
 
 BF16 = torch.bfloat16

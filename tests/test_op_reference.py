@@ -15,8 +15,8 @@ from mla_conformance.checks import sparse_prefill as sc
 from mla_conformance.contract.op import OpCase
 from mla_conformance.kv import model1
 from mla_conformance.model import attention_oracles as ao
-from mla_conformance.impl.ops.reference import (ReferenceOp, decode_fp8_656, encode_fp8_656, fp8_scales, lse_to_natural,
-                                           merge_by_lse, natural_to_base, oracle)
+from mla_conformance.impl.ops.reference import ReferenceOp, decode_fp8_656, encode_fp8_656, fp8_scales, oracle
+from mla_conformance.model.attention_oracles import lse_to_natural, merge_by_lse, natural_to_base
 
 F64 = torch.float64
 

@@ -23,7 +23,7 @@ from mla_conformance.kv.caches.measure import (POISON_BYTES, Poisoned, bookkeepi
                                                is_bookkeeping, slot_figures, written_bytes, written_masks)
 from mla_conformance.kv.codecs import get_codec
 from mla_conformance.model.config import MLAConfig
-from mla_conformance.model.reference import FP8_INDEXER_BLOCK
+from mla_conformance.model.dsa_reference import FP8_INDEXER_BLOCK
 from mla_conformance.model.weights import MLAWeights
 
 

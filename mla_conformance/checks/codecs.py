@@ -15,6 +15,8 @@ import struct
 import pytest
 import torch
 
+from mla_conformance.dtypes import FP8_E4M3_MAX
+
 from mla_conformance.checks.bytes import cache_bytes
 from mla_conformance.checks.driver import (Scenario, inputs_for, require_support, run_scenario, scenario_lengths,
                                            weights_for)
@@ -108,7 +110,7 @@ def flashmla_fp8_bytes(c: torch.Tensor, k_pe: torch.Tensor) -> bytes:
     for t in range(4):
         tile = c[t * 128:(t + 1) * 128].to(torch.float32)
         amax = float(tile.abs().max())
-        scale = 2.0 ** math.ceil(math.log2(max(amax / 448.0, 1e-4)))
+        scale = 2.0 ** math.ceil(math.log2(max(amax / FP8_E4M3_MAX, 1e-4)))
         scales.append(scale)
         out += (tile / scale).to(torch.float8_e4m3fn).view(torch.uint8).numpy().tobytes()
     out += struct.pack("<4f", *scales)

@@ -19,8 +19,8 @@ from mla_conformance.checks.metrics import DTYPES, dtype_name, error_metrics, ro
 from mla_conformance.checks.tolerances import FP8_E4M3_PRODUCT_ERROR, TOLERANCES, tolerance_figures
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.dsa_reference import indexer_score_oracle
-from mla_conformance.model.reference import (indexer_rope_layout, other_rope_layout, reference_attention_f64,
-                                             sparse_attention_f64)
+from mla_conformance.model.reference import reference_attention_f64
+from mla_conformance.model.dsa_reference import indexer_rope_layout, other_rope_layout, sparse_attention_f64
 
 
 def _topk(preset: str) -> int:

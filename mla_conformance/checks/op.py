@@ -38,7 +38,7 @@ from mla_conformance.checks.op_inputs import (CANARY_BYTE, CANARY_BYTES, INT_MAX
 from mla_conformance.checks.op_run import run_op, validate
 from mla_conformance.checks.op_calls import LAYOUTS, check_out_buffers, check_speculative, engine_tables
 from mla_conformance.checks.tolerances import OP_TOLERANCES, OpTolerance
-from mla_conformance.impl.ops.reference import lse_to_natural, merge_by_lse
+from mla_conformance.model.attention_oracles import lse_to_natural, merge_by_lse
 
 __all__ = ["KNOWN_PAGE_SIZES", "INVALID_BLOCK", "INT_MAX", "INVALID_KINDS", "SOFTMAX_SCALE", "CANARY_BYTES",
            "CANARY_BYTE", "NAN_HINT", "OP_TOLERANCES", "OpTolerance", "Spec", "OpInputs", "Buffer", "build",

@@ -21,7 +21,8 @@ from mla_conformance.checks.op_run import run_op
 from mla_conformance.checks.tolerances import (OP_LSE_ROUNDING, OP_TOLERANCES, op_acc_roundings, underflow,
                                                unit_roundoff)
 from mla_conformance.contract.op import D_V, OpCase, declared
-from mla_conformance.impl.ops.reference import dequantize_cache, lse_to_natural, oracle
+from mla_conformance.impl.ops.reference import dequantize_cache, oracle
+from mla_conformance.model.attention_oracles import lse_to_natural
 
 
 def _oracle_inputs(inp: OpInputs) -> dict:

@@ -150,7 +150,7 @@ def underflow(dtype: torch.dtype) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class OpTolerance:
-    """Error bounds of an op's (out, lse) against the float64 op oracle (mla_conformance.impl.ops.reference.oracle),
+    """Error bounds of an op's (out, lse) against the float64 op oracle (mla_conformance.model.attention_oracles.decode),
     derived per element by first-order error analysis of a kernel that computes scores in float32, rounds P
     (exp(s - m)) to the q / cache dtype before P.V, accumulates P.V in float32 and rounds out once:
 
@@ -230,7 +230,7 @@ OP_TOLERANCES: dict[str, OpTolerance] = {
 }
 
 #: DeepSeek Sparse Attention: a backend's indexer scores (the optional ``last_indexer_scores``) against
-#: ``reference.indexer_scores_f64``, rows of the one table above (suites/test_dsa.py::test_indexer_scores).
+#: ``dsa_reference.indexer_scores_f64``, rows of the one table above (suites/test_dsa.py::test_indexer_scores).
 #: Here both bounds are relative to M[s,t] = sum_h |w_sh| sum_i |q_shi| |k_ti| (the float64 oracle's q, k after
 #: the Hadamard rotation): what a score's rounding error scales with, since ReLU(q.k) cancels. rel_fro =
 #: ||got - oracle||_F / ||M||_F, max_rel = max |got - oracle| / M over the causal entries.

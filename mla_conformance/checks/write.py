@@ -495,7 +495,7 @@ __all__ = ["WriteSpec", "WriteInputs", "build", "run", "check_write", "expected_
 
 def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict, topk: int = 32):
     """Write rows (layout "rows"), check the bytes (:func:`check_write`), then ``decode`` over what the op wrote
-    against the float64 decode oracle over those encoded values (mla_conformance.impl.ops.reference.oracle; the
+    against the float64 decode oracle over those encoded values (mla_conformance.model.attention_oracles.decode; the
     decode bounds): write and decode agree on the layout. MODEL1 is read by sparse decode (FlashMLA's): top-``topk``
     indices over the written slots, a quarter of them -1."""
     __tracebackhide__ = True

@@ -26,6 +26,7 @@ import torch
 from mla_conformance.contract.calls import call_backend, check_output
 from mla_conformance.contract.layer import support_reason
 from mla_conformance.model import reference as ref
+from mla_conformance.model import dsa_reference as dsa_ref
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.errors import CheckpointError, MLAInputError
@@ -276,7 +277,7 @@ def _source_label(src: Path) -> str:
 
 
 class _Trainable(dict):
-    """name -> tensor with ``.config``: what reference.indexer_project reads, with trainable indexer tensors."""
+    """name -> tensor with ``.config``: what dsa_reference.indexer_project reads, with trainable indexer tensors."""
 
     def __init__(self, config, tensors):
         super().__init__(tensors)
@@ -349,8 +350,8 @@ def make_dsa_variant(src: str | Path, dst: str | Path, *, index_n_heads: int = 4
             out = []
             for w, ix, (x, p) in zip(dense, indexer, targets):
                 ww = _Trainable(config, {**dict(w), **ix})
-                q, k, hw = ref.indexer_project(ww, x, positions)
-                logp = torch.log_softmax(ref.indexer_scores(q, k, hw, allowed), -1)
+                q, k, hw = dsa_ref.indexer_project(ww, x, positions)
+                logp = torch.log_softmax(dsa_ref.indexer_scores(q, k, hw, allowed), -1)
                 kl = (p * (torch.log(p.clamp_min(1e-30)) - logp.masked_fill(~allowed, 0))).sum(-1)
                 out.append(kl[valid].mean())
             return out
@@ -369,8 +370,8 @@ def make_dsa_variant(src: str | Path, dst: str | Path, *, index_n_heads: int = 4
             kept = []
             for w, ix, (x, p) in zip(dense, indexer, targets):
                 ww = _Trainable(config, {**dict(w), **ix})
-                q, k, hw = ref.indexer_project(ww, x, positions)
-                sel = ref.selection_mask(ref.select_topk(ref.indexer_scores(q, k, hw, allowed), index_topk), T)
+                q, k, hw = dsa_ref.indexer_project(ww, x, positions)
+                sel = dsa_ref.selection_mask(dsa_ref.select_topk(dsa_ref.indexer_scores(q, k, hw, allowed), index_topk), T)
                 kept.append(float((p * sel).sum(-1)[valid].mean()))
             figures["dense_mass_in_topk"] = kept
     dst.mkdir(parents=True, exist_ok=True)

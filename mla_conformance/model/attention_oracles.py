@@ -1,10 +1,13 @@
-"""float64 oracles of the op contract's optional methods (mla_conformance.contract.op): varlen prefill, FlashMLA's
-sparse prefill, the merge of two partial attentions by their log-sum-exp. Each is the contract's equation, row
-by row in float64 with plain indexing; none shares code with reference-op (mla_conformance.impl.ops.reference).
+"""float64 oracles of the op contract's methods (mla_conformance.contract.op): paged decode (dense and sparse),
+varlen prefill, FlashMLA's sparse prefill, the merge of two partial attentions by their log-sum-exp, and the lse
+base conversions. Each is the contract's equation, row by row in float64 with plain indexing; none shares code
+with reference-op (mla_conformance.impl.ops.reference). The decode oracle reads keys already decoded to float64
+(the cache's storage formats belong to mla_conformance.kv, above this package:
+mla_conformance.impl.ops.reference.oracle decodes a cache, then calls :func:`decode`).
 
 Conventions, as FlashMLA's tests/ref.py writes them: a query with no key has out 0 and lse +inf (max_logits
 -inf); every lse returned here is a natural log. ``magnitudes=True`` also returns what the op tests' error
-bounds scale with (the decode oracle's, mla_conformance.impl.ops.reference.oracle), per query and head:
+bounds scale with (as :func:`decode`'s), per query and head:
 
 * ``abs_v`` [T, h, d_v] = sum_t p_t |v_t| (times the sink factor), ``score_v`` [T, h, d_v] =
   sum_t p_t (A_t + A_max) |v_t|, with A_t = |scale| sum_d |q_d| |k_td|;
@@ -16,6 +19,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from mla_conformance.contract.op import D_V
 
 F64 = torch.float64
 
@@ -43,6 +48,79 @@ def _attend(q, k, v, scale, sink=None):
     mags = dict(abs_v=pv * factor[:, None], score_v=(mix(p * a, v.abs()) + a_max[:, None] * pv) * factor[:, None],
                 score_abs=(p * a).sum(-1), score_max=a_max, sink_rel=1.0 - factor)
     return out * factor[:, None], lse, logits.amax(-1), mags
+
+
+def decode(q, keys, block_table, cache_seqlens, *, page, softmax_scale, causal, indices=None, topk_length=None,
+           attn_sink=None, head_dim_v=None, magnitudes=False, align="bottom-right"):
+    """The op contract's decode computed in float64, row by row, over ``keys`` [num_blocks * page, d_qk]: the
+    paged cache's rows decoded to float64, flat slot = block * page + offset: (out [B, s_q, h_q, d_v] float64, lse [B, h_q, s_q]
+    float64, natural log, +inf for a query with no keys); d_v = ``head_dim_v`` (512 by default), d_qk =
+    q's last dim.
+
+    ``magnitudes=True`` also returns, as a third element, what the op tests' error bounds scale with (one
+    pass, the same softmax), a dict of float64 tensors:
+
+    * ``abs_v`` [B, s_q, h_q, d_v]: ``softmax @ |V|``, sum_t p_t |v_t| per element (times the sink factor):
+      the error of rounding each p_t (or v_t) by a relative u is at most u times this;
+    * ``score_v`` [B, s_q, h_q, d_v]: sum_t p_t (A_t + A_max) |v_t| (times the sink factor), A_t = scale *
+      sum_d |q_d| |k_td| (what a dot product's rounding error scales with), A_max its maximum over the
+      query's keys: score errors |e_t| <= c A_t move out by at most c times this, for the whole key set or
+      any split of it;
+    * ``score_abs`` / ``score_max`` [B, h_q, s_q]: sum_t p_t A_t and A_max (lse moves by at most c times the
+      first);
+    * ``sink_rel`` [B, h_q, s_q]: 1 - the sink factor (how much an lse error moves the sink's scaling).
+
+    ``align="top-left"`` computes causal decode aligned top-left (query i sees keys 0..i): not the contract,
+    the likely cause a failure message names when the op matches it."""
+    B, s_q, h_q, d_qk = q.shape
+    d_v = D_V if head_dim_v is None else int(head_dim_v)
+    flat = keys.detach().cpu().to(torch.float64)
+    n_slots = flat.shape[0]
+    qd = q.detach().cpu().to(torch.float64)
+    out = torch.zeros(B, s_q, h_q, d_v, dtype=torch.float64)
+    lse = torch.full((B, h_q, s_q), math.inf, dtype=torch.float64)
+    bt = block_table.detach().cpu().long()
+    lens = cache_seqlens.detach().cpu().long()
+    sink = None if attn_sink is None else attn_sink.detach().cpu().to(torch.float64)
+    if magnitudes:
+        abs_v, score_v = torch.zeros_like(out), torch.zeros_like(out)
+        score_abs, score_max, sink_rel = (torch.zeros_like(lse) for _ in range(3))
+    for b in range(B):
+        L = int(lens[b])
+        for i in range(s_q):
+            if indices is not None:
+                row = indices[b, i].detach().cpu().long()
+                n = row.numel() if topk_length is None else max(0, min(int(topk_length[b]), row.numel()))
+                keys = [int(t) for t in row[:n] if 0 <= int(t) < n_slots]
+                slots = torch.tensor(keys, dtype=torch.long)
+            else:
+                visible = (L - s_q + i + 1 if align == "bottom-right" else i + 1) if causal else L
+                visible = max(0, min(visible, L))
+                pos = torch.arange(visible)
+                slots = bt[b, pos // page] * page + pos % page if visible else torch.zeros(0, dtype=torch.long)
+            if slots.numel() == 0:
+                continue
+            k = flat[slots]                                     # [n, d_qk]
+            logits = (qd[b, i] @ k.T) * softmax_scale           # [h, n]
+            l = torch.logsumexp(logits, dim=-1)                 # [h]
+            p = torch.softmax(logits, dim=-1)                   # [h, n]
+            o = p @ k[:, :d_v]                                  # [h, d_v]
+            factor = 1.0 / (1.0 + torch.exp(sink - l)) if sink is not None else torch.ones_like(l)
+            out[b, i] = o * factor[:, None]
+            lse[b, :, i] = l
+            if magnitudes:
+                a = (qd[b, i].abs() @ k.abs().T) * abs(softmax_scale)    # [h, n]: A_t
+                a_max = a.amax(dim=-1)
+                v = k[:, :d_v].abs()
+                abs_v[b, i] = (p @ v) * factor[:, None]
+                score_v[b, i] = ((p * a) @ v + a_max[:, None] * (p @ v)) * factor[:, None]
+                score_abs[b, :, i] = (p * a).sum(-1)
+                score_max[b, :, i] = a_max
+                sink_rel[b, :, i] = 1.0 - factor
+    if magnitudes:
+        return out, lse, {"abs_v": abs_v, "score_v": score_v, "score_abs": score_abs, "score_max": score_max,
+                          "sink_rel": sink_rel}
+    return out, lse
 
 
 def _stack(rows: list[dict], keys) -> dict:
@@ -105,10 +183,19 @@ def sparse_prefill(q, kv, indices, *, softmax_scale, d_v, topk_length=None, attn
     return out, max_logits, lse, _stack(mags, ("abs_v", "score_v", "score_abs", "score_max", "sink_rel"))
 
 
-def to_natural(lse: torch.Tensor, base: str) -> torch.Tensor:
-    """An lse in ``base`` ("e" or "2") as a float64 natural log (infinities kept)."""
-    lse = lse.detach().cpu().to(F64)
+def lse_to_natural(lse: torch.Tensor, base: str) -> torch.Tensor:
+    """An lse in ``base`` ("e" or "2") as a natural log (infinities kept; its dtype and device kept)."""
     return lse * math.log(2.0) if base == "2" else lse
+
+
+def natural_to_base(lse: torch.Tensor, base: str) -> torch.Tensor:
+    """A natural-log lse in ``base`` ("e" or "2")."""
+    return lse / math.log(2.0) if base == "2" else lse
+
+
+def to_natural(lse: torch.Tensor, base: str) -> torch.Tensor:
+    """An lse in ``base`` ("e" or "2") as a float64 natural log on the CPU (infinities kept)."""
+    return lse_to_natural(lse.detach().cpu().to(F64), base)
 
 
 def merge(out_a, lse_a, out_b, lse_b, *, base="e", magnitudes=False):
@@ -119,6 +206,17 @@ def merge(out_a, lse_a, out_b, lse_b, *, base="e", magnitudes=False):
     ``lse_abs`` [T, h] = the largest finite |lse| in natural units (what the merge's float32 rounding scales
     with)."""
     la, lb = to_natural(lse_a, base), to_natural(lse_b, base)
+    out, lse, parts = _merge_natural(out_a.detach().cpu().to(F64), la, out_b.detach().cpu().to(F64), lb)
+    if not magnitudes:
+        return out, lse
+    (aa, oa, la0), (ab, ob, lb0) = parts
+    lse_abs = torch.maximum(la0.abs(), lb0.abs())
+    return out, lse, {"abs_mix": aa[..., None] * oa.abs() + ab[..., None] * ob.abs(), "lse_abs": lse_abs}
+
+
+def _merge_natural(out_a, la, out_b, lb):
+    """:func:`merge` on float64 tensors on any device, lse natural: (out, lse, ((a_a, read out_a, la with 0 for an
+    empty side), (the same for b))). An empty side (lse +-inf) has weight 0 and its out is not read."""
     ea, eb = torch.isinf(la), torch.isinf(lb)
     la0, lb0 = torch.where(ea, 0.0, la), torch.where(eb, 0.0, lb)
     m = torch.where(ea, lb0, torch.where(eb, la0, torch.maximum(la0, lb0)))
@@ -128,14 +226,31 @@ def merge(out_a, lse_a, out_b, lse_b, *, base="e", magnitudes=False):
     both = ea & eb
     aa = torch.where(both, 0.0, wa / torch.where(both, 1.0, total))
     ab = torch.where(both, 0.0, wb / torch.where(both, 1.0, total))
-    oa = torch.where(ea[..., None], 0.0, out_a.detach().cpu().to(F64))   # an empty side is never read
-    ob = torch.where(eb[..., None], 0.0, out_b.detach().cpu().to(F64))
+    oa = torch.where(ea[..., None], 0.0, out_a)   # an empty side is never read
+    ob = torch.where(eb[..., None], 0.0, out_b)
     out = aa[..., None] * oa + ab[..., None] * ob
     lse = torch.where(both, math.inf, m + torch.log(torch.where(both, 1.0, total)))
-    if not magnitudes:
-        return out, lse
-    lse_abs = torch.maximum(la0.abs(), lb0.abs())
-    return out, lse, {"abs_mix": aa[..., None] * oa.abs() + ab[..., None] * ob.abs(), "lse_abs": lse_abs}
+    return out, lse, ((aa, oa, la0), (ab, ob, lb0))
 
 
-__all__ = ["prefill", "sparse_prefill", "merge", "to_natural"]
+def merge_by_lse(out1, lse1, out2, lse2, base: str = "e"):
+    """:func:`merge` in the decode layout, on the tensors' own device: two partial attentions over disjoint key sets
+    (split-KV), out [B, s_q, h, D], lse [B, h, s_q] in ``base``; a part with no keys (lse +inf or -inf) counts as
+    empty. Returns (out float64, lse float64 natural, [B, h, s_q]). Stricter than :func:`merge` where a suite
+    merges an implementation's own parts: a part whose weight underflows to 0 is not read either (its out may hold
+    anything), while NaN in a part that has keys stays NaN and a NaN lse gives NaN (never zeroed: the merge must
+    not hide a broken part)."""
+    l1 = lse_to_natural(lse1.to(F64), base).transpose(1, 2)          # [B, s_q, h]
+    l2 = lse_to_natural(lse2.to(F64), base).transpose(1, 2)
+    o1, o2 = out1.to(F64), out2.to(F64)
+    _, _, ((a1, _, _), (a2, _, _)) = _merge_natural(o1, l1, o2, l2)
+    o1 = torch.where((a1 > 0)[..., None], o1, 0.0)                   # a part of weight 0 is not read
+    o2 = torch.where((a2 > 0)[..., None], o2, 0.0)
+    out, lse, _ = _merge_natural(o1, l1, o2, l2)
+    nan = torch.isnan(l1) | torch.isnan(l2)                          # a NaN lse is not a part without keys
+    lse = torch.where(nan, math.nan, lse)
+    out = torch.where(nan[..., None], math.nan, out)
+    return out, lse.transpose(1, 2)
+
+
+__all__ = ["decode", "prefill", "sparse_prefill", "merge", "merge_by_lse", "lse_to_natural", "natural_to_base", "to_natural"]

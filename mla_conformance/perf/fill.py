@@ -9,7 +9,7 @@ normed latent ``c`` and the rotated ``k_pe`` of positions ``0..context-1``; then
 * ``LatentSlotCache`` and the quantized caches of :mod:`mla_conformance.kv.codecs`: ``write_latent`` (the
   codec encodes, as in a real prefill);
 * a "latent+indexer" cache (reference-dsa): the indexer keys of the same hidden states
-  (``reference.indexer_project``) next to the latents;
+  (``dsa_reference.indexer_project``) next to the latents;
 * ``HFCache`` (hf-transformers): one ``DynamicCache.update`` with the tensors in the layout this
   transformers stores, found by a one-token probe ``attend`` on a scratch cache (5.x: the latent,
   keys ``[B,1,T,kv_lora]`` / values ``[B,1,T,rope]``; 4.x: expanded per-head K/V ``[B,H,T,d]``), then
@@ -30,6 +30,7 @@ from mla_conformance.contract.layer import cache_format_of
 from mla_conformance.impl.backends.hf import HFCache
 from mla_conformance.kv.caches import LatentSlotCache, SlotCache
 from mla_conformance.model import reference as ref
+from mla_conformance.model import dsa_reference as dsa_ref
 
 #: Tokens per projection chunk while filling a cache.
 FILL_CHUNK = 2048
@@ -56,7 +57,7 @@ def indexer_chunks(weights, context: int, batch: int, seed: int, device) -> list
     with torch.no_grad():
         for start, n in chunk_starts(context):
             x, pos = hidden_chunk(weights.config, start, n, batch, seed, device, weights.dtype)
-            out.append(ref.indexer_project(weights, x, pos)[1])
+            out.append(dsa_ref.indexer_project(weights, x, pos)[1])
     return out
 
 

@@ -57,6 +57,7 @@ from mla_conformance.errors import BackendOutputError
 from mla_conformance.impl.ops.layer import CODEC_FORMATS, OpBackend, head_dims_of
 from mla_conformance.kv.codecs import ERROR_BOUNDS
 from mla_conformance.model import reference as ref
+from mla_conformance.model import dsa_reference as dsa_ref
 from mla_conformance.perf import score_rounding as sr
 from mla_conformance.perf.fill import chunk_starts, hidden_chunk
 
@@ -146,7 +147,7 @@ def _keys_f64(w64, p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             cs.append(ref.rms_norm(c, w64["kv_a_layernorm.weight"], cfg.rms_norm_eps))
             kpes.append(ref.apply_rope(k_pe, cos, sin))
             if cfg.dsa:
-                iks.append(ref.indexer_project(w64, x, pos)[1])
+                iks.append(dsa_ref.indexer_project(w64, x, pos)[1])
     got = (torch.cat(cs, 1), torch.cat(kpes, 1), torch.cat(iks, 1) if iks else None)
 
     def nbytes(entry) -> int:
@@ -200,11 +201,11 @@ def oracle_step(p, own_selection: torch.Tensor | None = None) -> Oracle:
                 sel, keys = own_selection.to(device=x_new.device, dtype=torch.int64), \
                     f"the backend's own selection of {cfg.index_topk} keys (last_topk_indices)"
             else:
-                q_i, k_new, w_i = ref.indexer_project(w64, x_new, pos_new)
-                scores = ref.indexer_scores(q_i, torch.cat([ik_ctx, k_new], 1), w_i, allowed)
-                sel, keys = ref.select_topk(scores, cfg.index_topk), \
+                q_i, k_new, w_i = dsa_ref.indexer_project(w64, x_new, pos_new)
+                scores = dsa_ref.indexer_scores(q_i, torch.cat([ik_ctx, k_new], 1), w_i, allowed)
+                sel, keys = dsa_ref.select_topk(scores, cfg.index_topk), \
                     f"the float64 indexer's top-{cfg.index_topk} (the backend exposes no last_topk_indices)"
-            allowed = ref.selection_mask(sel, N)
+            allowed = dsa_ref.selection_mask(sel, N)
         out = ref.absorbed_scores_and_mix(w64, q_nope, q_pe, c, k_pe, allowed)
     return Oracle(out, keys, w64, q_nope, q_pe, c, k_pe, allowed)
 

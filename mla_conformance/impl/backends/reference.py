@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from mla_conformance.model import reference as ref
+
+from mla_conformance.model import dsa_reference as dsa_ref
 from mla_conformance.contract.layer import dense_only_reason
 from mla_conformance.kv.caches import (FP8IndexerLatentCache, IndexerLatentCache, LatentSlotCache, PagedLatentCache, QuantizedLatentCache,
                                    SlotCache)
@@ -169,22 +171,22 @@ class ReferenceDSA(ReferenceAbsorbed):
 
     def select(self, weights, hidden_states, positions, cache, lengths, new_lens, allowed):
         """Write this call's indexer keys; return the selection [B, S, index_topk] (-1 padded)."""
-        q_i, k_i, w_i = ref.indexer_project(weights, hidden_states, positions, rope_layout=self.indexer_rope_layout)
+        q_i, k_i, w_i = dsa_ref.indexer_project(weights, hidden_states, positions, rope_layout=self.indexer_rope_layout)
         T = allowed.shape[-1]
         acc = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
         if isinstance(cache, FP8IndexerLatentCache):
-            q_i = ref.fp8_block_dequant(q_i)
+            q_i = dsa_ref.fp8_block_dequant(q_i)
             cache.write_index_k(k_i, lengths)
             k_all = cache.read_index_k(T, new_lens).to(acc)
         else:
             cache.write("index_k", k_i, lengths)
             k_all = cache.read("index_k", T, new_lens).to(acc)
-        scores = ref.indexer_scores(q_i.to(acc), k_all, w_i.to(acc), allowed)
+        scores = dsa_ref.indexer_scores(q_i.to(acc), k_all, w_i.to(acc), allowed)
         cache.last_indexer_scores = scores.to(torch.float32)  # the optional hook: [B, S, T], -inf where masked
         return self.topk(scores, weights.config.index_topk)
 
     def topk(self, scores, topk):
-        idx = ref.select_topk(scores, topk)
+        idx = dsa_ref.select_topk(scores, topk)
         if idx.shape[-1] < topk:
             idx = torch.nn.functional.pad(idx, (0, topk - idx.shape[-1]), value=-1)
         return idx
@@ -193,4 +195,4 @@ class ReferenceDSA(ReferenceAbsorbed):
         """The causal keys narrowed to the indexer's top-k (recorded on the cache as last_topk_indices)."""
         idx = self.select(weights, hidden_states, positions, cache, lengths, new_lens, allowed)
         cache.last_topk_indices = idx
-        return allowed & ref.selection_mask(idx, allowed.shape[-1])
+        return allowed & dsa_ref.selection_mask(idx, allowed.shape[-1])

@@ -1,7 +1,8 @@
 """``reference-op`` (the built-in op, torch, any device: decode, prefill, sparse_prefill, merge and write), the
-float64 decode oracle, and the FP8 656-byte page codec the op tests write caches with. The other methods'
-float64 oracles are mla_conformance.model.attention_oracles; the bytes a write must leave,
-mla_conformance.kv.cache_write.
+decode oracle's reading of a paged cache (:func:`oracle`: decode the cache, then
+mla_conformance.model.attention_oracles.decode), and the FP8 656-byte page codec the op tests write caches with.
+Every method's float64 oracle, the merge by lse and the lse conversions are mla_conformance.model.attention_oracles;
+the bytes a write must leave, mla_conformance.kv.cache_write.
 
 The two computations are written apart on purpose:
 
@@ -9,7 +10,8 @@ The two computations are written apart on purpose:
   (``torch.where``) zeros for every key a query may not see (unfilled page tails and unused pages hold
   NaN in the suite's caches: masking by multiplication would leak them, 0 x NaN is NaN), and computes in
   float32 (float64 for a float64 q).
-* :func:`oracle` loops over rows and queries in float64 with plain indexing, from the contract's words.
+* the oracle (mla_conformance.model.attention_oracles.decode) loops over rows and queries in float64 with plain
+  indexing, from the contract's words.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import torch
 
 from mla_conformance.kv import model1
+from mla_conformance.model import attention_oracles
 from mla_conformance.kv.codecs import decode_flashmla_fp8, encode_flashmla_fp8, flashmla_fp8_scales
 from mla_conformance.contract.op import D_QK, D_V, declared
 
@@ -58,119 +61,19 @@ def dequantize_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return kv_cache.to(dtype)
 
 
-# --------------------------------------------------------------------------- LSE helpers
-
-
-def lse_to_natural(lse: torch.Tensor, base: str) -> torch.Tensor:
-    """An lse in ``base`` ("e" or "2") as a natural log (infinities kept)."""
-    return lse * math.log(2.0) if base == "2" else lse
-
-
-def natural_to_base(lse: torch.Tensor, base: str) -> torch.Tensor:
-    return lse / math.log(2.0) if base == "2" else lse
-
-
-def merge_by_lse(out1, lse1, out2, lse2, base: str = "e"):
-    """Merge two partial attentions over disjoint key sets (split-KV): out [B, s_q, h, D], lse [B, h, s_q]
-    in ``base``; a part with no keys (lse +inf or -inf by the op's convention: it has out 0) counts as empty.
-    Returns (out float64, lse float64 natural)."""
-    l1 = lse_to_natural(lse1.to(torch.float64), base)
-    l2 = lse_to_natural(lse2.to(torch.float64), base)
-    # an empty part has weight 0 whatever sign of infinity its op uses
-    l1 = torch.where(torch.isinf(l1), torch.full_like(l1, -math.inf), l1)
-    l2 = torch.where(torch.isinf(l2), torch.full_like(l2, -math.inf), l2)
-    m = torch.maximum(l1, l2)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w1, w2 = torch.exp(l1 - m_safe), torch.exp(l2 - m_safe)
-    tot = w1 + w2
-    lse = torch.where(tot > 0, m_safe + torch.log(tot), torch.full_like(tot, math.inf))
-    a1 = torch.where(tot > 0, w1 / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(tot))
-    a2 = torch.where(tot > 0, w2 / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(tot))
-    # a part of weight 0 (no keys) contributes nothing whatever its out holds; NaN in a part that has keys
-    # stays NaN (never zeroed here: the merge must not hide a broken part)
-    o1 = torch.where((a1 > 0).transpose(1, 2)[..., None], out1.to(torch.float64), torch.zeros((), dtype=torch.float64))
-    o2 = torch.where((a2 > 0).transpose(1, 2)[..., None], out2.to(torch.float64), torch.zeros((), dtype=torch.float64))
-    out = o1 * a1.transpose(1, 2)[..., None] + o2 * a2.transpose(1, 2)[..., None]
-    nan = torch.isnan(l1) | torch.isnan(l2)  # a NaN lse stays NaN (it is not a part without keys)
-    lse = torch.where(nan, torch.full_like(lse, math.nan), lse)
-    out = torch.where(nan.transpose(1, 2)[..., None], torch.full_like(out, math.nan), out)
-    return out, lse
-
-
-# --------------------------------------------------------------------------- the float64 oracle
+# --------------------------------------------------------------------------- the float64 decode oracle, on a cache
 
 
 def oracle(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None, topk_length=None,
            attn_sink=None, head_dim_v=None, magnitudes=False, align="bottom-right"):
-    """The op contract computed in float64, row by row: (out [B, s_q, h_q, d_v] float64, lse [B, h_q, s_q]
-    float64, natural log, +inf for a query with no keys); d_v = ``head_dim_v`` (512 by default), d_qk =
-    q's last dim. The FP8 layout is decoded as stored (float32 scales read as float32, whatever format
-    wrote them).
-
-    ``magnitudes=True`` also returns, as a third element, what the op tests' error bounds scale with (one
-    pass, the same softmax), a dict of float64 tensors:
-
-    * ``abs_v`` [B, s_q, h_q, d_v]: ``softmax @ |V|``, sum_t p_t |v_t| per element (times the sink factor):
-      the error of rounding each p_t (or v_t) by a relative u is at most u times this;
-    * ``score_v`` [B, s_q, h_q, d_v]: sum_t p_t (A_t + A_max) |v_t| (times the sink factor), A_t = scale *
-      sum_d |q_d| |k_td| (what a dot product's rounding error scales with), A_max its maximum over the
-      query's keys: score errors |e_t| <= c A_t move out by at most c times this, for the whole key set or
-      any split of it;
-    * ``score_abs`` / ``score_max`` [B, h_q, s_q]: sum_t p_t A_t and A_max (lse moves by at most c times the
-      first);
-    * ``sink_rel`` [B, h_q, s_q]: 1 - the sink factor (how much an lse error moves the sink's scaling).
-
-    ``align="top-left"`` computes causal decode aligned top-left (query i sees keys 0..i): not the contract,
-    the likely cause a failure message names when the op matches it."""
-    B, s_q, h_q, d_qk = q.shape
-    d_v = D_V if head_dim_v is None else int(head_dim_v)
-    num_blocks, page = kv_cache.shape[0], kv_cache.shape[1]
-    flat = dequantize_cache(kv_cache.detach().cpu(), torch.float64).reshape(num_blocks * page, d_qk)
-    qd = q.detach().cpu().to(torch.float64)
-    out = torch.zeros(B, s_q, h_q, d_v, dtype=torch.float64)
-    lse = torch.full((B, h_q, s_q), math.inf, dtype=torch.float64)
-    bt = block_table.detach().cpu().long()
-    lens = cache_seqlens.detach().cpu().long()
-    sink = None if attn_sink is None else attn_sink.detach().cpu().to(torch.float64)
-    if magnitudes:
-        abs_v, score_v = torch.zeros_like(out), torch.zeros_like(out)
-        score_abs, score_max, sink_rel = (torch.zeros_like(lse) for _ in range(3))
-    for b in range(B):
-        L = int(lens[b])
-        for i in range(s_q):
-            if indices is not None:
-                row = indices[b, i].detach().cpu().long()
-                n = row.numel() if topk_length is None else max(0, min(int(topk_length[b]), row.numel()))
-                keys = [int(t) for t in row[:n] if 0 <= int(t) < num_blocks * page]
-                slots = torch.tensor(keys, dtype=torch.long)
-            else:
-                visible = (L - s_q + i + 1 if align == "bottom-right" else i + 1) if causal else L
-                visible = max(0, min(visible, L))
-                pos = torch.arange(visible)
-                slots = bt[b, pos // page] * page + pos % page if visible else torch.zeros(0, dtype=torch.long)
-            if slots.numel() == 0:
-                continue
-            k = flat[slots]                                     # [n, d_qk]
-            logits = (qd[b, i] @ k.T) * softmax_scale           # [h, n]
-            l = torch.logsumexp(logits, dim=-1)                 # [h]
-            p = torch.softmax(logits, dim=-1)                   # [h, n]
-            o = p @ k[:, :d_v]                                  # [h, d_v]
-            factor = 1.0 / (1.0 + torch.exp(sink - l)) if sink is not None else torch.ones_like(l)
-            out[b, i] = o * factor[:, None]
-            lse[b, :, i] = l
-            if magnitudes:
-                a = (qd[b, i].abs() @ k.abs().T) * abs(softmax_scale)    # [h, n]: A_t
-                a_max = a.amax(dim=-1)
-                v = k[:, :d_v].abs()
-                abs_v[b, i] = (p @ v) * factor[:, None]
-                score_v[b, i] = ((p * a) @ v + a_max[:, None] * (p @ v)) * factor[:, None]
-                score_abs[b, :, i] = (p * a).sum(-1)
-                score_max[b, :, i] = a_max
-                sink_rel[b, :, i] = 1.0 - factor
-    if magnitudes:
-        return out, lse, {"abs_v": abs_v, "score_v": score_v, "score_abs": score_abs, "score_max": score_max,
-                          "sink_rel": sink_rel}
-    return out, lse
+    """mla_conformance.model.attention_oracles.decode over a paged cache as the op receives it
+    ([num_blocks, page, 1, d_qk] in any dtype, or a 656-byte FP8 or MODEL1 uint8 cache): the FP8 layout is decoded
+    as stored (float32 scales read as float32, whatever format wrote them), then every row is the oracle's."""
+    num_blocks, page, d_qk = kv_cache.shape[0], kv_cache.shape[1], q.shape[-1]
+    keys = dequantize_cache(kv_cache.detach().cpu(), torch.float64).reshape(num_blocks * page, d_qk)
+    return attention_oracles.decode(q, keys, block_table, cache_seqlens, page=page, softmax_scale=softmax_scale,
+                                    causal=causal, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+                                    head_dim_v=head_dim_v, magnitudes=magnitudes, align=align)
 
 
 # --------------------------------------------------------------------------- the reference op

@@ -12,7 +12,7 @@ import torch
 from mla_conformance.dtypes import FP8_E4M3_MAX
 from mla_conformance.kv.caches.slots import LatentSlotCache
 from mla_conformance.kv.codecs import get_codec
-from mla_conformance.model.reference import FP8_INDEXER_BLOCK
+from mla_conformance.model.dsa_reference import FP8_INDEXER_BLOCK
 
 
 def write_encoded(cache, c: torch.Tensor, k_pe: torch.Tensor, lengths: torch.Tensor) -> None:
