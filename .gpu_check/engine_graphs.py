@@ -16,7 +16,7 @@ tensors are refilled in place (the real rows first; the rows past them padding r
 s_q keys for an op that declines queries without keys -- and whatever the block table and q held before, as a
 replayed graph sees them) and the graph is replayed. Each replay's real rows are compared with a fresh eager call
 on the same tensors (max abs difference; bitwise or not) and with the float64 oracle within the op suite's bounds
-(``mla_conformance.checks.op_compare.compare``); the padding rows' out must be finite. A capture that fails is a
+(``mla_conformance.checks.op.compare.compare``); the padding rows' out must be finite. A capture that fails is a
 row of the table with its exception (an adapter that plans on the host per call cannot be captured as it is).
 
 Prints one table: op, s_q, real / captured rows, capture, replay vs eager, replay vs oracle, eager vs oracle,
@@ -53,8 +53,8 @@ def run_case(op, s_q: int, device: str) -> list[dict]:
     """Capture at len(LENS) rows, replay for each of BATCHES; one dict per replay (or one for a failed setup)."""
     import torch
 
-    from mla_conformance.checks.op_compare import compare
-    from mla_conformance.checks.op_inputs import Spec, build, op_reason
+    from mla_conformance.checks.op.compare import compare
+    from mla_conformance.checks.op.inputs import Spec, build, op_reason
     from mla_conformance.contract.op import D_V, OpCase, declared
     from mla_conformance.impl.ops.reference import oracle
 

@@ -67,7 +67,7 @@ FIGURES: dict[str, str] = {
     "batch": "rows in the batch (count)",
     "bookkeeping": "the cache tensors counted as bookkeeping, not token storage (list of names)",
     "bound": "the codec's stated error bound (dict: rel_fro, max_rel)",
-    "buffer_layout": "the layout of the caller-owned out= / lse= buffers an op decoded into (name: checks.op_calls.LAYOUTS)",
+    "buffer_layout": "the layout of the caller-owned out= / lse= buffers an op decoded into (name: checks.op.calls.LAYOUTS)",
     "bytes_per_step": "bytes a decode step reads: cache + weights (bytes)",
     "bytes_per_token": "bytes per stored token per layer measured in the cache tensors (bytes; = measured_bytes_per_token)",
     "cache_active_nbytes": "the cache's active_nbytes() after generation (bytes)",

@@ -7,7 +7,7 @@ checkpoint runs with ``--mla-checkpoint DIR``.
 
 import pytest
 
-from mla_conformance.checks import checkpoint
+from mla_conformance.checks.layer import checkpoint
 
 
 @pytest.fixture(params=checkpoint.PROBE_SOURCES)

@@ -10,7 +10,7 @@ this test sees the difference: it passes when the backend matches either float64
 
 import pytest
 
-from mla_conformance.checks import conventions
+from mla_conformance.checks.layer import conventions
 
 
 @pytest.mark.mla_section("conventions")

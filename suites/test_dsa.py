@@ -35,7 +35,8 @@ several x index_topk so that selection bites:
 import pytest
 
 from mla_conformance import checks
-from mla_conformance.checks import Scenario, dsa
+from mla_conformance.checks import Scenario
+from mla_conformance.checks.layer import dsa
 
 #: the V3.2-width runs: small enough for the default run (3 rows, 42 tokens at most), several x index_topk
 _V32_VARLEN = Scenario("dsa_v32_varlen_batch", (40, 28, 20), decode_steps=2)

@@ -14,7 +14,7 @@ selection bites on every answer token and the answers depend on the indexer: a r
 
 import pytest
 
-from mla_conformance.checks import golden
+from mla_conformance.checks.layer import golden
 
 
 @pytest.fixture(scope="module")

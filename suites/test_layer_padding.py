@@ -4,11 +4,11 @@ and multi-token steps after the prefill (speculative verify: S = 4 and 3, right 
 Every call: seq_lens advances by exactly lengths, active_nbytes() covers the stored tokens, a preallocated cache's
 token storage changes only by the call's new tokens; every row against the float64 reference; idle rows'
 neighbours against the same rows in a batch without idle rows. Tiny preset, float32; see
-mla_conformance.checks.layer_padding."""
+mla_conformance.checks.layer.padding."""
 
 import pytest
 
-from mla_conformance.checks import layer_padding
+from mla_conformance.checks.layer import padding as layer_padding
 
 
 @pytest.mark.mla_section("layer_padding")

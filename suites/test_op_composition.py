@@ -3,11 +3,11 @@ context in "MHA mode" -- the cache written (by the op's write where it has one),
 of 24 tokens (3 chunks over pages of 16: chunks hold parts of pages; rows whose context ended have kv_len 0),
 up-projected per head, prefill(causal=False) per chunk, prefill(causal=True) over the new tokens, merged pairwise
 with merge -- equal to one float64 causal pass over context + new tokens; every step is checked, so a failure
-names it. Runs once per op (--mla-op) that has prefill and merge; see mla_conformance.checks.composition."""
+names it. Runs once per op (--mla-op) that has prefill and merge; see mla_conformance.checks.op.composition."""
 
 import pytest
 
-from mla_conformance.checks import composition as cc
+from mla_conformance.checks.op import composition as cc
 
 
 @pytest.mark.mla_section("op_composition")

@@ -3,11 +3,11 @@ out and lse against the float64 merge of the same inputs -- float32 / bfloat16 /
 marking an empty side on either side (FA2 and FA3 disagree on which; only the one an op declares in
 merge_empty_input where it declares one), both sides empty (out 0, the declared merge_empty_row: the output's
 marker), strided out and an lse laid out [h, T]. Every test runs once per op (--mla-op) that has
-``merge``; see mla_conformance.checks.merge."""
+``merge``; see mla_conformance.checks.op.merge."""
 
 import pytest
 
-from mla_conformance.checks import merge as mc
+from mla_conformance.checks.op import merge as mc
 
 
 @pytest.mark.mla_section("op_merge")

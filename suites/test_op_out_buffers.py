@@ -2,7 +2,7 @@
 output under a captured CUDA graph): decode writes into caller-owned out [B, s_q, h_q, 512] and lse [B, h_q, s_q]
 buffers, contiguous or strided, and returns them; nothing else of their allocations changes (canaries); the values
 in the buffers are held against the float64 oracle. An op that does not declare it skips, naming the declaration
-(mla_conformance.checks.op_calls)."""
+(mla_conformance.checks.op.calls)."""
 
 import pytest
 

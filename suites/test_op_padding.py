@@ -3,12 +3,12 @@ or interleaved with, padding rows of cache_seqlens 0 whose block-table rows hold
 earlier batch (NaN-poisoned pages, or another row's pages); one real row long enough that split-KV kernels split.
 Padding rows are zero-length rows of the base contract (out 0, lse empty_row) unless the op declares
 padding_rows = "undefined"; real rows equal the same rows unpadded and the oracle; no page is read through a
-padding row (mla_conformance.checks.op_padding). Every test runs once per op (--mla-op)."""
+padding row (mla_conformance.checks.op.padding). Every test runs once per op (--mla-op)."""
 
 import pytest
 
 from mla_conformance.checks import op as oc
-from mla_conformance.checks.op_padding import FILLS, LAYOUTS, Padded, check_padded
+from mla_conformance.checks.op.padding import FILLS, LAYOUTS, Padded, check_padded
 
 #: one row of thousands of keys (split-KV kernels split it), short rows, one of a single page
 LENS = (2048, 37, 5, 130)

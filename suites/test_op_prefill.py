@@ -2,11 +2,11 @@
 out and lse against the float64 oracle over varlen rows -- rows without keys, q_len > kv_len and q shorter than
 k under bottom-right causal alignment, zero-length padding sequences (trailing, interleaved), h_k = h_q and h_k = 1, non-power-of-two heads, strided q / k / v, other
 head dims where declared. Every test runs once per op (--mla-op) that has ``prefill``; see
-mla_conformance.checks.prefill."""
+mla_conformance.checks.op.prefill."""
 
 import pytest
 
-from mla_conformance.checks import prefill as pc
+from mla_conformance.checks.op import prefill as pc
 
 #: (q_len, kv_len): a self-attention row, a row with no keys, q_len > kv_len (its first causal queries see no
 #: key), a one-query row, and a chunk of new tokens over a longer context

@@ -3,12 +3,12 @@ same tensors (same storage, shapes sized for the largest batch) refilled in plac
 ones padded up with rows of cache_seqlens 0 (their block-table rows, queries and sparse indices as the engine left
 them, indices -1). Each call's result is what a fresh call on that batch gives: the float64 oracle, and bitwise a
 fresh call on copies where the op declares deterministic; nothing of an earlier batch (stale pages, lengths,
-indices) leaks into a later one (mla_conformance.checks.op_replay). Every test runs once per op (--mla-op)."""
+indices) leaks into a later one (mla_conformance.checks.op.replay). Every test runs once per op (--mla-op)."""
 
 import pytest
 
 from mla_conformance.checks import op as oc
-from mla_conformance.checks.op_replay import Replay, check_replay
+from mla_conformance.checks.op.replay import Replay, check_replay
 from mla_conformance.contract.op import declared
 
 #: captured for 4 rows; the batches of 4 replays: full, 2 real rows with padding between, 2 real rows then

@@ -2,11 +2,11 @@
 max_logits and lse against the float64 oracle, with FlashMLA's corner cases -- out-of-range indices (negative,
 s_kv, INT_MAX), rows of every index invalid (out 0, max_logits -inf, lse +inf), topk_length, attention sinks of
 +-inf, d_qk 576 (V3.2) and 512 (MODEL1). Every test runs once per op (--mla-op) that has ``sparse_prefill``; see
-mla_conformance.checks.sparse_prefill."""
+mla_conformance.checks.op.sparse_prefill."""
 
 import pytest
 
-from mla_conformance.checks import sparse_prefill as sc
+from mla_conformance.checks.op import sparse_prefill as sc
 
 
 @pytest.mark.mla_section("op_sparse_prefill")

@@ -3,7 +3,7 @@ shorter than q_len (their first queries have no key) and of exactly q_len, over 
 handed as the first B rows of an engine's larger persistent tables (their later rows name NaN pages), held against
 the bottom-right oracle; a failure names the likely cause: every position given one output (ROCm aiter #2720), rows
 past B read (vLLM #51848 / #51065), top-left alignment. q_len 1, 2, 4 and 8 are test_op_paging.py's
-test_multi_token_decode (mla_conformance.checks.op_calls)."""
+test_multi_token_decode (mla_conformance.checks.op.calls)."""
 
 import pytest
 

@@ -5,12 +5,12 @@ write_fp8_scale_format: bit for bit under pow2, by what a reader decodes under f
 untouched, padding tokens (slot -1, or the dummy slot 0 where declared) write nothing else, k_pe is never scaled --
 and the
 round trip: decode over what write wrote equals the oracle over the encoded values. Every test runs once per op
-(--mla-op) that has ``write``; see mla_conformance.checks.write."""
+(--mla-op) that has ``write``; see mla_conformance.checks.op.write."""
 
 import pytest
 
-from mla_conformance.checks import write as wc
-from mla_conformance.checks.op_methods import first_supported, require_method
+from mla_conformance.checks.op import write as wc
+from mla_conformance.checks.op.methods import first_supported, require_method
 
 FP8 = wc.FP8_656
 MODEL1 = "fp8-e4m3-model1"

@@ -20,7 +20,7 @@ A backend without the extension (only the base contract) skips with a sentence s
 
 import pytest
 
-from mla_conformance.checks import paged
+from mla_conformance.checks.layer import paged
 
 CASES = [("tiny", "float32"), ("tiny", "bfloat16"), ("dims-576", "bfloat16")]
 

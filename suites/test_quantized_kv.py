@@ -11,7 +11,7 @@
 
 import pytest
 
-from mla_conformance.checks import codecs
+from mla_conformance.checks.layer import codecs
 from mla_conformance.kv.codecs import CODECS
 
 BYTES_CASES = ([(c, p, "bfloat16") for p in ("tiny", "deepseek-v2-lite") for c in CODECS]

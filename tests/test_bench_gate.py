@@ -5,7 +5,7 @@ models, and a step that failed it cannot be timed by any path."""
 import pytest
 import torch
 
-from mla_conformance.checks.driver import master_weights
+from mla_conformance.checks.layer.driver import master_weights
 from mla_conformance.checks.tolerances import TOLERANCES
 from mla_conformance.kv.codecs import ERROR_BOUNDS
 from mla_conformance.checks.metrics import row_metrics

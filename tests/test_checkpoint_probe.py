@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mla_conformance import checks
-from mla_conformance.checks.checkpoint import PROBE_SOURCES, probe_inputs, probe_source
+from mla_conformance.checks.layer.checkpoint import PROBE_SOURCES, probe_inputs, probe_source
 from mla_conformance.generation.generate import DEFAULT_MODEL
 from mla_conformance.model.probe import layer1_weights
 

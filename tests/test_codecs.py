@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mla_conformance import checks
-from mla_conformance.checks.codecs import (INT8, MODEL_DIR, V2_LITE_BF16, check_bound, flashmla_fp8_bytes,
+from mla_conformance.checks.layer.codecs import (INT8, MODEL_DIR, V2_LITE_BF16, check_bound, flashmla_fp8_bytes,
                                            gaussian_latent_errors, rankings, reference_attention_errors, trained,
                                            trained_errors, trained_or_skip)
 from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS, QUANT_STUDY_SCHEMES, get_codec

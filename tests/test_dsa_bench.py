@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mla_conformance.arch.device import device_description
-from mla_conformance.checks.driver import master_weights
+from mla_conformance.checks.layer.driver import master_weights
 from mla_conformance.model.dsa_reference import sparse_attention_f64
 from mla_conformance.perf import gate
 from mla_conformance.perf.fill import hidden_chunk

@@ -13,7 +13,7 @@ tokens -- the <eos> after a wrong value -- and 0 of the 4 recalled values.)
 import pytest
 
 from mla_conformance import MLAConfig
-from mla_conformance.checks.golden import PROMPT_SETS, load_tiny_model, model_dtype
+from mla_conformance.checks.layer.golden import PROMPT_SETS, load_tiny_model, model_dtype
 from mla_conformance.generation import generate as G
 from mla_conformance.generation.generate import DSA_MODEL
 from mla_conformance.model.weights import MLAWeights

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig, checks
-from mla_conformance.checks import paged
+from mla_conformance.checks.layer import paged
 from mla_conformance.arch.device import DeviceInfo, PackageInfo, detect
 from mla_conformance.arch.gating import why_not
 from mla_conformance.specs import get_backend
@@ -232,7 +232,7 @@ def test_glue_against_float64_at_v2_lite_dims(interface, mla_figures):
 
 def test_glue_groups_rows_by_new_tokens_and_matches_reference_absorbed(mla_figures):
     """Padded calls become one kernel call per distinct token count; empty rows make none (the paged checks'
-    driver, call schedule and 576-wide config: mla_conformance.checks.paged)."""
+    driver, call schedule and 576-wide config: mla_conformance.checks.layer.paged)."""
     CALLS, TOTALS, drive = paged.CALLS, paged.TOTALS, paged.drive
     calls = []
     backend = FlashMLA(flash_mla_module=fake_flash_mla("new", calls))

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_conformance.checks.golden import PROMPT_SETS, load_tiny_model, model_dtype
+from mla_conformance.checks.layer.golden import PROMPT_SETS, load_tiny_model, model_dtype
 from mla_conformance.generation.generate import DEFAULT_MODEL, numerics_class, run_generation
 from mla_conformance.generation.golden import golden_path, read_golden
 

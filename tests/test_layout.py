@@ -157,7 +157,7 @@ PLANTED = {  # a tiny tree: kv imports checks (upward) in a function, model impo
     "mla_conformance/kv/codecs.py": ("from ..model.config import *\n\n\ndef f():\n"
                                      "    from mla_conformance.checks import driver\n"),
     "mla_conformance/checks/__init__.py": "",
-    "mla_conformance/checks/driver.py": "from mla_conformance.kv import codecs\n",
+    "mla_conformance/checks/layer/driver.py": "from mla_conformance.kv import codecs\n",
 }
 
 

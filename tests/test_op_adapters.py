@@ -518,10 +518,10 @@ def test_flashinfer_lse_is_base_2_not_e():
 # (prefill / merge / write of FlashInfer, sparse_prefill of FlashMLA, merge / write of vLLM), glue on the stand-ins
 # above, checked by the op suite's own checks (mla_conformance.checks.{prefill,merge,write,sparse_prefill})
 
-from mla_conformance.checks import merge as merge_checks  # noqa: E402
-from mla_conformance.checks import prefill as prefill_checks  # noqa: E402
-from mla_conformance.checks import sparse_prefill as sparse_checks  # noqa: E402
-from mla_conformance.checks import write as write_checks  # noqa: E402
+from mla_conformance.checks.op import merge as merge_checks  # noqa: E402
+from mla_conformance.checks.op import prefill as prefill_checks  # noqa: E402
+from mla_conformance.checks.op import sparse_prefill as sparse_checks  # noqa: E402
+from mla_conformance.checks.op import write as write_checks  # noqa: E402
 from mla_conformance.contract.op import MethodCase  # noqa: E402
 from mla_conformance.impl.ops.vllm_ops import VLLMOp  # noqa: E402
 

@@ -271,7 +271,7 @@ class _Recording(ReferenceOp):
 
 
 def _join_run(op, dtype=torch.float32, preset="tiny"):
-    from mla_conformance.checks.paged import drive, paged_weights
+    from mla_conformance.checks.layer.paged import drive, paged_weights
     from mla_conformance.model.reference import reference_attention_f64
 
     w = paged_weights(preset, dtype)
@@ -375,7 +375,7 @@ def test_a_dummy_slot_writer_gets_no_padding_tokens_behind_op():
             type(self).negative += int((slot_mapping < 0).sum())
             return super().write(kv_c, k_pe, kv_cache, slot_mapping, **kw)
 
-    from mla_conformance.checks import layer_padding
+    from mla_conformance.checks.layer import padding as layer_padding
 
     op = DummySlot()
     layer_padding.idle_rows(OpBackend(op, page_block_size=16))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mla_conformance.checks import op as oc
-from mla_conformance.checks import prefill as pc
-from mla_conformance.checks import sparse_prefill as sc
+from mla_conformance.checks.op import prefill as pc
+from mla_conformance.checks.op import sparse_prefill as sc
 from mla_conformance.contract.op import OpCase
 from mla_conformance.kv import model1
 from mla_conformance.model import attention_oracles as ao

@@ -6,7 +6,7 @@ The pin: what every table and behaviour derived from the method registry
 gave before there was a registry -- METHODS, SIGNATURES, TENSORS, DECLARATIONS, METHOD_DECLARATIONS, what
 ``declared()`` accepts, returns and refuses for each declaration (the allowed values, head-dim pairs, formats, page
 sizes), what ``MethodCase.describe`` / ``OpCase.describe`` print, the sentences a method test skips with
-(checks.op_methods.unsupported), METHOD_SUITES and the report's generic sections.
+(checks.op.methods.unsupported), METHOD_SUITES and the report's generic sections.
 
 tests/op_tables_before_registry.json holds them as the parallel tables gave them (written by ``python -m
 tests.test_op_registry`` from commit a4a56e6, before the registry; never regenerated since). The comparison is
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_conformance.checks import op_methods
+from mla_conformance.checks.op import methods as op_methods
 from mla_conformance.contract import methods, op
 from mla_conformance.contract.methods import METHOD_SPECS, Declaration, MethodSpec, method_spec
 from mla_conformance.contract.op import MethodCase, OpCase
@@ -234,7 +234,7 @@ def test_each_gate_is_an_attribute_of_the_case_it_gates():
         for d in spec.declarations:
             assert set(d.gate) <= fields, (spec.name, d.name, d.gate)
             assert bool(d.gate) == bool(d.needed_for), (spec.name, d.name)
-    assert not any(d.gate for d in METHOD_SPECS[0].declarations), "decode's gates are checks.op_inputs.unsupported's"
+    assert not any(d.gate for d in METHOD_SPECS[0].declarations), "decode's gates are checks.op.inputs.unsupported's"
 
 
 def _suite_tests(path: Path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mla_conformance import checks
-from mla_conformance.checks.paged import (CALLS, CAPACITY, PAGE_SIZES, TOTALS, Paged, drive, paged_inputs,
+from mla_conformance.checks.layer.paged import (CALLS, CAPACITY, PAGE_SIZES, TOTALS, Paged, drive, paged_inputs,
                                           paged_weights, require_paging)
 from mla_conformance.kv.caches import LatentSlotCache, PagedLatentCache, from_contiguous, to_flashmla_layout
 from mla_conformance.specs import get_backend

@@ -8,27 +8,31 @@ One job per module, re-exported here under the names the suites call as ``checks
 
 * :mod:`~mla_conformance.checks.tolerances` -- the tolerance tables, each number with its reason;
 * :mod:`~mla_conformance.checks.metrics` -- error metrics, dtype names, the margin, the NaN sentences;
-* :mod:`~mla_conformance.checks.driver` -- running a backend through a scenario (weights, inputs, poison);
+* :mod:`~mla_conformance.checks.layer.driver` -- running a backend through a scenario (weights, inputs, poison);
 * :mod:`~mla_conformance.contract.calls` -- the call boundary the driver uses (``call_backend``, ``check_output``:
   the contract's, named here too);
-* :mod:`~mla_conformance.checks.bytes` -- the byte formulas, THE byte measurement, :func:`cache_bytes`;
-* :mod:`~mla_conformance.checks.layer_numerics` -- outputs against the float64 reference;
-* :mod:`~mla_conformance.checks.diagnose` -- oracles of known bug classes, for "likely cause";
-* the op contract: :mod:`~mla_conformance.checks.op` (op_inputs, op_run, op_compare);
-* per suite: :mod:`~mla_conformance.checks.dsa`, :mod:`~mla_conformance.checks.paged`,
-  :mod:`~mla_conformance.checks.codecs`, :mod:`~mla_conformance.checks.golden`,
-  :mod:`~mla_conformance.checks.checkpoint` (imported by their suites as submodules).
+* :mod:`~mla_conformance.checks.layer.bytes` -- the byte formulas, THE byte measurement, :func:`cache_bytes`;
+* :mod:`~mla_conformance.checks.layer.numerics` -- outputs against the float64 reference;
+* :mod:`~mla_conformance.checks.layer.diagnose` -- oracles of known bug classes, for "likely cause";
+* per suite: :mod:`~mla_conformance.checks.layer.dsa`, :mod:`~mla_conformance.checks.layer.paged`,
+  :mod:`~mla_conformance.checks.layer.codecs`, :mod:`~mla_conformance.checks.layer.golden`,
+  :mod:`~mla_conformance.checks.layer.checkpoint` (imported by their suites as submodules).
+
+By level: ``checks/layer/`` checks a backend through the layer contract (attend() over scenarios),
+``checks/op/`` an op through the op contract (its namespace, ``from mla_conformance.checks import op as oc``, over
+inputs, run and compare; a module per optional method and per engine-call shape); beside them, what both use:
+tolerances, metrics, and the generated cases (generated, strategies).
 """
 
 from __future__ import annotations
 
-from mla_conformance.checks.bytes import (INDEXER_FORMATS, WrittenBytes, cache_bytes, default_indexer_format,
+from mla_conformance.checks.layer.bytes import (INDEXER_FORMATS, WrittenBytes, cache_bytes, default_indexer_format,
                                           format_bytes_per_token, indexer_bytes_per_token, indexer_elements,
                                           indexer_format_of, measure_written_bytes, per_token_elements,
                                           v2_lite_cache_probe)
-from mla_conformance.checks.driver import (SCENARIOS, Scenario, diagnosis, inputs_for, master_weights, require_support,
+from mla_conformance.checks.layer.driver import (SCENARIOS, Scenario, diagnosis, inputs_for, master_weights, require_support,
                                            run_scenario, scenario_lengths, weights_for)
-from mla_conformance.checks.layer_numerics import (NUMERICS_PRESETS, incremental_equals_prefill, likely_cause_message,
+from mla_conformance.checks.layer.numerics import (NUMERICS_PRESETS, incremental_equals_prefill, likely_cause_message,
                                                    numerics)
 from mla_conformance.checks.metrics import (DTYPES, NAN_FROM_POISON, NAN_OWN, dtype_name, error_metrics, format_metrics,
                                             margin, row_metrics)

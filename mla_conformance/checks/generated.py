@@ -5,9 +5,9 @@
   size, shuffled block tables, canaries) and compared with the float64 oracle within the same per-element
   derived bounds (:func:`mla_conformance.checks.op.check_against_oracle`, ``OP_TOLERANCES``);
 * **layer** (:func:`check_layer_property`): every case drives the backend through the suite's driver
-  (:func:`mla_conformance.checks.driver.run_scenario`: poisoned caches, ragged rows, chunked prefill, decode
+  (:func:`mla_conformance.checks.layer.driver.run_scenario`: poisoned caches, ragged rows, chunked prefill, decode
   steps) and holds each row to the dtype's row of ``TOLERANCES`` against the float64 expanded reference, as
-  :func:`mla_conformance.checks.layer_numerics.numerics` does.
+  :func:`mla_conformance.checks.layer.numerics.numerics` does.
 
 A failing case is shrunk by hypothesis to a minimal one; the failure message then ends with that case's line and
 the command that replays exactly it (``--mla-case``), and the test's figures carry both (``generated_case``,
@@ -31,10 +31,10 @@ import torch
 from hypothesis import configuration, errors, given, reject
 
 from mla_conformance.checks import op as oc
-from mla_conformance.checks.op_inputs import not_declared
-from mla_conformance.checks.driver import inputs_for, require_support, run_scenario, scenario_lengths
-from mla_conformance.checks.driver import Scenario, diagnosis
-from mla_conformance.checks.layer_numerics import check_rows, likely_cause_message
+from mla_conformance.checks.op.inputs import not_declared
+from mla_conformance.checks.layer.driver import inputs_for, require_support, run_scenario, scenario_lengths
+from mla_conformance.checks.layer.driver import Scenario, diagnosis
+from mla_conformance.checks.layer.numerics import check_rows, likely_cause_message
 from mla_conformance.checks.metrics import DTYPES, error_metrics
 from mla_conformance.checks.strategies import (LAYER_CONFIGS, LayerDraw, OpDraw, OpSupport, Stratum, layer_strata,
                                                op_strata, parse_case)
@@ -183,7 +183,7 @@ def layer_case_declined(backend, case: LayerDraw, device: str) -> str | None:
 
 def check_layer_case(backend, case: LayerDraw, *, device: str, figures: dict) -> None:
     """One generated layer case: every row against the float64 expanded reference within its row's bounds
-    (:func:`mla_conformance.checks.layer_numerics.check_rows`: rel_fro and max_abs / rms, as the numerics tests)."""
+    (:func:`mla_conformance.checks.layer.numerics.check_rows`: rel_fro and max_abs / rms, as the numerics tests)."""
     __tracebackhide__ = True
     dtype = DTYPES[case.dtype]
     config = layer_config(case.config)

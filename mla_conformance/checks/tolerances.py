@@ -116,12 +116,12 @@ OP_ACC_ROUNDINGS = 256
 OP_ACC_KEYS = 1024
 
 
-#: The written FP8 tile scale under ``write_fp8_scale_format = "fp32"`` (checks/write.py), relative to amax / 448
+#: The written FP8 tile scale under ``write_fp8_scale_format = "fp32"`` (checks/op/write.py), relative to amax / 448
 #: (the tile's largest value onto e4m3's largest): a writer may compute it in any arithmetic of bfloat16's
 #: precision or better -- FlashMLA's earlier float32-scale quant.py divided in bfloat16, a rounding of up to 2^-8
 #: relative -- so 2^-7 (two bfloat16 roundings: amax and the quotient); a scale of another rule (amax / 240,
 #: e4m3fnuz's largest: 1.87 x; a power of two: up to 2 x) is far past it. The 1e-4 floor is optional there
-#: (SGLang drops it). What the payload must hold at the stored scale is checks/write.py's (half an e4m3 step).
+#: (SGLang drops it). What the payload must hold at the stored scale is checks/op/write.py's (half an e4m3 step).
 WRITE_FP32_SCALE_REL = 2.0 ** -7
 
 
@@ -169,7 +169,7 @@ class OpTolerance:
     :func:`op_acc_roundings` float32 roundings of the accumulation may flush to zero (acc_under, 2^-126), the
     normaliser's n terms too (lse: acc_under n, l >= 1). acc(n) = r(n) x 2^-24 grows with the query's key count
     n (:meth:`acc_at`; ``acc`` is its value up to OP_ACC_KEYS keys). S, T, Abar, A_max, n and V1 come from the
-    float64 oracle (``magnitudes=True``; n and V1: :func:`mla_conformance.checks.op_compare.key_magnitudes`), once
+    float64 oracle (``magnitudes=True``; n and V1: :func:`mla_conformance.checks.op.compare.key_magnitudes`), once
     per case. With an attention sink the bound on out adds (1 - factor) x the lse bound x |ref|. Split-KV merges
     and op-vs-op comparisons add the bounds of both sides (mla_conformance.checks.op.bounds).
     """

@@ -4,7 +4,7 @@ an *error*), what it returns checked by :func:`check_output` (``attend()``) and 
 (a cache's ``tensors()``): a wrong type, shape or dtype is a BackendOutputError (an *error*), a non-finite value
 on a valid slot a :class:`NonFiniteOutput` (an AssertionError: a *failure*, the output is wrong).
 
-The checks (:mod:`mla_conformance.checks.driver`), greedy generation (:mod:`mla_conformance.generation`) and the
+The checks (:mod:`mla_conformance.checks.layer.driver`), greedy generation (:mod:`mla_conformance.generation`) and the
 bench's gate call backends through here alike.
 """
 

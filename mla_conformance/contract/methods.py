@@ -4,7 +4,7 @@ the case attributes it gates), what a case's description says of it, its suite f
 and every per-method table of the package is derived from it: :data:`METHODS`, :data:`SIGNATURES`,
 :data:`TENSORS`, :data:`DECLARATIONS`, :data:`METHOD_DECLARATIONS` here (re-exported by
 :mod:`mla_conformance.contract.op`, whose docstring is the contract's prose), ``METHOD_SUITES`` and the method
-tests' skips (``mla_conformance.checks.op_methods``), the report's generic sections
+tests' skips (``mla_conformance.checks.op.methods``), the report's generic sections
 (``mla_conformance.report.markdown.GENERIC_SECTIONS``) and the docs tables of docs/op-contract.md
 (``mla-conformance docs``). Section names are declared, with their meaning, in :data:`mla_conformance.schema.SECTIONS`
 (below this package); tests/test_op_registry.py holds each spec's sections to that and to its suites' markers.
@@ -63,8 +63,8 @@ class Declaration:
     ``gate``: the :class:`~mla_conformance.contract.op.MethodCase` attributes a case needs the declaration to admit
     (their value, a tuple of them where more than one): a flag must be declared True for a case whose attribute is
     true, a value declaration must include the case's value; a method test of a case it does not admit skips,
-    saying ``needed_for`` is not tested (``mla_conformance.checks.op_methods.unsupported``). Decode's
-    declarations gate :class:`~mla_conformance.contract.op.OpCase` in ``mla_conformance.checks.op_inputs``.
+    saying ``needed_for`` is not tested (``mla_conformance.checks.op.methods.unsupported``). Decode's
+    declarations gate :class:`~mla_conformance.contract.op.OpCase` in ``mla_conformance.checks.op.inputs``.
     """
 
     name: str

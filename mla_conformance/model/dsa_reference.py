@@ -1,6 +1,6 @@
 """DeepSeek Sparse Attention (V3.2): the lightning indexer, its top-k selection and their float64 oracles
 (``indexer_scores_f64``, ``select_topk_f64``, ``sparse_attention_f64``: absorbed MLA over the selected tokens, from
-mla_conformance.model.reference), and for the DSA checks (mla_conformance.checks.dsa) the magnitudes the indexer
+mla_conformance.model.reference), and for the DSA checks (mla_conformance.checks.layer.dsa) the magnitudes the indexer
 scores' rounding errors scale with.
 
 The indexer score of query s and key t is I[s, t] = sum_h w_sh ReLU(q_sh . k_t) (``indexer_scores_f64``). ReLU

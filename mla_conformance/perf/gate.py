@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from mla_conformance.checks.driver import master_weights, weights_for
+from mla_conformance.checks.layer.driver import master_weights, weights_for
 from mla_conformance.checks.metrics import dtype_name, row_metrics
-from mla_conformance.checks.op_compare import check_against_oracle
-from mla_conformance.checks.op_inputs import Spec, unsupported
+from mla_conformance.checks.op.compare import check_against_oracle
+from mla_conformance.checks.op.inputs import Spec, unsupported
 from mla_conformance.checks.tolerances import TOLERANCES
 from mla_conformance.contract.calls import NonFiniteOutput, check_output
 from mla_conformance.contract.layer import cache_format_of

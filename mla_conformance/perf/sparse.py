@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mla_conformance.checks.bytes import format_bytes_per_token, measure_written_bytes
+from mla_conformance.checks.layer.bytes import format_bytes_per_token, measure_written_bytes
 from mla_conformance.contract.calls import call_backend, tensors_of_checked
 from mla_conformance.errors import MLAInputError
 from mla_conformance.impl.backends.reference import ReferenceDSA
@@ -35,7 +35,7 @@ SPARSE_FORMS = (("bfloat16", "none"), ("bfloat16", "fp8-e4m3-flashmla"))
 
 def measured_dsa_bytes_per_token(preset: str, dtype, kv_codec: str = "none", device="cpu") -> dict[str, Any]:
     """Bytes per token of reference-dsa's "latent+indexer" cache at ``preset``'s dims, measured from its tensors
-    (``checks.bytes.measure_written_bytes``, the suites' measurement): allocated, poisoned (0xFF, and a 0x00 run
+    (``checks.layer.bytes.measure_written_bytes``, the suites' measurement): allocated, poisoned (0xFF, and a 0x00 run
     united with it where the cache has byte storage), written with 4 tokens through the cache's own write methods,
     written bytes counted per buffer.
     Returns latent (every buffer but the indexer key's), indexer and total bytes per token, per buffer too,

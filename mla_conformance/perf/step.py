@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from mla_conformance.checks.driver import weights_for
+from mla_conformance.checks.layer.driver import weights_for
 from mla_conformance.checks.metrics import DTYPES
 from mla_conformance.contract.layer import cache_format_of, support_reason
 from mla_conformance.dtypes import dtype_name

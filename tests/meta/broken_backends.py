@@ -293,7 +293,7 @@ ERRORS_BY = {
 }
 
 
-# --- bug classes of mla_conformance.checks.diagnose
+# --- bug classes of mla_conformance.checks.layer.diagnose
 
 from mla_conformance.model.config import yarn_get_mscale  # noqa: E402
 

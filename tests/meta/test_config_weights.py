@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from mla_conformance import MLAConfig, MLAWeights
-from mla_conformance.checks.driver import master_weights
+from mla_conformance.checks.layer.driver import master_weights
 from mla_conformance.errors import CheckpointError, MLAInputError
 from mla_conformance.model.weights import V3_REFERENCE_NAMES
 

@@ -1,4 +1,4 @@
-"""mla_conformance.checks.diagnose names the bug class of each broken backend, in float32 and bfloat16, and
+"""mla_conformance.checks.layer.diagnose names the bug class of each broken backend, in float32 and bfloat16, and
 never names one for a correct backend.
 
 Measured margins: the correct reference's rel_fro / the named oracle's, on the positions where the two
@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from mla_conformance import checks
-from mla_conformance.checks import diagnose
+from mla_conformance.checks.layer import diagnose
 from mla_conformance.specs import get_backend
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.reference import reference_attention_f64

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mla_conformance import checks
-from mla_conformance.checks.conventions import check_yarn_rope_attention_factor_convention
+from mla_conformance.checks.layer.conventions import check_yarn_rope_attention_factor_convention
 
 from mla_conformance.errors import BackendError
 
@@ -157,7 +157,7 @@ CAUSES = [
 
 @pytest.mark.parametrize("broken,check,phrase", CAUSES)
 def test_failure_names_the_likely_cause(broken, check, phrase):
-    """The numerics check itself (not only mla_conformance.checks.diagnose) says which bug the output matches."""
+    """The numerics check itself (not only mla_conformance.checks.layer.diagnose) says which bug the output matches."""
     from . import broken_backends
 
     info = _fails(check, getattr(broken_backends, broken)())

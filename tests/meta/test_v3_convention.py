@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mla_conformance import checks
-from mla_conformance.checks import conventions
+from mla_conformance.checks.layer import conventions
 
 from .v3_reference_backend import DeepSeekV3StyleMLA
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_conformance.checks.driver import Scenario, require_support, run_scenario
+from mla_conformance.checks.layer.driver import Scenario, require_support, run_scenario
 from mla_conformance.checks.metrics import DTYPES, error_metrics, format_metrics
 from mla_conformance.checks.tolerances import TOLERANCES
 from mla_conformance.generation.generate import DEFAULT_MODEL, episodes, load_prompts

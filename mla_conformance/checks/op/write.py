@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from mla_conformance.checks import op as oc
-from mla_conformance.checks import op_methods as om
-from mla_conformance.checks.op_inputs import declared_otherwise
+from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op.inputs import declared_otherwise
 from mla_conformance.contract.op import MethodCase, OpCase, declared
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.kv import cache_write, model1

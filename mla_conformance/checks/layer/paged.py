@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from mla_conformance.checks.driver import Scenario, require_support, run_scenario, weights_for
+from mla_conformance.checks.layer.driver import Scenario, require_support, run_scenario, weights_for
 from mla_conformance.checks.metrics import DTYPES, error_metrics, format_metrics
 from mla_conformance.checks.tolerances import TOLERANCES
 from mla_conformance.contract.layer import supports_paging
@@ -77,7 +77,7 @@ class Paged:
 
 def drive(backend, weights, x, calls, *, capacity=CAPACITY, device="cpu", kv_codec="none"):
     """Run attend() per ``calls`` (per-row new-token counts) through
-    :func:`mla_conformance.checks.driver.run_scenario` (every unwritten slot NaN, on the contiguous cache too);
+    :func:`mla_conformance.checks.layer.driver.run_scenario` (every unwritten slot NaN, on the contiguous cache too);
     returns (outputs [B, T, hidden] float64 by position, cache)."""
     __tracebackhide__ = True
     scenario = Scenario.of_calls("paged", tuple(tuple(c) for c in calls))

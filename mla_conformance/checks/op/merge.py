@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from mla_conformance.checks import op_methods as om
+from mla_conformance.checks.op import methods as om
 from mla_conformance.checks.tolerances import unit_roundoff
 from mla_conformance.contract.op import MethodCase, declared
 from mla_conformance.model import attention_oracles as ao
@@ -191,7 +191,7 @@ def check_against_oracle(op, spec: MergeSpec, *, check: str, figures: dict):
 
 def compare(op, case, out, lse, oracle, bounds, *, check: str, figures: dict, locate, against="the float64 merge"):
     """out / lse of a merge against (ref out, ref lse natural with +inf for both empty, magnitudes) within
-    ``bounds`` (:class:`~mla_conformance.checks.op_methods.Bounds`); the lse in the op's merge_lse_base,
+    ``bounds`` (:class:`~mla_conformance.checks.op.methods.Bounds`); the lse in the op's merge_lse_base,
     both-empty tokens the declared merge_empty_row."""
     __tracebackhide__ = True
     ref_out, ref_lse, mags = oracle

@@ -18,7 +18,7 @@ import math
 import torch
 
 from mla_conformance.checks import op as oc
-from mla_conformance.checks import op_methods as om
+from mla_conformance.checks.op import methods as om
 from mla_conformance.contract.op import MethodCase, declared
 from mla_conformance.model import attention_oracles as ao
 

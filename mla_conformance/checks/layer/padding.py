@@ -15,7 +15,7 @@ storage (the same buffers before and after the call), the call changes no more t
 tokens take in the declared format -- so a token written for an idle row, or the padding of a short row, shows
 (the row named where the buffer is [batch, ...]). A cache that grows (transformers' DynamicCache appends a slot
 for every row of a call) is held on ``seq_lens`` and ``active_nbytes()`` only. Then every row's outputs against
-the float64 reference (:func:`mla_conformance.checks.layer_numerics.check_rows`, with the likely cause), and for
+the float64 reference (:func:`mla_conformance.checks.layer.numerics.check_rows`, with the likely cause), and for
 idle rows the neighbours against the same rows run in a batch without idle rows, within the layer bound.
 """
 
@@ -25,10 +25,10 @@ import functools
 
 import torch
 
-from mla_conformance.checks.bytes import format_bytes_per_token
-from mla_conformance.checks.driver import (Scenario, diagnosis, inputs_for, master_weights, require_support,
+from mla_conformance.checks.layer.bytes import format_bytes_per_token
+from mla_conformance.checks.layer.driver import (Scenario, diagnosis, inputs_for, master_weights, require_support,
                                            run_scenario, scenario_lengths, weights_for)
-from mla_conformance.checks.layer_numerics import check_rows, likely_cause_message
+from mla_conformance.checks.layer.numerics import check_rows, likely_cause_message
 from mla_conformance.checks.metrics import dtype_name, error_metrics, row_metrics
 from mla_conformance.checks.tolerances import row_tolerance, tolerance_figures
 from mla_conformance.contract.calls import call_backend, tensors_of_checked

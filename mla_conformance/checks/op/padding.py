@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from mla_conformance.checks.op_compare import as_reference, bitwise_equal, compare, empty_row_sentences, oracle_of
-from mla_conformance.checks.op_inputs import INVALID_BLOCK, Buffer, OpInputs, Spec, build, where
-from mla_conformance.checks.op_run import run_op
+from mla_conformance.checks.op.compare import as_reference, bitwise_equal, compare, empty_row_sentences, oracle_of
+from mla_conformance.checks.op.inputs import INVALID_BLOCK, Buffer, OpInputs, Spec, build, where
+from mla_conformance.checks.op.run import run_op
 from mla_conformance.contract.op import declared
 
 #: what padding rows' block-table rows hold, one padding row of each in a batch (in this order, cycled): vLLM's -1,

@@ -9,8 +9,8 @@ import functools
 
 import torch
 
-from mla_conformance.checks import diagnose
-from mla_conformance.checks.driver import (SCENARIOS, Scenario, diagnosis, inputs_for, master_weights, require_support,
+from mla_conformance.checks.layer import diagnose
+from mla_conformance.checks.layer.driver import (SCENARIOS, Scenario, diagnosis, inputs_for, master_weights, require_support,
                                            run_scenario, scenario_lengths, weights_for)
 from mla_conformance.checks.metrics import dtype_name, error_metrics, margin, row_metrics
 from mla_conformance.checks.tolerances import Tolerance, row_tolerance, tolerance_figures

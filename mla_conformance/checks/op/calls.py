@@ -21,10 +21,10 @@ import math
 import torch
 
 from mla_conformance.checks.metrics import dtype_name
-from mla_conformance.checks.op_compare import bounds, check_against_oracle, compare, oracle_of, tolerance_for
-from mla_conformance.checks.op_inputs import (CANARY_BYTE, CANARY_BYTES, INVALID_BLOCK, Buffer, OpInputs, Spec, build,
+from mla_conformance.checks.op.compare import bounds, check_against_oracle, compare, oracle_of, tolerance_for
+from mla_conformance.checks.op.inputs import (CANARY_BYTE, CANARY_BYTES, INVALID_BLOCK, Buffer, OpInputs, Spec, build,
                                               require, require_declared, where)
-from mla_conformance.checks.op_run import validate
+from mla_conformance.checks.op.run import validate
 from mla_conformance.contract.op import D_V, OpCase, declared
 from mla_conformance.errors import BackendError
 

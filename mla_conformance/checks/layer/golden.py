@@ -10,7 +10,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from mla_conformance.checks.driver import require_support
+from mla_conformance.checks.layer.driver import require_support
 from mla_conformance.errors import MLAInputError
 from mla_conformance.generation.generate import DEFAULT_MODEL, DSA_MODEL, load_model, numerics_class, run_generation
 from mla_conformance.generation.golden import golden_extension, golden_path, golden_payload, read_golden

@@ -17,8 +17,8 @@ import torch
 
 from mla_conformance.dtypes import FP8_E4M3_MAX
 
-from mla_conformance.checks.bytes import cache_bytes
-from mla_conformance.checks.driver import (Scenario, inputs_for, require_support, run_scenario, scenario_lengths,
+from mla_conformance.checks.layer.bytes import cache_bytes
+from mla_conformance.checks.layer.driver import (Scenario, inputs_for, require_support, run_scenario, scenario_lengths,
                                            weights_for)
 from mla_conformance.checks.metrics import DTYPES, error_metrics
 from mla_conformance.checks.tolerances import TOLERANCES, tolerance_figures

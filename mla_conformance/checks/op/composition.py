@@ -18,9 +18,9 @@ in the model dtype; some row with no context, one whose context ends in the firs
 
 Every step is checked against its float64 oracle (the attention of the new tokens' queries over the keys
 covered so far, from the very K / V the op was handed), so a failure names the step. The bound of a merged
-result of k parts follows from the parts' bounds (mla_conformance.checks.op_methods.attention_bounds): with
+result of k parts follows from the parts' bounds (mla_conformance.checks.op.methods.attention_bounds): with
 S = softmax @ |V| and T of the merged key set, delta the largest bound of a part's lse and E a merge's weight
-error (mla_conformance.checks.merge),
+error (mla_conformance.checks.op.merge),
 ``|out - ref| <= (p_round + acc) S + dot T + k u_out S + 2 delta S + (k - 1) (2E + 2^-22) S`` and
 ``|lse - ref| <= delta + (k - 1) (E + 2^-23 + 2^-23 |lse|)``.
 """
@@ -33,11 +33,11 @@ import math
 
 import torch
 
-from mla_conformance.checks import merge as mc
+from mla_conformance.checks.op import merge as mc
 from mla_conformance.checks import op as oc
-from mla_conformance.checks import op_methods as om
-from mla_conformance.checks import prefill as pc
-from mla_conformance.checks.prefill import cu_seqlens
+from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op import prefill as pc
+from mla_conformance.checks.op.prefill import cu_seqlens
 from mla_conformance.checks.tolerances import unit_roundoff
 from mla_conformance.contract.op import MethodCase, declared, has_method
 from mla_conformance.model import attention_oracles as ao

@@ -12,8 +12,8 @@ import functools
 import pytest
 import torch
 
-from mla_conformance.checks.bytes import INDEXER_FORMATS, cache_bytes, indexer_format_of
-from mla_conformance.checks.driver import (Scenario, inputs_for, master_weights, require_support, run_scenario,
+from mla_conformance.checks.layer.bytes import INDEXER_FORMATS, cache_bytes, indexer_format_of
+from mla_conformance.checks.layer.driver import (Scenario, inputs_for, master_weights, require_support, run_scenario,
                                            scenario_lengths, weights_for)
 from mla_conformance.checks.metrics import DTYPES, dtype_name, error_metrics, row_metrics
 from mla_conformance.checks.tolerances import FP8_E4M3_PRODUCT_ERROR, TOLERANCES, tolerance_figures

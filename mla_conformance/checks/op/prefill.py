@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from mla_conformance.checks import op_methods as om
+from mla_conformance.checks.op import methods as om
 from mla_conformance.contract.op import MethodCase, declared
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.model import attention_oracles as ao

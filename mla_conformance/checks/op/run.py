@@ -12,7 +12,7 @@ import traceback
 import torch
 
 from mla_conformance.checks.metrics import dtype_name
-from mla_conformance.checks.op_inputs import OpInputs, require, where
+from mla_conformance.checks.op.inputs import OpInputs, require, where
 from mla_conformance.contract.op import D_V, OpCase, declared, layout_of
 from mla_conformance.errors import BackendError, BackendOutputError
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from mla_conformance.checks import diagnose
-from mla_conformance.checks.driver import (Scenario, diagnosis, inputs_for, require_support, run_scenario,
+from mla_conformance.checks.layer import diagnose
+from mla_conformance.checks.layer.driver import (Scenario, diagnosis, inputs_for, require_support, run_scenario,
                                            scenario_lengths)
 from mla_conformance.checks.metrics import error_metrics
 from mla_conformance.checks.tolerances import TOLERANCES
@@ -81,7 +81,7 @@ def check_yarn_rope_attention_factor_convention(backend, device, figures: dict) 
 
 def _other_bug(out, w64, x64, lengths, calls, errors: dict, tol) -> tuple[str, str] | None:
     """(RoPE convention, "matches the reference without YaRN mscale² ...") when, under one of the two conventions,
-    the output matches a known bug class's oracle (mla_conformance.checks.diagnose) far better than the correct
+    the output matches a known bug class's oracle (mla_conformance.checks.layer.diagnose) far better than the correct
     one -- the best such match -- else None."""
     best = None
     for convention in ROPE_CONVENTIONS:

@@ -38,6 +38,7 @@ INVALID_KINDS = ("minus-one", "past-end", "int-max")
 
 
 def where(op, case: OpCase, check: str) -> str:
+    """Where a check ran, as every op failure message begins: the op, its case, the check."""
     return f"{op.name} [{case.describe()}] {check}"
 
 

@@ -20,11 +20,11 @@ import math
 
 import torch
 
-from mla_conformance.checks.op_compare import bitwise_equal, compare, oracle_of_inputs
-from mla_conformance.checks.op_inputs import (INVALID_BLOCK, SOFTMAX_SCALE, Buffer, OpInputs, Spec,
+from mla_conformance.checks.op.compare import bitwise_equal, compare, oracle_of_inputs
+from mla_conformance.checks.op.inputs import (INVALID_BLOCK, SOFTMAX_SCALE, Buffer, OpInputs, Spec,
                                               kinds_of_rows_without_keys)
-from mla_conformance.checks.op_padding import real_rows_only
-from mla_conformance.checks.op_run import run_op
+from mla_conformance.checks.op.padding import real_rows_only
+from mla_conformance.checks.op.run import run_op
 from mla_conformance.contract.op import D_QK, OpCase, declared
 from mla_conformance.impl.ops.reference import encode_fp8_656
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from mla_conformance.checks.driver import Scenario, inputs_for, require_support, run_scenario
+from mla_conformance.checks.layer.driver import Scenario, inputs_for, require_support, run_scenario
 from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.contract.calls import call_backend, tensors_of_checked
 from mla_conformance.contract.layer import cache_format_of, declared_on

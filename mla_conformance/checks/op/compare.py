@@ -16,8 +16,8 @@ import torch
 
 from mla_conformance.checks.metrics import OP_NAN_HINT as NAN_HINT
 from mla_conformance.checks.metrics import dtype_name
-from mla_conformance.checks.op_inputs import OpInputs, Spec, build, require, where
-from mla_conformance.checks.op_run import run_op
+from mla_conformance.checks.op.inputs import OpInputs, Spec, build, require, where
+from mla_conformance.checks.op.run import run_op
 from mla_conformance.checks.tolerances import (OP_LSE_ROUNDING, OP_TOLERANCES, op_acc_roundings, underflow,
                                                unit_roundoff)
 from mla_conformance.contract.op import D_V, OpCase, declared
