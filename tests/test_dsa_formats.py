@@ -118,7 +118,7 @@ def test_indexer_format_declaration():
 def test_byte_hint_names_scales_and_the_indexer_format():
     """A bf16 latent + FP8 block-128 indexer cache that declares no indexer_format: the failure names the float32
     buffer as scales (not as 'wider than the cache') and the indexer format whose size it has."""
-    from tests.meta.deepseek_v32_backend import DeepSeekV32Reference
+    from tests.meta.impls.independent.deepseek_v32_backend import DeepSeekV32Reference
 
     class Undeclared(DeepSeekV32Reference):
         name = "undeclared-fp8-indexer"

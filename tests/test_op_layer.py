@@ -305,8 +305,8 @@ def test_prefill_rows_run_the_ops_prefill_merge_and_write():
 
 
 def test_a_merge_giving_nan_on_two_empty_sides_fails_behind_op():
-    """The broken merge of tests/meta/broken_op_methods.py behind op:, on the joining row (two empty sides)."""
-    from tests.meta.broken_op_methods import MergeBothEmptyNaN
+    """The broken merge of tests/meta/impls/broken/op_methods.py behind op:, on the joining row (two empty sides)."""
+    from tests.meta.impls.broken.op_methods import MergeBothEmptyNaN
 
     with pytest.raises(AssertionError, match="non-finite"):
         _join_run(MergeBothEmptyNaN())

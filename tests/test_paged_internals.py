@@ -31,7 +31,7 @@ def runs():
 
 def test_base_contract_backend_skips_not_fails():
     """IndependentMLA has only the base contract: the paged tests skip it, naming the extension."""
-    independent = get_backend(f"{ROOT / 'tests' / 'meta' / 'independent_backend.py'}:IndependentMLA")
+    independent = get_backend(f"{ROOT / 'tests' / 'meta' / 'impls' / 'independent' / 'backend.py'}:IndependentMLA")
     assert not hasattr(independent, "supports_paging")
     with pytest.raises(pytest.skip.Exception) as info:
         require_paging(independent, 16)

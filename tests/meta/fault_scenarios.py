@@ -1,6 +1,6 @@
 """Every way a backend can kill or wedge a run, as a scenario that must *end* with the expected verdict and counts
 (issue 27): a real ``mla-conformance run`` (or a plain ``pytest``) process on a three-test suite of its own with
-the backends of ``faulty_backends.py`` and ``faulty_collection_backend.py``, whose pytest and workers really die.
+the backends of ``impls/faulty/backends.py`` and ``impls/faulty/collection_backend.py``, whose pytest and workers really die.
 
 A scenario passes when the process ended within :data:`BOUND_S` (the bound on a run that would otherwise hang:
 generous, never a claim on speed), no process it started is left (each carries a marker in its environment),
@@ -25,8 +25,8 @@ from pathlib import Path
 from . import background
 
 HERE = Path(__file__).resolve().parent
-FAULTY = HERE / "faulty_backends.py"
-COLLECTION = HERE / "faulty_collection_backend.py"
+FAULTY = HERE / "impls" / "faulty" / "backends.py"
+COLLECTION = HERE / "impls" / "faulty" / "collection_backend.py"
 
 #: The suite: named test_cache_bytes.py because --suites DIR must hold one. Three attend calls per backend.
 SUITE = '''import pytest
@@ -55,7 +55,7 @@ def write_suite(tmp: Path) -> Path:
 
 
 def backend_args(*classes: str, flag: str = "--backend") -> list[str]:
-    """``--backend PATH:Class`` per class (``faulty_backends.py``'s unless ``collection:`` names the other file)."""
+    """``--backend PATH:Class`` per class (``impls/faulty/backends.py``'s unless ``collection:`` names the other file)."""
     out = []
     for c in classes:
         path = COLLECTION if c.startswith("collection:") else FAULTY
@@ -201,7 +201,7 @@ def check(key: str, got: dict) -> None:
     err = got["stderr"]
     if key == "import":
         assert got["rc"] == 2 and not got["out_exists"], f"{key}: rc {got['rc']}{out}"
-        assert "faulty_collection_backend.py:CollectionCrash" in err and "SIGSEGV" in err and \
+        assert "faulty/collection_backend.py:CollectionCrash" in err and "SIGSEGV" in err and \
                "in its import or constructor" in err, f"{key}: the crash is not named{out}"
         return
     if s.direct:
@@ -248,7 +248,7 @@ def check(key: str, got: dict) -> None:
             if kind == C and s.signal:
                 assert row["fault"].get("signal") == s.signal, f"{key}: {row}"
             if kind in (C, T) and backend != "exit3" and "serial" not in key:  # where: the innermost frame
-                assert "faulty_backends.py" in row["reason"] and "in misbehave" in row["reason"], f"{key}: {row}"
+                assert "faulty/backends.py" in row["reason"] and "in misbehave" in row["reason"], f"{key}: {row}"
             if kind == C and backend == "exit3":
                 assert row["fault"]["exit_code"] == 3, f"{key}: {row}"
             if kind == N:

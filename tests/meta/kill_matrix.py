@@ -29,26 +29,26 @@ HERE = "tests/meta"
 
 #: backend spec -> the name it reports (test ids carry the name)
 BROKEN = {
-    "rope-layout": (f"{HERE}/broken_backends.py:RopeLayoutMixup", "broken-rope-layout"),
-    "kv-b-swapped": (f"{HERE}/broken_backends.py:KvBSwapped", "broken-kv-b-swapped"),
-    "decode-position": (f"{HERE}/broken_backends.py:ShiftedDecodePosition", "broken-decode-position"),
-    "lying-bytes": (f"{HERE}/broken_backends.py:LyingBytes", "broken-lying-bytes"),
-    "expanded-uint8": (f"{HERE}/broken_caches.py:ExpandedUint8ClaimsLatent", "broken-expanded-uint8-pool"),
-    "scales-not-counted": (f"{HERE}/broken_caches.py:ScalesNotCounted", "broken-scales-not-counted"),
-    "int8-codec": (f"{HERE}/broken_caches.py:BadInt8Codec", "broken-int8-codec"),
-    "leaky-pages": (f"{HERE}/broken_caches.py:LeakyPages", "broken-leaky-pages"),
-    "paged-bytes": (f"{HERE}/broken_caches.py:PagedBytesUncounted", "broken-paged-bytes"),
-    "dsa-interleaved-rope": (f"{HERE}/broken_backends.py:InterleavedIndexerRope", "broken-dsa-interleaved-indexer-rope"),
-    "dsa-topk-off-by-one": (f"{HERE}/broken_backends.py:TopkOffByOne", "broken-dsa-topk-off-by-one"),
-    "dsa-keys-hidden": (f"{HERE}/broken_backends.py:IndexerKeysHidden", "broken-dsa-indexer-keys-hidden"),
-    "dsa-v32-prefix-bf16": (f"{HERE}/deepseek_v32_backend.py:DeepSeekV32PreFixBF16Key",
+    "rope-layout": (f"{HERE}/impls/broken/backends.py:RopeLayoutMixup", "broken-rope-layout"),
+    "kv-b-swapped": (f"{HERE}/impls/broken/backends.py:KvBSwapped", "broken-kv-b-swapped"),
+    "decode-position": (f"{HERE}/impls/broken/backends.py:ShiftedDecodePosition", "broken-decode-position"),
+    "lying-bytes": (f"{HERE}/impls/broken/backends.py:LyingBytes", "broken-lying-bytes"),
+    "expanded-uint8": (f"{HERE}/impls/broken/caches.py:ExpandedUint8ClaimsLatent", "broken-expanded-uint8-pool"),
+    "scales-not-counted": (f"{HERE}/impls/broken/caches.py:ScalesNotCounted", "broken-scales-not-counted"),
+    "int8-codec": (f"{HERE}/impls/broken/caches.py:BadInt8Codec", "broken-int8-codec"),
+    "leaky-pages": (f"{HERE}/impls/broken/caches.py:LeakyPages", "broken-leaky-pages"),
+    "paged-bytes": (f"{HERE}/impls/broken/caches.py:PagedBytesUncounted", "broken-paged-bytes"),
+    "dsa-interleaved-rope": (f"{HERE}/impls/broken/backends.py:InterleavedIndexerRope", "broken-dsa-interleaved-indexer-rope"),
+    "dsa-topk-off-by-one": (f"{HERE}/impls/broken/backends.py:TopkOffByOne", "broken-dsa-topk-off-by-one"),
+    "dsa-keys-hidden": (f"{HERE}/impls/broken/backends.py:IndexerKeysHidden", "broken-dsa-indexer-keys-hidden"),
+    "dsa-v32-prefix-bf16": (f"{HERE}/impls/independent/deepseek_v32_backend.py:DeepSeekV32PreFixBF16Key",
                             "broken-dsa-v32-prefix-interleaved-bf16"),
-    # padded batches (tests/meta/broken_padding_backends.py): idle rows, multi-token steps
-    "idle-row-decodes": (f"{HERE}/broken_padding_backends.py:IdleRowDecodes", "broken-idle-row-decodes"),
-    "idle-row-writes-slot": (f"{HERE}/broken_padding_backends.py:IdleRowWritesSlot", "broken-idle-row-writes-slot"),
-    "idle-rows-compacted": (f"{HERE}/broken_padding_backends.py:IdleRowsCompacted", "broken-idle-rows-compacted"),
-    "verify-same-output": (f"{HERE}/broken_padding_backends.py:VerifyStepSameOutput", "broken-verify-step-same-output"),
-    "verify-padding-appended": (f"{HERE}/broken_padding_backends.py:VerifyPaddingAppended",
+    # padded batches (tests/meta/impls/broken/padding_backends.py): idle rows, multi-token steps
+    "idle-row-decodes": (f"{HERE}/impls/broken/padding_backends.py:IdleRowDecodes", "broken-idle-row-decodes"),
+    "idle-row-writes-slot": (f"{HERE}/impls/broken/padding_backends.py:IdleRowWritesSlot", "broken-idle-row-writes-slot"),
+    "idle-rows-compacted": (f"{HERE}/impls/broken/padding_backends.py:IdleRowsCompacted", "broken-idle-rows-compacted"),
+    "verify-same-output": (f"{HERE}/impls/broken/padding_backends.py:VerifyStepSameOutput", "broken-verify-step-same-output"),
+    "verify-padding-appended": (f"{HERE}/impls/broken/padding_backends.py:VerifyPaddingAppended",
                                 "broken-verify-padding-appended"),
 }
 #: a layer cell's failure must say this (the likely cause), for the broken backends named
@@ -62,9 +62,9 @@ LAYER_HINTS = {"idle-row-decodes": "was idle (lengths 0) but its seq_lens went",
 #: parametrisation, or the tests named) they must pass, or skip where they do not implement an optional
 #: part (paging, quantized codecs)
 CORRECT = {
-    "independent": (f"{HERE}/independent_backend.py:IndependentMLA", "independent-absorbed"),
-    "overallocating": (f"{HERE}/broken_caches.py:OverAllocating", "independent-overallocating"),
-    "v3-style": (f"{HERE}/v3_reference_backend.py:DeepSeekV3StyleMLA", "deepseek-v3-style"),
+    "independent": (f"{HERE}/impls/independent/backend.py:IndependentMLA", "independent-absorbed"),
+    "overallocating": (f"{HERE}/impls/broken/caches.py:OverAllocating", "independent-overallocating"),
+    "v3-style": (f"{HERE}/impls/independent/v3_reference_backend.py:DeepSeekV3StyleMLA", "deepseek-v3-style"),
     "reference-dsa": ("reference-dsa", "reference-dsa"),
     # the base contract as the README shows it, frozen (never edited): its verdict must not move as features land
     "frozen-base": (f"{HERE}/frozen_base_backend.py:MyBackend", "my-mla"),
@@ -117,9 +117,9 @@ KILL_MATRIX = {
 
 #: crashes are errors, not verdicts: (broken spec, name, node id) that must come out "error"
 ERROR_CELLS = [
-    (f"{HERE}/broken_backends.py:RaisesOnDecode", "broken-raises",
+    (f"{HERE}/impls/broken/backends.py:RaisesOnDecode", "broken-raises",
      "suites/test_numerics.py::test_against_float64[broken-raises-float32-prefill_decode-tiny]"),
-    (f"{HERE}/broken_backends.py:WrongShape", "broken-wrong-shape",
+    (f"{HERE}/impls/broken/backends.py:WrongShape", "broken-wrong-shape",
      "suites/test_cache_bytes.py::test_seed_table[broken-wrong-shape]"),
 ]
 
@@ -159,12 +159,12 @@ def correct_node_ids() -> list[tuple[str, str, str]]:
 
 # --------------------------------------------------------------------------- the op contract
 
-OPS = f"{HERE}/broken_ops.py"
-CALL_OPS = f"{HERE}/broken_call_ops.py"
-KERNEL_OPS = f"{HERE}/kernel_ops.py"
+OPS = f"{HERE}/impls/broken/ops.py"
+CALL_OPS = f"{HERE}/impls/broken/call_ops.py"
+KERNEL_OPS = f"{HERE}/impls/kernel_style/kernel_ops.py"
 FROZEN = f"{HERE}/frozen_base_op.py"
-ENGINE_OPS = f"{HERE}/engine_ops.py"
-BROKEN_ENGINE = f"{HERE}/broken_engine_ops.py"
+ENGINE_OPS = f"{HERE}/impls/kernel_style/engine_ops.py"
+BROKEN_ENGINE = f"{HERE}/impls/broken/engine_ops.py"
 
 #: broken op -> (spec, the name it reports, the op tests (file::function[params after the op name]) that must fail it)
 BROKEN_OPS = {
@@ -206,7 +206,7 @@ BROKEN_OPS = {
     "batch-variant": (f"{OPS}:BatchVariant", "broken-batch-variant", ["test_op_numerics.py::test_batch_invariant[]"]),
     "heads-capped": (f"{OPS}:HeadsCapped", "broken-heads-capped-at-64", ["test_op_paging.py::test_head_counts[-128]"]),
     "assumes-page-64": (f"{OPS}:AssumesPage64", "broken-assumes-page-64", ["test_op_paging.py::test_page_sizes[-16]"]),
-    # engines' padded CUDA-graph batches and graph replays (tests/meta/broken_engine_ops.py: the reports they model)
+    # engines' padded CUDA-graph batches and graph replays (tests/meta/impls/broken/engine_ops.py: the reports they model)
     "nan-padding-long-max-len": (f"{BROKEN_ENGINE}:NanPaddingAtLongMaxLen", "broken-nan-padding-at-long-max-len",
                                  ["test_op_padding.py::test_padded_batch[-trailing]"]),
     "reads-block-table-minus-one": (f"{BROKEN_ENGINE}:ReadsBlockTableMinusOne", "broken-reads-block-table-minus-one",
@@ -261,8 +261,8 @@ HINTS = {"top-left-causal": "likely cause: top-left causal alignment",
 #: correct ops: every op test runs on them; "all" must pass; otherwise they may skip only with the sentences
 #: of SKIPS[mode] (their own unsupported_reason, or a declaration they do not make)
 CORRECT_OPS = {
-    "independent": (f"{HERE}/independent_op.py:IndependentOp", "independent-op", "all"),
-    "base-contract": (f"{HERE}/independent_op.py:BaseContractOp", "base-contract-op", "base"),
+    "independent": (f"{HERE}/impls/independent/op.py:IndependentOp", "independent-op", "all"),
+    "base-contract": (f"{HERE}/impls/independent/op.py:BaseContractOp", "base-contract-op", "base"),
     # P rounded to the cache dtype before P.V, float32 accumulation, online softmax over pages (half precision)
     "p-rounding-bf16": (f"{KERNEL_OPS}:PRoundingOp", "p-rounding-op", "dtype"),
     "p-rounding-fp16": (f"{KERNEL_OPS}:PRoundingFp16Op", "p-rounding-fp16-op", "dtype"),

@@ -20,7 +20,7 @@ def test_builtins_resolve(spec):
 
 def test_module_and_file_specs():
     assert get_backend("mla_conformance.impl.backends.reference:ReferenceAbsorbed").name == "reference-absorbed"
-    path = ROOT / "tests" / "meta" / "independent_backend.py"
+    path = ROOT / "tests" / "meta" / "impls" / "independent" / "backend.py"
     assert get_backend(f"{path}:IndependentMLA").name == "independent-absorbed"
     assert get_backend(f"{path}:BACKEND").name == "independent-absorbed"  # an instance
 

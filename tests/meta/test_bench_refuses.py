@@ -3,7 +3,7 @@ layer output wrong) and a broken op whose layer output is right but whose lse is
 check) each get "not timed: wrong output (...)" and no figure, the command exits 1, and the correct backend next
 to them is timed. At a long row (1016 cached tokens), where the gate's bound carries the score-rounding term
 (mla_conformance.perf.score_rounding), the references that TOLERANCES' bf16 bound alone would refuse are timed and a
-backend wrong by a few times that bound (tests/meta/broken_bench_backends.py) is not."""
+backend wrong by a few times that bound (tests/meta/impls/broken/bench_backends.py) is not."""
 
 import contextlib
 import io
@@ -16,9 +16,9 @@ from mla_conformance.cli import main
 from mla_conformance.perf import timing
 from mla_conformance.perf.table import format_table
 
-BROKEN = {"tests/meta/broken_backends.py:WrongSoftmaxScale": ("broken-softmax-scale", "rel_fro"),
-          "op:tests/meta/broken_ops.py:ReadsPageTail": ("op:broken-reads-page-tail", "non-finite"),
-          "op:tests/meta/broken_ops.py:Base2DeclaredE": ("op:broken-lse-base2-as-e", "OP_TOLERANCES")}
+BROKEN = {"tests/meta/impls/broken/backends.py:WrongSoftmaxScale": ("broken-softmax-scale", "rel_fro"),
+          "op:tests/meta/impls/broken/ops.py:ReadsPageTail": ("op:broken-reads-page-tail", "non-finite"),
+          "op:tests/meta/impls/broken/ops.py:Base2DeclaredE": ("op:broken-lse-base2-as-e", "OP_TOLERANCES")}
 
 
 def bench(tmp_path_factory, specs, *extra):
@@ -42,7 +42,7 @@ def run(tmp_path_factory):
     return bench(tmp_path_factory, [*BROKEN, "reference-absorbed"], "--context", "70")
 
 
-LONG_BROKEN = "tests/meta/broken_bench_backends.py:MscaleOnce"
+LONG_BROKEN = "tests/meta/impls/broken/bench_backends.py:MscaleOnce"
 CORRECT = ("reference-naive",)  # reference-absorbed at this row: tests/test_bench_gate.py
 
 

@@ -44,7 +44,7 @@ from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.reference import reference_attention_f64
 from mla_conformance.model.weights import MLAWeights
 
-from . import broken_backends as bb
+from .impls.broken import backends as bb
 
 pytestmark = pytest.mark.meta
 

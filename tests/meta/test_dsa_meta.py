@@ -1,4 +1,4 @@
-"""DSA as DeepSeek ships it, through the plugin as a user runs it: the backends of tests/meta/deepseek_v32_backend.py
+"""DSA as DeepSeek ships it, through the plugin as a user runs it: the backends of tests/meta/impls/independent/deepseek_v32_backend.py
 (written after DeepSeek-V3.2-Exp's inference/model.py, without the suite's reference) on the V3.2-width DSA tests.
 
 * a bf16 latent + FP8 block-128 indexer key (DeepSeek's cache, 1,284 B/token at V3.2 dims) passes the byte tests
@@ -17,7 +17,7 @@ import pytest
 from . import harness
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_dsa_meta")]  # its one run of the suite, once under -n
-SPEC = "tests/meta/deepseek_v32_backend.py"
+SPEC = "tests/meta/impls/independent/deepseek_v32_backend.py"
 
 REF, PREFIX_BF16, PREFIX_FP8, GLM = ("deepseek-v32-reference-style", "broken-dsa-v32-prefix-interleaved-bf16",
                                      "broken-dsa-v32-prefix-interleaved-fp8", "glm-style-dsa")

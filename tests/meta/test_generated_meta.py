@@ -1,6 +1,6 @@
 """The generated-case suites find the geometry classes the hand-written ones miss: each broken op of
-tests/meta/geometry_ops.py (wide support declared, wrong on one class only) and the broken backend of
-tests/meta/geometry_backends.py must be *failed* by the default run (default profile, derandomized) of its
+tests/meta/impls/kernel_style/geometry_ops.py (wide support declared, wrong on one class only) and the broken backend of
+tests/meta/impls/broken/geometry_backends.py must be *failed* by the default run (default profile, derandomized) of its
 generated test, with a shrunk case that shows the class, and the command the failure prints must replay exactly
 that case; the correct wide-declaring op and the independent backend pass every generated test. One pytest process
 through the plugin (--mla-op, --mla-backend, --mla-results): the layer matrix's (tests/meta/kill_matrix.py); then
@@ -20,7 +20,7 @@ from tests.meta.kill_matrix import layer_run
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_generated_meta")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
 SUITES = ["suites/test_op_generated.py", "suites/test_layer_generated.py"]
-OPS = ROOT / "tests" / "meta" / "geometry_ops.py"
+OPS = ROOT / "tests" / "meta" / "impls" / "kernel_style" / "geometry_ops.py"
 
 
 def _pow2(n: int) -> bool:
@@ -45,14 +45,14 @@ BROKEN = {
                      lambda c: c.batch == 33, "33 rows"),
     "topk-tail": ("--mla-op", f"{OPS}:BrokenTopkTail", "broken-topk-tail-dropped", "test_op_generated.py::test_generated_sparse",
                   lambda c: c.topk is not None and c.topk > 64 and c.topk % 64, "top-k above 64, not a multiple of 64"),
-    "zero-new-token-rows": ("--mla-backend", "tests/meta/geometry_backends.py:BrokenZeroNewTokenRows",
+    "zero-new-token-rows": ("--mla-backend", "tests/meta/impls/broken/geometry_backends.py:BrokenZeroNewTokenRows",
                             "broken-zero-new-token-rows", "test_layer_generated.py::test_generated_layer",
                             lambda c: c.batch >= 2 and c.chunk is not None and c.chunk < max(c.prefill) and c.decode >= 1,
                             "ragged rows prefilled in chunks (a row with no new tokens in a call), then decode"),
 }
 #: correct implementations: every generated test of theirs must pass
 CORRECT = {"wide-geometry-op": ("--mla-op", f"{OPS}:WideOp"),
-           "independent-absorbed": ("--mla-backend", "tests/meta/independent_backend.py:IndependentMLA")}
+           "independent-absorbed": ("--mla-backend", "tests/meta/impls/independent/backend.py:IndependentMLA")}
 
 
 def _node(test: str, name: str) -> str:

@@ -1,5 +1,5 @@
 """A user's backend written to the base layer contract only -- transformers' own DeepseekV3Attention and
-DynamicCache (tests/meta/hf_deepseek_v3_backend.py, no optional declarations) -- run through the suite as a
+DynamicCache (tests/meta/impls/independent/hf_deepseek_v3_backend.py, no optional declarations) -- run through the suite as a
 user runs it: the plugin, ``--mla-backend path/to/file.py:attr``, ``--mla-results``. It must pass; the optional
 parts it never declared skip with the sentence naming the declaration (DeepSeek Sparse Attention) or its own
 sentence (kv_codec). One pytest session in this process (torch and transformers imported once;
@@ -7,7 +7,7 @@ tests/meta/harness.py).
 
 The selection is a cheap cross-section (a few seconds on CPU): one numerics case per query path (q_lora on tiny
 and v3-mini, plain q_proj on V2-Lite dims), the byte rule, one codec and every DSA test (they skip); the full
-run is ``pytest suites --mla-backend tests/meta/hf_deepseek_v3_backend.py:HFDeepseekV3`` (62 passed, the rest
+run is ``pytest suites --mla-backend tests/meta/impls/independent/hf_deepseek_v3_backend.py:HFDeepseekV3`` (62 passed, the rest
 skipped, when it was written)."""
 
 import json
@@ -17,7 +17,7 @@ import pytest
 from . import harness
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_hf_v3_base_contract")]  # its one run, once under -n
-BACKEND = "tests/meta/hf_deepseek_v3_backend.py:HFDeepseekV3"
+BACKEND = "tests/meta/impls/independent/hf_deepseek_v3_backend.py:HFDeepseekV3"
 NAME = "hf-deepseek-v3"
 SELECTION = "dsa or float32-prefill_decode-tiny or bfloat16-varlen_batch-deepseek-v2-lite or float32-prefill-v3-mini " \
             "or 6-2-3-bfloat16-tiny or test_attention_error and int8-g32"

@@ -41,7 +41,7 @@ def test_expectation_file(tmp_path, pytester):
     code, out, err = pytest_inprocess(
         pytester, "suites/test_numerics.py", "suites/test_cache_bytes.py", "-rxXs", "-k",
         "(float64 and tiny and prefill and not decode and float32) or seed_table",
-        "--mla-backend", "tests/meta/broken_backends.py:MissingMscale", "--mla-expect", str(expect))
+        "--mla-backend", "tests/meta/impls/broken/backends.py:MissingMscale", "--mla-expect", str(expect))
     assert code == 0, out[-3000:] + err[-2000:]
     assert "1 xfailed" in out and "1 xpassed" in out
     assert "XPASS" in out and "listed but passes" in out

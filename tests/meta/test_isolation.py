@@ -1,6 +1,6 @@
 """A run that survives its backend (issue 19): crashes, hangs, CUDA faults and signals become verdicts.
 
-The backends of ``faulty_backends.py`` ``os._exit``, hang in Python or raise CUDA errors on their 2nd ``attend``
+The backends of ``impls/faulty/backends.py`` ``os._exit``, hang in Python or raise CUDA errors on their 2nd ``attend``
 of a process. They run through ``mla-conformance run -- -n 2`` on a three-test suite of their own
 (tests/meta/fault_scenarios.py ``SUITE``, written as the ``--suites`` directory): a real ``mla-conformance run``
 process (its pytest and workers are real processes that really die), started in the background when the
@@ -77,7 +77,7 @@ def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(fa
         assert len(bad) == 1 and bad[0]["outcome"] == "error", (backend, bad)
         (t,) = bad
         if backend == "hang-python":  # where: the innermost frame (os._exit leaves none)
-            assert "faulty_backends.py" in t["reason"] and "in misbehave" in t["reason"], t
+            assert "faulty/backends.py" in t["reason"] and "in misbehave" in t["reason"], t
         kind = t["fault"]["kind"]
         if backend == "exit3":
             assert kind == "crashed" and t["fault"]["exit_code"] == 3 and "exited with code 3" in t["reason"]

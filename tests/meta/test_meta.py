@@ -1,5 +1,5 @@
 """The suite testing itself: every broken backend is caught by the check named for it, and a correct
-backend written independently of the reference (tests/meta/independent_backend.py) passes."""
+backend written independently of the reference (tests/meta/impls/independent/backend.py) passes."""
 
 import re
 
@@ -11,9 +11,9 @@ from mla_conformance.checks.layer.conventions import check_yarn_rope_attention_f
 
 from mla_conformance.errors import BackendError
 
-from . import broken_caches as bc
-from .broken_backends import CAUGHT_BY, ERRORS_BY
-from .independent_backend import IndependentMLA
+from .impls.broken import caches as bc
+from .impls.broken.backends import CAUGHT_BY, ERRORS_BY
+from .impls.independent.backend import IndependentMLA
 
 pytestmark = pytest.mark.meta
 
@@ -33,7 +33,7 @@ CHECKS = {
                                                          kv_codec="int8-g32"),
 }
 
-#: broken backends of tests/meta/broken_caches.py -> (check, a phrase its failure must say)
+#: broken backends of tests/meta/impls/broken/caches.py -> (check, a phrase its failure must say)
 CACHE_BUGS = {
     bc.ExpandedUint8ClaimsLatent: ("bytes-bf16-lite", r"'pool' \(327680,\) uint8: 10,240 B/token.*the format is wrong"),
     bc.ShortAllocation: ("bytes-bf16-lite", r"room for 28 tokens.*the slot count is wrong"),
@@ -101,7 +101,7 @@ def test_independent_backend_passes(check):
 
 
 def test_nan_message_says_nan():
-    from .broken_backends import NaNOutput
+    from .impls.broken.backends import NaNOutput
 
     with pytest.raises(AssertionError, match=r"NaN at row 0, position 20, channel 3") as info:
         CHECKS["numerics-fp32-tiny-prefill_decode"](NaNOutput())
@@ -116,7 +116,7 @@ def test_nan_message_says_nan():
     ("RaisesOnDecode", r"attend\(\) raised RuntimeError: kernel launch failed"),
 ])
 def test_contract_violations_are_named(broken, message):
-    from . import broken_backends
+    from .impls.broken import backends as broken_backends
 
     check = "numerics-bf16-lite-varlen_batch" if broken == "WrongDtype" else (
         "numerics-fp32-tiny-prefill_decode" if broken == "RaisesOnDecode" else "numerics-fp32-tiny-prefill")
@@ -138,7 +138,7 @@ def test_independent_backend_generates_the_golden_tokens():
         assert [o["tokens"] for o in result["outputs"]] == [o["tokens"] for o in golden["outputs"]]
 
 
-#: broken backend (name in broken_backends) -> the check whose failure must name its likely cause, and the phrase
+#: broken backend (name in impls/broken/backends.py) -> the check whose failure must name its likely cause, and the phrase
 CAUSES = [
     ("MissingMscaleSquared", "numerics-fp32-tiny-prefill", r"likely cause: matches the reference without YaRN mscale²"),
     ("RopeLayoutMixup", "numerics-fp32-tiny-prefill", r"likely cause: matches the reference with rotate-half RoPE"),
@@ -158,7 +158,7 @@ CAUSES = [
 @pytest.mark.parametrize("broken,check,phrase", CAUSES)
 def test_failure_names_the_likely_cause(broken, check, phrase):
     """The numerics check itself (not only mla_conformance.checks.layer.diagnose) says which bug the output matches."""
-    from . import broken_backends
+    from .impls.broken import backends as broken_backends
 
     info = _fails(check, getattr(broken_backends, broken)())
     assert re.search(phrase, str(info)), str(info)
@@ -166,7 +166,7 @@ def test_failure_names_the_likely_cause(broken, check, phrase):
 
 def test_correct_failure_message_has_no_cause_for_an_unknown_bug():
     """A bug of no known class (a row reading row 0's cache) fails without a made-up cause."""
-    from .broken_backends import RowsShareCache
+    from .impls.broken.backends import RowsShareCache
 
     info = _fails("numerics-fp32-tiny-varlen_batch", RowsShareCache())
     assert "likely cause" not in str(info), str(info)

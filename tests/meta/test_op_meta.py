@@ -1,6 +1,6 @@
-"""Every op check can fail, and correct ops pass: each broken op of tests/meta/broken_ops.py must come out
+"""Every op check can fail, and correct ops pass: each broken op of tests/meta/impls/broken/ops.py must come out
 *failed* (an AssertionError verdict naming the op, not an error, a skip or a pass) in the op tests named for it;
-the ops written independently of reference-op (tests/meta/independent_op.py) pass every op test, the one that
+the ops written independently of reference-op (tests/meta/impls/independent/op.py) pass every op test, the one that
 implements only the base contract with explicit skips for what it does not declare; crashing ops are *errors*.
 All of it in one pytest process through the plugin (--mla-op, --mla-results), as a user runs it: the layer
 matrix's (tests/meta/kill_matrix.py), which keeps the op matrix's cells and its correct ops' tests of OP_SUITES."""
@@ -223,7 +223,7 @@ def _ids(out: str, kind: str) -> list[str]:
 def test_selection_by_options(pytester):
     from mla_conformance.contract.layer import DEFAULT_BACKENDS
 
-    independent = f"{ROOT / 'tests/meta/independent_op.py'}:IndependentOp"
+    independent = f"{ROOT / 'tests/meta/impls/independent/op.py'}:IndependentOp"
     code, out = _collect(pytester)  # neither option: the default backends' layer tests, the default ops' op tests
     assert code == 0 and len(_ids(out, "layer")) == len(DEFAULT_BACKENDS), out[-3000:]
     assert [line.split("[")[1] for line in _ids(out, "op")] == ["reference-op]"], out[-3000:]
@@ -242,7 +242,7 @@ def test_selection_by_options(pytester):
 @pytest.mark.parametrize("spec,message", [
     ("no-such-op", "--mla-op: op spec 'no-such-op': not a built-in op"),
     ("reference-opp", "did you mean 'reference-op'?"),
-    ("tests/meta/independent_op.py:Missing", "--mla-op: op spec 'tests/meta/independent_op.py:Missing'"),
+    ("tests/meta/impls/independent/op.py:Missing", "--mla-op: op spec 'tests/meta/impls/independent/op.py:Missing'"),
 ])
 def test_bad_op_spec_is_a_usage_error(pytester, spec, message):
     code, out = _collect(pytester, "--mla-op", spec)

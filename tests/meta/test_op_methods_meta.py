@@ -1,7 +1,7 @@
 """Every check of the op contract's optional methods can fail, and correct ops pass: each broken op of
-tests/meta/broken_op_methods.py must come out *failed* (an AssertionError verdict naming the op and the case, not
+tests/meta/impls/broken/op_methods.py must come out *failed* (an AssertionError verdict naming the op and the case, not
 an error, a skip or a pass) in the method tests named for it; the ops written independently of reference-op
-(tests/meta/independent_op_methods.py) pass every method test they have the method for, and an op with only
+(tests/meta/impls/independent/op_methods.py) pass every method test they have the method for, and an op with only
 decode (tests/meta/frozen_base_op.py, never edited) skips every one, naming the method it lacks. All of it in
 the layer matrix's pytest process (tests/meta/kill_matrix.py: the plugin, --mla-op, --mla-results, as a user runs
 it), which keeps these tables' cells and their correct ops' tests of the method suites
@@ -21,8 +21,8 @@ from .kill_matrix import METHOD_SUITE_FILES, layer_run
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_methods_meta")]
 ROOT = harness.ROOT
 SUITES = ROOT / "suites"
-BROKEN = "tests/meta/broken_op_methods.py"
-INDEPENDENT = "tests/meta/independent_op_methods.py"
+BROKEN = "tests/meta/impls/broken/op_methods.py"
+INDEPENDENT = "tests/meta/impls/independent/op_methods.py"
 FROZEN = "tests/meta/frozen_base_op.py"
 
 #: broken op -> (spec, the name it reports, the method tests (file::function[params after the op name]) that must

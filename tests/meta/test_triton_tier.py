@@ -1,7 +1,7 @@
 """The Triton interpreter tier (marker ``triton_interpret``; not in the default run: minutes, not seconds): the
 built-in ``triton`` op (mla_conformance.impl.ops.triton_mla) through the whole op suite on CPU under Triton's
 interpreter (``TRITON_INTERPRET=1``), as a user runs their own Triton kernel on a CPU-only CI host; its broken
-variants (tests/meta/broken_triton_ops.py) failed by their named tests; and a reduced layer suite through
+variants (tests/meta/impls/broken/triton_ops.py) failed by their named tests; and a reduced layer suite through
 ``--mla-backend op:triton``. Run it with ``pytest -m triton_interpret`` (``.ci/run`` does, after the README's
 test command, and prints its time); without triton installed it skips with a sentence."""
 
@@ -16,7 +16,7 @@ from . import background, harness
 pytestmark = pytest.mark.triton_interpret
 
 INTERPRET = {"TRITON_INTERPRET": "1"}
-BROKEN = "tests/meta/broken_triton_ops.py"
+BROKEN = "tests/meta/impls/broken/triton_ops.py"
 
 #: what the op suite may skip on ``triton``, each a sentence naming what the op does not have or declare
 ALLOWED_SKIPS = (

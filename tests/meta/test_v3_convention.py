@@ -8,7 +8,7 @@ import torch
 from mla_conformance import checks
 from mla_conformance.checks.layer import conventions
 
-from .v3_reference_backend import DeepSeekV3StyleMLA
+from .impls.independent.v3_reference_backend import DeepSeekV3StyleMLA
 
 pytestmark = pytest.mark.meta
 

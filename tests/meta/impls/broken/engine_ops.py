@@ -1,5 +1,5 @@
 """Broken ops modelled on the public reports of MLA kernels under engines' padded CUDA-graph batches and graph
-replays; each is a correct op of tests/meta/engine_ops.py (or reference-op) with the one bug, and each must be
+replays; each is a correct op of tests/meta/impls/kernel_style/engine_ops.py (or reference-op) with the one bug, and each must be
 *failed* by the test named for it in tests/meta/kill_matrix.py (BROKEN_OPS), the cause in the message (HINTS):
 
 * :class:`NanPaddingAtLongMaxLen` -- FlashInfer #2883 / vLLM #37815: split-KV planned by the batch's max length;
@@ -26,7 +26,8 @@ import torch
 
 from mla_conformance.impl.ops.reference import ReferenceOp
 
-from tests.meta.engine_ops import NOPE, SPLIT_KEYS, SplitByMaxLenOp, UndefinedPaddingOp, _keys, _partial, _visible
+from tests.meta.impls.kernel_style.engine_ops import (NOPE, SPLIT_KEYS, SplitByMaxLenOp, UndefinedPaddingOp, _keys,
+                                                       _partial, _visible)
 
 
 class NanPaddingAtLongMaxLen(SplitByMaxLenOp):

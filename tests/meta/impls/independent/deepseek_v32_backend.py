@@ -26,15 +26,15 @@ from typing import Optional
 import torch
 
 try:
-    from .independent_backend import _rms_norm, _rope_params, _rotate
-except ImportError:  # loaded by path (--mla-backend tests/meta/deepseek_v32_backend.py:NAME): no parent package
+    from .backend import _rms_norm, _rope_params, _rotate
+except ImportError:  # loaded by path (--mla-backend tests/meta/impls/independent/deepseek_v32_backend.py:NAME): no parent package
     import importlib.util
     import sys
     from pathlib import Path
 
     _name = "_mla_meta_independent_backend"
     if _name not in sys.modules:
-        _spec = importlib.util.spec_from_file_location(_name, Path(__file__).with_name("independent_backend.py"))
+        _spec = importlib.util.spec_from_file_location(_name, Path(__file__).with_name("backend.py"))
         sys.modules[_name] = importlib.util.module_from_spec(_spec)
         _spec.loader.exec_module(sys.modules[_name])
     _rms_norm, _rope_params, _rotate = (getattr(sys.modules[_name], n) for n in ("_rms_norm", "_rope_params", "_rotate"))

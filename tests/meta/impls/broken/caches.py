@@ -15,15 +15,15 @@ from mla_conformance.kv.caches import LatentSlotCache, PagedLatentCache, Quantiz
 from mla_conformance.kv.codecs import IntCodec
 
 try:
-    from .independent_backend import IndependentMLA, LatentCache
-except ImportError:  # loaded by path (--mla-backend tests/meta/broken_caches.py:NAME): no parent package
+    from ..independent.backend import IndependentMLA, LatentCache
+except ImportError:  # loaded by path (--mla-backend tests/meta/impls/broken/caches.py:NAME): no parent package
     import importlib.util
     import sys
     from pathlib import Path
 
     _name = "_mla_meta_independent_backend"
     if _name not in sys.modules:
-        _spec = importlib.util.spec_from_file_location(_name, Path(__file__).with_name("independent_backend.py"))
+        _spec = importlib.util.spec_from_file_location(_name, Path(__file__).parent.parent / "independent" / "backend.py")
         sys.modules[_name] = importlib.util.module_from_spec(_spec)
         _spec.loader.exec_module(sys.modules[_name])
     IndependentMLA, LatentCache = sys.modules[_name].IndependentMLA, sys.modules[_name].LatentCache

@@ -14,7 +14,7 @@ from mla_conformance.checks.strategies import parse_case
 from mla_conformance.checks.tolerances import (OP_ACC_ROUNDINGS, OP_TOLERANCES, TOLERANCES, op_acc_roundings,
                                                row_tolerance, underflow)
 
-from .kernel_ops import PRoundingFp16Op
+from .impls.kernel_style.kernel_ops import PRoundingFp16Op
 
 #: the default profile's case where a correct float16 kernel's out lies in float16's subnormal range (attn_sink
 #: scales it below 2^-14): 2.7 x the bound before the underflow term

@@ -1,10 +1,10 @@
 """A layer backend wrong on one geometry class only, for tests/meta/test_generated_meta.py: the independent
-backend (tests/meta/independent_backend.py, written without mla_conformance's reference) with one bug that the
+backend (tests/meta/impls/independent/backend.py, written without mla_conformance's reference) with one bug that the
 hand-written layer scenarios never reach and the generated ragged, chunked cases do."""
 
 from __future__ import annotations
 
-from tests.meta.independent_backend import IndependentMLA, LatentCache
+from tests.meta.impls.independent.backend import IndependentMLA, LatentCache
 
 
 class _UnguardedLastWrite(LatentCache):

@@ -1,0 +1,1 @@
+"""Correct implementations written without mla_conformance's reference; the suite must pass them."""
