@@ -21,14 +21,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", TRITON_MARKER)
 
 
+def _jobs_read(item) -> set[str]:
+    """The inner runs (tests/meta/jobs.py) an item's module reads, by its ``BACKGROUND``: {fixture: job keys}."""
+    return {key for keys in (getattr(getattr(item, "module", None), "BACKGROUND", None) or {}).values() for key in keys}
+
+
 def pytest_collection_modifyitems(config, items):
-    # The modules whose tests read a background job's result (``BACKGROUND``: tests/meta/background.py) run
-    # last, so the jobs have had the whole session to finish on the other core instead of being waited for; those
-    # of the longest job last of all.
+    # The modules whose tests read an inner run that runs in the background (``BACKGROUND``) run last, so the
+    # runs have had the whole session to finish on the other core instead of being waited for; those of the
+    # longest run last of all.
     from tests.meta.background import LONGEST
 
     def waits(item) -> tuple[bool, bool]:
-        jobs = getattr(getattr(item, "module", None), "BACKGROUND", None) or {}
+        jobs = _jobs_read(item)
         return bool(jobs), LONGEST in jobs
 
     items.sort(key=waits)
@@ -58,19 +63,14 @@ def _whole_default_run(config) -> bool:
 
 
 def pytest_sessionstart(session):
-    """In the whole default run every background job is needed: start them now, before the ~6 s of collection
-    (the other core would idle through it), from the modules that declare them (imported here, as collection
-    would import them: tests.meta.*, assertion-rewritten)."""
+    """In the whole default run every inner run is needed: start them all now (tests/meta/jobs.py), before
+    collection, on the background threads (tests/meta/background.py)."""
     if not _whole_default_run(session.config):
         return
-    import importlib
+    from tests.meta import background, jobs
 
-    from tests.meta import background
-
-    jobs = {key: fn for path in background.job_modules()
-            for key, (_, _, fn) in importlib.import_module(f"tests.meta.{path.stem}").BACKGROUND.items()}
-    for key in sorted(jobs, key=lambda k: k != background.LONGEST):
-        background.start(key, jobs[key])
+    for key in sorted(jobs.JOBS, key=lambda k: k != background.LONGEST):
+        background.start(key, jobs.JOBS[key])
     _one_thread(session.config)
 
 
@@ -83,24 +83,23 @@ def _one_thread(config) -> None:
 
 
 def pytest_collection_finish(session):
-    """Start the background jobs (tests/meta/background.py) that a selected, unskipped test needs, one at a
-    time (one core): a module declares ``BACKGROUND`` = {job: (fixture, param or None, callable)}, and a job is
-    needed by a test that uses that fixture (with that parameter). A serial session only: an xdist worker runs
-    each job in the test that needs it."""
+    """Start the inner runs a selected, unskipped test reads, on the background threads: its module's
+    ``BACKGROUND`` = {fixture: job keys of tests/meta/jobs.py} names them for the tests that use that fixture. A
+    serial session only: an xdist worker makes each run in the test that reads it (``inner_run``)."""
     if hasattr(session.config, "workerinput") or session.config.getoption("collectonly", False):
         return
-    from tests.meta import background
+    from tests.meta import background, jobs
 
     started = False
     for item in session.items:
-        jobs = getattr(getattr(item, "module", None), "BACKGROUND", None)
-        if not jobs or item.get_closest_marker("skip"):
+        declared = getattr(getattr(item, "module", None), "BACKGROUND", None)
+        if not declared or item.get_closest_marker("skip"):
             continue
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        for key, (fixture, param, fn) in jobs.items():
-            if fixture in item.fixturenames and (param is None or params.get(fixture) == param):
-                background.start(key, fn)
-                started = True
+        for fixture, keys in declared.items():
+            if fixture in item.fixturenames:
+                for key in keys:
+                    background.start(key, jobs.JOBS[key])
+                    started = True
     if started:
         _one_thread(session.config)
 
@@ -119,6 +118,18 @@ def suite_runs(request, tmp_path_factory):
 
     worker = hasattr(request.config, "workerinput")
     return SuiteRuns(tmp_path_factory.getbasetemp().parent / "mla-suite-runs" if worker else None)
+
+
+@pytest.fixture(scope="session")
+def inner_run(suite_runs):
+    """``inner_run(key)``: the result of the inner run ``tests/meta/jobs.py``'s ``JOBS[key]`` (a real
+    ``mla-conformance`` or pytest process, or several), made once per session and shared by the xdist workers:
+    by a background thread when the session started it there (a module's ``BACKGROUND`` names the runs its
+    fixtures read), else now, by the first test that asks. The one way a meta test reads a run of the suite in
+    other processes; ``suite_run`` below is the in-process one (pytester)."""
+    from tests.meta import background, jobs
+
+    return lambda key: suite_runs.get(key, lambda: background.result(key, jobs.JOBS[key]))
 
 
 @pytest.fixture

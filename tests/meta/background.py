@@ -1,11 +1,12 @@
-"""Inner runs that mostly wait on other processes, started as soon as the session has collected them.
+"""The threads the inner runs of tests/meta/jobs.py run on, so that they take the core a serial session leaves idle.
 
-A serial ``pytest`` keeps one core busy (torch runs one thread per process, ``--mla-threads``); the isolation
-scenarios spend their time in subprocesses that start workers, crash, hang and time out. Started on two threads
-when the session starts or collection ends (tests/conftest.py), at a lower priority, they run on the other core while
-the rest of the session goes on; the
-tests that need them wait for their result. Jobs never call pytest in this process (pytest is not
-thread-safe): they drive subprocesses only. Under xdist, or when a test asks first, a job runs in the test.
+A serial ``pytest`` keeps one core busy (torch runs one thread per process, ``--mla-threads``); the inner runs
+spend their time in subprocesses (the kill matrix's pytest, workers that start, crash, hang and time out). The
+whole default run starts every job when the session starts, a selection those its tests read when collection
+ends (tests/conftest.py); on two threads, at a lower priority, they run while the rest of the session goes on,
+and the tests read their results through the ``inner_run`` fixture. Jobs never call pytest in this process
+(pytest is not thread-safe): they drive subprocesses only. Under xdist, or when a test asks first, a job runs in
+the test.
 """
 
 from __future__ import annotations
@@ -53,12 +54,6 @@ def env(**extra: str) -> dict[str, str]:
     """The session's starting environment (less :data:`NO_BYTECODE`) plus ``extra``: what a job's subprocess
     gets."""
     return {**{k: v for k, v in _ENV.items() if k != NO_BYTECODE}, **extra}
-
-
-def job_modules() -> list[Path]:
-    """The tests/meta modules that declare ``BACKGROUND`` jobs (their text is read: nothing is imported)."""
-    here = Path(__file__).resolve().parent
-    return sorted(p for p in here.glob("test_*.py") if "\nBACKGROUND = " in p.read_text(encoding="utf-8"))
 
 
 def scratch(prefix: str) -> Path:

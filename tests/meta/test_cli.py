@@ -9,8 +9,6 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from mla_conformance.report.build import build_report
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.perf import bench
 from mla_conformance.cli import main
-from tests.meta import background
+from tests.meta.jobs import NODEID
 
 pytestmark = pytest.mark.meta
 
@@ -435,28 +433,13 @@ def test_domain_modules_import_nothing_from_cli():
 # --------------------------------------------------------------------------- test: the checkout's ids
 
 
-NODEID = "suites/test_cache_bytes.py::test_bytes_formula[reference-absorbed-1-0-1-float32-tiny]"
-
-
-def _test_command_run():
-    """`mla-conformance test --backend reference-absorbed -- <a checkout id> -v`, typed in another directory: the
-    console script, a real process: (its directory, exit code, output, what it left in the directory)."""
-    tmp = background.scratch("mla-test-command-")
-    script = Path(sys.executable).parent / "mla-conformance"
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "mla_conformance.cli"]
-    proc = subprocess.run([*cmd, "test", "--backend", "reference-absorbed", "--", NODEID, "-v"], cwd=tmp,
-                          capture_output=True, text=True, timeout=300, env=background.env())
-    return tmp, proc.returncode, proc.stdout + proc.stderr, sorted(p.name for p in tmp.iterdir())
-
-
-#: started when the session has collected this module (tests/meta/background.py): it runs on the core the
-#: serial session leaves idle
-BACKGROUND = {"test-command": ("command_run", None, _test_command_run)}
+#: the inner runs this module's fixtures read, started on the background threads (tests/conftest.py, tests/meta/jobs.py)
+BACKGROUND = {"command_run": ("test-command",)}
 
 
 @pytest.fixture(scope="module")
-def command_run(suite_runs):
-    return suite_runs.get("test-command", lambda: background.result("test-command", _test_command_run))
+def command_run(inner_run):
+    return inner_run("test-command")
 
 
 def test_test_command_takes_and_prints_checkout_ids(command_run):

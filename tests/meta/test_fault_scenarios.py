@@ -6,30 +6,20 @@ and no process left. Each is a real process started in the background when the s
 module (tests/meta/background.py): it runs on the core the session leaves idle, under the load of the session's
 own tests. ``python -m tests.meta.fault_scenarios --repeat 10 --load`` runs every scenario over and over."""
 
-import concurrent.futures
-
 import pytest
 
-from . import background
-from .fault_scenarios import DEFAULT, check, run_scenario
+from .fault_scenarios import DEFAULT, check
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_fault_scenarios")]
 
 
-def run_default() -> dict:
-    """Every scenario of :data:`DEFAULT`, three at a time: most of a scenario's time is a wait (a stall bound, a
-    hang's timeout, xdist restarting a worker), so together they take little more than their CPU time."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fault-scenario") as pool:
-        return dict(zip(DEFAULT, pool.map(run_scenario, DEFAULT)))
-
-
-#: started when the session has collected this module (tests/meta/background.py)
-BACKGROUND = {"fault-scenarios": ("fault_run", None, run_default)}
+#: the inner run this module's fixture reads, started on a background thread (tests/conftest.py, tests/meta/jobs.py)
+BACKGROUND = {"fault_run": ("fault-scenarios",)}
 
 
 @pytest.fixture(scope="module", params=DEFAULT)
-def fault_run(request, suite_runs):
-    runs = suite_runs.get("fault-scenarios", lambda: background.result("fault-scenarios", run_default))
+def fault_run(request, inner_run):
+    runs = inner_run("fault-scenarios")
     return request.param, runs[request.param]
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.checks.strategies import parse_case
-from tests.meta import background, harness
-from tests.meta.kill_matrix import layer_run
+from tests.meta import harness
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_generated_meta")]  # module fixtures run once under -n
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -63,15 +62,15 @@ CELLS = {key: _node(test, name) for key, (_, _, name, test, _, _) in BROKEN.item
 
 
 @pytest.fixture
-def run(suite_runs) -> harness.SuiteRun:
+def run(inner_run) -> harness.SuiteRun:
     """The default-profile run of both generated suites with every implementation of the tables: each broken one's
     cell and every generated test of the correct ones, in the layer matrix's background process
     (tests/meta/kill_matrix.py's layer_run), started when the session has collected this module."""
-    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run))
+    return inner_run("kill-matrix")
 
 
 #: the layer matrix's job (tests/meta/background.py): this module's run is part of it
-BACKGROUND = {"kill-matrix": ("run", None, layer_run)}
+BACKGROUND = {"run": ("kill-matrix",)}
 
 
 @pytest.mark.parametrize("key", list(BROKEN))

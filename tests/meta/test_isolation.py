@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,41 +21,18 @@ from mla_conformance.report import run as R
 from mla_conformance.pytest_plugin import isolation
 from mla_conformance.cli import main
 
-from . import background
-from .fault_scenarios import LEAN, backend_args, write_suite
+from .jobs import SCENARIOS
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_isolation")]  # module fixtures run once under -n
 
-SCENARIOS = {  # mode -> (pytest args, backends); run's default (-n 1) and serial runs: tests/meta/fault_scenarios.py
-    "n2": (["-n", "2"], ("Good", "Exit", "PythonHang", "CudaIllegalAccess", "CudaOOM")),
-}
 
-
-def _faulty_run(mode: str):
-    """`mla-conformance run` (a real process: its pytest and workers are real processes that really die) on the
-    faulty backends of one scenario: (mode, rc, conformance.json, conformance.md)."""
-    extra, classes = SCENARIOS[mode]
-    tmp = background.scratch(f"mla-faulty-{mode}-")
-    suite, out = write_suite(tmp), tmp / "out"
-    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
-                           str(out), "--name", "host", "--timeout", "0.5", *backend_args(*classes), "--", "-q",
-                           "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120, env=background.env())
-    if not (out / "conformance.json").is_file():
-        raise AssertionError(f"{mode}: no report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return mode, proc.returncode, json.loads((out / "conformance.json").read_text()), \
-        (out / "conformance.md").read_text()
-
-
-#: started when the session has collected this module (tests/meta/background.py): they run on the core the
-#: serial session leaves idle
-BACKGROUND = {**{f"faulty-{mode}": ("faulty_run", mode, lambda mode=mode: _faulty_run(mode)) for mode in SCENARIOS},
-              "sigterm": ("sigterm_run", None, lambda: _sigterm_run())}
+#: the inner runs this module's fixtures read, started on the background threads (tests/conftest.py, tests/meta/jobs.py)
+BACKGROUND = {"faulty_run": tuple(f"faulty-{mode}" for mode in SCENARIOS), "sigterm_run": ("sigterm",)}
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))
-def faulty_run(request, suite_runs):
-    key = f"faulty-{request.param}"
-    return suite_runs.get(key, lambda: background.result(key, lambda: _faulty_run(request.param)))
+def faulty_run(request, inner_run):
+    return inner_run(f"faulty-{request.param}")
 
 
 def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(faulty_run):
@@ -101,46 +75,9 @@ def test_a_sticky_cuda_error_replaces_the_worker(faulty_run):
 # --------------------------------------------------------------------------- signals
 
 
-def _sigterm_run() -> dict:
-    """kill -TERM on a running `mla-conformance run` (a real one: the signal must reach `run`) once its hanging
-    test has started; what the test then looks at."""
-    tmp_path = background.scratch("mla-sigterm-")
-    suite, out = write_suite(tmp_path), tmp_path / "out"
-    out.mkdir()
-    (out / "conformance.json").write_text("previous\n")
-    (out / outdir.MARKER).write_text(json.dumps({"tool": "mla-conformance", "kind": "report",
-                                            "files": ["conformance.json"]}))
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    env = background.env(TMPDIR=str(tmpdir))
-    proc = subprocess.Popen([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
-                             str(out), "--timeout", "60", *backend_args("PythonHang"), "--", "-q",
-                             "--mla-device", "cpu", *LEAN],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    hung = "test_attend[hang-python-2]"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the hanging test has started (the journal says so)
-        journals = list(tmpdir.glob("mla-conformance-run-*/results.json.journal"))
-        if journals and f'"start": "suite/test_cache_bytes.py::{hung}"' in journals[0].read_text():
-            break
-        time.sleep(0.05)
-    else:
-        proc.kill()
-        return {"started": False, "stderr": proc.communicate()[1][-2000:]}
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=30)
-    partial = R.partial_results_path(out)  # read here: under xdist another worker may read this result
-    return {"started": True, "returncode": proc.returncode, "stderr": stderr, "hung": hung, "partial_path": partial,
-            "partial": partial.read_text() if partial.is_file() else None,
-            "before": before, "after": {p.name: p.read_bytes() for p in out.iterdir()},
-            "tmp_left": [p.name for p in tmpdir.iterdir() if p.name != f"pytest-of-{_user()}"],
-            "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, str(suite))]}
-
-
 @pytest.fixture(scope="module")
-def sigterm_run(suite_runs) -> dict:
-    return suite_runs.get("sigterm", lambda: background.result("sigterm", _sigterm_run))
+def sigterm_run(inner_run) -> dict:
+    return inner_run("sigterm")
 
 
 def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm_run):
@@ -158,19 +95,6 @@ def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm
     assert got["after"] == got["before"], "the previous report is untouched"
     assert not got["tmp_left"], f"temporary files left: {got['tmp_left']}"  # pytest's own basetemp may stay
     assert not got["procs_left"], "processes of the run left behind"
-
-
-def _user() -> str:
-    import getpass
-
-    return getpass.getuser()
-
-
-def _cmdline_has(proc: Path, text: str) -> bool:
-    try:
-        return text in (proc / "cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------------------- the pieces, in process

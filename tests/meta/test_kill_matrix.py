@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from . import background, harness
+from . import harness
 from .kill_matrix import (BROKEN, CORRECT, CORRECT_TESTS, ELSEWHERE, ERROR_CELLS, EXEMPT, KILL_MATRIX, LAYER_HINTS,
-                          correct_node_ids, layer_run, node_ids)
+                          correct_node_ids, node_ids)
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_kill_matrix")]  # its one run of the suite, once under -n
 ROOT = harness.ROOT
@@ -37,12 +37,12 @@ def conformance_tests() -> set[str]:
 
 #: started when the session has collected this module, on the core the serial session leaves idle
 #: (tests/meta/background.py); tests/meta/test_readme_template.py reads the same run
-BACKGROUND = {"kill-matrix": ("run", None, layer_run)}
+BACKGROUND = {"run": ("kill-matrix",)}
 
 
 @pytest.fixture(scope="module")
-def run(suite_runs) -> harness.SuiteRun:
-    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run))
+def run(inner_run) -> harness.SuiteRun:
+    return inner_run("kill-matrix")
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import ast
 
 import pytest
 
-from . import background, harness
+from . import harness
 from .kill_matrix import (BROKEN_OPS, CORRECT_OPS, ERROR_OPS, ERROR_TEXT, FROZEN, HINTS, OP_CELLS, OP_ERRORS, OP_SUITES,
-                          README_NAMES, SKIPS, layer_run)
+                          README_NAMES, SKIPS)
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_meta")]  # its one run of the suite, once under -n
 ROOT = harness.ROOT
@@ -32,12 +32,12 @@ def op_tests() -> set[str]:
 
 #: the op matrix runs in the layer matrix's background process (tests/meta/kill_matrix.py's layer_run: one
 #: process start-up, one set of session caches), started when the session has collected this module
-BACKGROUND = {"kill-matrix": ("run", None, layer_run)}
+BACKGROUND = {"run": ("kill-matrix",)}
 
 
 @pytest.fixture
-def run(suite_runs) -> harness.SuiteRun:
-    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run))
+def run(inner_run) -> harness.SuiteRun:
+    return inner_run("kill-matrix")
 
 
 def test_every_op_test_is_failed_by_a_broken_op():

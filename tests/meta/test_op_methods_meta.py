@@ -15,8 +15,8 @@ from mla_conformance.checks.op.methods import METHOD_SUITES
 from mla_conformance.contract.methods import METHOD_SPECS
 from mla_conformance.contract.op import METHOD_DECLARATIONS, SIGNATURES
 
-from . import background, harness
-from .kill_matrix import METHOD_SUITE_FILES, layer_run
+from . import harness
+from .kill_matrix import METHOD_SUITE_FILES
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_methods_meta")]
 ROOT = harness.ROOT
@@ -166,12 +166,12 @@ def method_tests() -> set[str]:
 #: the op methods' matrix runs in the layer matrix's background process (tests/meta/kill_matrix.py's layer_run keeps
 #: these tables' cells and correct ops' method suites: one process start-up, one set of session caches), started
 #: when the session has collected this module
-BACKGROUND = {"kill-matrix": ("run", None, layer_run)}
+BACKGROUND = {"run": ("kill-matrix",)}
 
 
 @pytest.fixture
-def run(suite_runs) -> harness.SuiteRun:
-    return suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run)).only(METHOD_SUITE_FILES)
+def run(inner_run) -> harness.SuiteRun:
+    return inner_run("kill-matrix").only(METHOD_SUITE_FILES)
 
 
 def test_every_method_test_is_failed_by_a_broken_op():

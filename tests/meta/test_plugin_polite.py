@@ -6,61 +6,22 @@ the summary section) is imported or printed for it. A run of the shipped suites 
 nothing into that directory. Skips are listed once; a figure the report's schema does not declare is refused."""
 
 import json
-import subprocess
-import sys
 import tomllib
 
 import pytest
 
-from . import background, harness
+from . import harness
 
 pytestmark = pytest.mark.meta
 
-FOREIGN_TESTS = '''
-import pytest
 
-
-@pytest.fixture(params=[1, 2])
-def backend(request):
-    return request.param
-
-
-def test_backend(backend):
-    assert backend in (1, 2)
-
-
-@pytest.mark.benchmark
-def test_their_benchmark():
-    assert True
-'''
-
-RUN = '''
-import sys
-import pytest
-
-code = pytest.main(["-p", "no:cacheprovider", "-rA"])
-print(f"POLITE exit={int(code)} torch={'torch' in sys.modules} "
-      f"plugin={'mla_conformance.pytest_plugin' in sys.modules}")
-'''
-
-
-def _foreign_run() -> tuple[int, str]:
-    """The foreign project run in a fresh interpreter (torch must not be imported there): (exit code, output)."""
-    project = background.scratch("mla-foreign-")
-    (project / "test_foreign.py").write_text(FOREIGN_TESTS, encoding="utf-8")
-    (project / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")  # its own rootdir and configuration
-    proc = subprocess.run([sys.executable, "-c", RUN], cwd=project, capture_output=True, text=True, timeout=120, env=background.env())
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-#: started when the session has collected this module, on the core the serial session leaves idle
-#: (tests/meta/background.py)
-BACKGROUND = {"foreign-project": ("foreign_run", None, _foreign_run)}
+#: the inner run this module's fixture reads, started on a background thread (tests/conftest.py, tests/meta/jobs.py)
+BACKGROUND = {"foreign_run": ("foreign-project",)}
 
 
 @pytest.fixture(scope="module")
-def foreign_run(suite_runs) -> tuple[int, str]:
-    return suite_runs.get("foreign-project", lambda: background.result("foreign-project", _foreign_run))
+def foreign_run(inner_run) -> tuple[int, str]:
+    return inner_run("foreign-project")
 
 
 def test_foreign_project_with_its_own_backend_fixture(foreign_run):

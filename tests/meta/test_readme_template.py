@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from . import background, harness
-from .kill_matrix import (FAILURE_TEST, MUTANT_TEST, OP_SECTION, README, README_BACKEND, README_NAMES, layer_run,
+from . import harness
+from .kill_matrix import (FAILURE_TEST, MUTANT_TEST, OP_SECTION, README, README_BACKEND, README_NAMES,
                           readme_block)
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_readme_template")]  # module fixtures once under -n
@@ -31,14 +31,14 @@ ROOT = harness.ROOT
 MAX_LINES = 200
 
 #: the kill matrix's run, started when the session has collected this module (once: one key with test_kill_matrix)
-BACKGROUND = {"kill-matrix": ("readme_run", None, layer_run)}
+BACKGROUND = {"readme_run": ("kill-matrix",)}
 
 
 @pytest.fixture(scope="module")
-def readme_run(suite_runs) -> dict:
+def readme_run(inner_run) -> dict:
     """The README blocks' tests of the kill matrix's run; its failing variant's failure line, said with the
     README backend's name (the only word the session's unique name changes)."""
-    run = suite_runs.get("kill-matrix", lambda: background.result("kill-matrix", layer_run))
+    run = inner_run("kill-matrix")
     names = {README_NAMES["backend"], README_NAMES["op"]}
     failure = run.printed_failure(MUTANT_TEST)
     prefix = f"E   AssertionError: {README_NAMES['mutant']} "

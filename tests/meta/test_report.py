@@ -7,8 +7,6 @@ shared by the tests that need a real run: byte-identical conformance.json and .m
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +17,12 @@ from mla_conformance.report.markdown import render_markdown
 from mla_conformance.report.merge import MATRIX_SCHEMA_VERSION, merge_reports
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.report.plots import write_plots
-from mla_conformance.resources import suites_dir
 
-from . import background
+from .jobs import run_args
 
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_report")]  # module fixtures run once under -n
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBSET = "seed_table or seed_figures or (test_against_float64 and tiny and float32 and prefill and not decode)"
 ENV = {"suite_version": "0", "python": "3", "torch": "2", "transformers": "5", "platform": "p", "machine": "m",
        "device": "cpu", "device_name": "x", "capability": None, "cuda": None}
 
@@ -260,7 +256,6 @@ def test_rope_convention_in_the_report_and_the_terminal_summary():
     assert rope_conventions(tr) == {"v2": "transformers", "v3": "deepseek-v3"}
 
 
-
 def test_floats_rounded_and_report_deterministic():
     a = build_report(results(), name="h", env=ENV)
     res = results()
@@ -450,19 +445,6 @@ def test_merge_rejects_non_reports(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- one real run, twice
 
-#: A small run that reaches every kind of report row: the V2-Lite cache probe (bytes table, the naive /
-#: absorbed ratio, plots) and one numerics row per layer backend, and reference-op in two op sections.
-SUBSET = ("seed_table or (test_against_float64 and tiny and float32 and prefill and not decode) "
-          "or (test_out_lse_vs_oracle and float32) or test_deterministic")
-#: The suite modules SUBSET draws from; the others are not collected (all of them: a second more per process).
-SUBSET_FILES = ("test_cache_bytes.py", "test_numerics.py", "test_op_numerics.py")
-
-
-def _run_args(out: Path, *mode: str) -> list[str]:
-    ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
-    return ["run", "--out", str(out), "--name", "host", "--backend", "reference-naive", "--backend",
-            "reference-absorbed", "--op", "reference-op", "--", "-q", *mode, "-k", SUBSET, *ignore]
-
 
 def _plain_run(pytester):
     """`mla-conformance run` on SUBSET into a/, plain (``-p no:xdist``). The pytest command `run` builds is run in
@@ -482,32 +464,20 @@ def _plain_run(pytester):
     tmp.mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(report_run, "_run_pytest", pytest_here)
-        rc = main(_run_args(tmp / "a", "-p", "no:xdist"))
+        rc = main(run_args(tmp / "a", "-p", "no:xdist"))
     return tmp, tmp / "a", rc
 
 
-def _xdist_run():
-    """The same run into b/ with `-n 2` (two worker processes, one torch thread each, their results handed to the
-    controller): the real `mla-conformance run` process, started in the background when the session has collected
-    this module (tests/meta/background.py). Returns (its dir, b/, exit code, output)."""
-    tmp = background.scratch("mla-report-xdist-")
-    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", *_run_args(tmp / "b", "-n", "2")],
-                          cwd=tmp, capture_output=True, text=True, timeout=300, env=background.env())
-    return tmp, tmp / "b", proc.returncode, proc.stdout + proc.stderr
-
-
-#: started when the session has collected this module (tests/meta/background.py), on the core the serial
-#: session leaves idle
-BACKGROUND = {"report-xdist": ("two_runs", None, _xdist_run)}
+#: the inner run this module's fixture reads, started on a background thread (tests/conftest.py, tests/meta/jobs.py)
+BACKGROUND = {"two_runs": ("report-xdist",)}
 
 
 @pytest.fixture
-def two_runs(suite_run, suite_runs):
+def two_runs(suite_run, inner_run):
     """The two runs, made once per session by the first test that asks (tests/conftest.py's suite_run): (the plain
     run's tmp dir, [a/, b/], [exit codes])."""
     tmp, a, rc_a = suite_run("test_report-plain-run", _plain_run)
-    btmp, b, rc_b, output = suite_runs.get("test_report-xdist-run",
-                                           lambda: background.result("report-xdist", _xdist_run))
+    btmp, b, rc_b, output = inner_run("report-xdist")
     assert rc_b == 0, f"the -n 2 run exited {rc_b}:\n{output[-3000:]}"
     assert not [p for p in btmp.iterdir() if p.name.startswith(".")], "temporary directories left behind (-n 2)"
     return tmp, [a, b], [rc_a, rc_b]

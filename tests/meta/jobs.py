@@ -1,0 +1,194 @@
+"""The inner runs the meta tests read, one function each (:data:`JOBS`, by key), and what they share with the tests
+that read them. A test gets a run's result through the ``inner_run`` fixture (tests/conftest.py): ``inner_run(key)``
+returns ``JOBS[key]()``'s result, made once per session (shared by xdist workers) -- by the background thread if the
+session started it there (tests/meta/background.py), else by the first test that asks.
+
+Every job drives subprocesses only (pytest is not thread-safe, so none calls pytest in this process), writes under
+``background.scratch`` directories and gives its processes ``background.env()``: it may run on a background thread.
+The one in-process inner run (pytester: tests/meta/test_report.py's plain run) is not a job.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mla_conformance.report import outdir
+from mla_conformance.report import run as R
+from mla_conformance.resources import suites_dir
+
+from . import background
+from .fault_scenarios import LEAN, backend_args, run_default, write_suite
+from .kill_matrix import layer_run
+
+# --------------------------------------------------------------------------- the console script (test_cli.py)
+
+NODEID = "suites/test_cache_bytes.py::test_bytes_formula[reference-absorbed-1-0-1-float32-tiny]"
+
+
+def test_command_run():
+    """`mla-conformance test --backend reference-absorbed -- <a checkout id> -v`, typed in another directory: the
+    console script, a real process: (its directory, exit code, output, what it left in the directory)."""
+    tmp = background.scratch("mla-test-command-")
+    script = Path(sys.executable).parent / "mla-conformance"
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "mla_conformance.cli"]
+    proc = subprocess.run([*cmd, "test", "--backend", "reference-absorbed", "--", NODEID, "-v"], cwd=tmp,
+                          capture_output=True, text=True, timeout=300, env=background.env())
+    return tmp, proc.returncode, proc.stdout + proc.stderr, sorted(p.name for p in tmp.iterdir())
+
+
+# --------------------------------------------------------------------------- crashes and signals (test_isolation.py)
+
+SCENARIOS = {  # mode -> (pytest args, backends); run's default (-n 1) and serial runs: tests/meta/fault_scenarios.py
+    "n2": (["-n", "2"], ("Good", "Exit", "PythonHang", "CudaIllegalAccess", "CudaOOM")),
+}
+
+
+def faulty_run(mode: str):
+    """`mla-conformance run` (a real process: its pytest and workers are real processes that really die) on the
+    faulty backends of one scenario: (mode, rc, conformance.json, conformance.md)."""
+    extra, classes = SCENARIOS[mode]
+    tmp = background.scratch(f"mla-faulty-{mode}-")
+    suite, out = write_suite(tmp), tmp / "out"
+    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
+                           str(out), "--name", "host", "--timeout", "0.5", *backend_args(*classes), "--", "-q",
+                           "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120, env=background.env())
+    if not (out / "conformance.json").is_file():
+        raise AssertionError(f"{mode}: no report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return mode, proc.returncode, json.loads((out / "conformance.json").read_text()), \
+        (out / "conformance.md").read_text()
+
+
+def sigterm_run() -> dict:
+    """kill -TERM on a running `mla-conformance run` (a real one: the signal must reach `run`) once its hanging
+    test has started; what the test then looks at."""
+    tmp_path = background.scratch("mla-sigterm-")
+    suite, out = write_suite(tmp_path), tmp_path / "out"
+    out.mkdir()
+    (out / "conformance.json").write_text("previous\n")
+    (out / outdir.MARKER).write_text(json.dumps({"tool": "mla-conformance", "kind": "report",
+                                            "files": ["conformance.json"]}))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = background.env(TMPDIR=str(tmpdir))
+    proc = subprocess.Popen([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
+                             str(out), "--timeout", "60", *backend_args("PythonHang"), "--", "-q",
+                             "--mla-device", "cpu", *LEAN],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hung = "test_attend[hang-python-2]"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the hanging test has started (the journal says so)
+        journals = list(tmpdir.glob("mla-conformance-run-*/results.json.journal"))
+        if journals and f'"start": "suite/test_cache_bytes.py::{hung}"' in journals[0].read_text():
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        return {"started": False, "stderr": proc.communicate()[1][-2000:]}
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    partial = R.partial_results_path(out)  # read here: under xdist another worker may read this result
+    return {"started": True, "returncode": proc.returncode, "stderr": stderr, "hung": hung, "partial_path": partial,
+            "partial": partial.read_text() if partial.is_file() else None,
+            "before": before, "after": {p.name: p.read_bytes() for p in out.iterdir()},
+            "tmp_left": [p.name for p in tmpdir.iterdir() if p.name != f"pytest-of-{user()}"],
+            "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and cmdline_has(p, str(suite))]}
+
+
+def user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+def cmdline_has(proc: Path, text: str) -> bool:
+    try:
+        return text in (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- a foreign project (test_plugin_polite.py)
+
+FOREIGN_TESTS = '''
+import pytest
+
+
+@pytest.fixture(params=[1, 2])
+def backend(request):
+    return request.param
+
+
+def test_backend(backend):
+    assert backend in (1, 2)
+
+
+@pytest.mark.benchmark
+def test_their_benchmark():
+    assert True
+'''
+
+RUN = '''
+import sys
+import pytest
+
+code = pytest.main(["-p", "no:cacheprovider", "-rA"])
+print(f"POLITE exit={int(code)} torch={'torch' in sys.modules} "
+      f"plugin={'mla_conformance.pytest_plugin' in sys.modules}")
+'''
+
+
+def foreign_run() -> tuple[int, str]:
+    """The foreign project run in a fresh interpreter (torch must not be imported there): (exit code, output)."""
+    project = background.scratch("mla-foreign-")
+    (project / "test_foreign.py").write_text(FOREIGN_TESTS, encoding="utf-8")
+    (project / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")  # its own rootdir and configuration
+    proc = subprocess.run([sys.executable, "-c", RUN], cwd=project, capture_output=True, text=True, timeout=120, env=background.env())
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- the report under xdist (test_report.py)
+
+#: A small run that reaches every kind of report row: the V2-Lite cache probe (bytes table, the naive /
+#: absorbed ratio, plots) and one numerics row per layer backend, and reference-op in two op sections.
+SUBSET = ("seed_table or (test_against_float64 and tiny and float32 and prefill and not decode) "
+          "or (test_out_lse_vs_oracle and float32) or test_deterministic")
+
+#: The suite modules SUBSET draws from; the others are not collected (all of them: a second more per process).
+SUBSET_FILES = ("test_cache_bytes.py", "test_numerics.py", "test_op_numerics.py")
+
+
+def run_args(out: Path, *mode: str) -> list[str]:
+    ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
+    return ["run", "--out", str(out), "--name", "host", "--backend", "reference-naive", "--backend",
+            "reference-absorbed", "--op", "reference-op", "--", "-q", *mode, "-k", SUBSET, *ignore]
+
+
+def xdist_run():
+    """The same run into b/ with `-n 2` (two worker processes, one torch thread each, their results handed to the
+    controller): the real `mla-conformance run` process, a job (:data:`JOBS`). Returns (its dir, b/, exit code, output)."""
+    tmp = background.scratch("mla-report-xdist-")
+    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", *run_args(tmp / "b", "-n", "2")],
+                          cwd=tmp, capture_output=True, text=True, timeout=300, env=background.env())
+    return tmp, tmp / "b", proc.returncode, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- the jobs
+
+#: key -> the job. The kill matrix (tests/meta/kill_matrix.py: every broken and correct backend and op through
+#: the suite, one process) is read by test_kill_matrix, test_op_meta, test_op_methods_meta, test_generated_meta and
+#: test_readme_template; the fault scenarios (tests/meta/fault_scenarios.py) by test_fault_scenarios.
+JOBS = {
+    "kill-matrix": layer_run,
+    "fault-scenarios": run_default,
+    "test-command": test_command_run,
+    **{f"faulty-{mode}": (lambda mode=mode: faulty_run(mode)) for mode in SCENARIOS},
+    "sigterm": sigterm_run,
+    "foreign-project": foreign_run,
+    "report-xdist": xdist_run,
+}
