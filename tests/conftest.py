@@ -1,7 +1,16 @@
-"""tests/ holds the tool's own tests (codec math, paging internals, the support matrix, the CLI and reports,
-and tests/meta: the suite testing itself with its broken and independent backends). They choose their own
-backends and ops, so with ``--mla-backend`` or ``--mla-op`` (a verdict on *your* backend or op, from suites/)
-they are skipped, not run against it."""
+"""tests/ holds the tool's own tests. They choose their own backends and ops, so with ``--mla-backend`` or
+``--mla-op`` (a verdict on *your* backend or op, from suites/) they are skipped, not run against it.
+
+* ``tests/test_*.py`` -- the tool's parts: codec math, paging internals, the support matrix, the oracles, the
+  layout of the package (tests/layers.py: which package may import which);
+* ``tests/meta/test_*.py`` -- the suite testing itself: broken implementations must fail their named test,
+  independent correct ones must pass, crashes and hangs must end as verdicts;
+* ``tests/meta/impls/`` -- the implementations those tests run the suite against, a folder per kind (broken,
+  independent, kernel_style, faulty); the frozen base backend and op stay in tests/meta, never edited;
+* inner runs of the suite: ``inner_run(key)`` (below) for the runs in other processes (tests/meta/jobs.py, on
+  background threads: tests/meta/background.py), ``suite_run(key, build)`` for the in-process ones
+  (tests/meta/harness.py, pytester).
+"""
 
 from pathlib import Path
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,49 @@ def test_function_local_imports_of_the_package_say_why():
                     and not lines[node.lineno - 2].strip().startswith("#"):
                 silent.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     assert not silent, "function-local imports without a reason:\n" + "\n".join(sorted(set(silent)))
+
+
+#: suffixes of build outputs and binaries: never in the tree (.gitignore keeps them out of `git add`)
+BUILD_OUTPUTS = (".whl", ".tar.gz", ".egg", ".so", ".o", ".pyc", ".pyd", ".dll", ".dylib", ".exe")
+#: the binary files the tree holds on purpose: the embedded models' real safetensors checkpoints
+BINARIES_ALLOWED = ("fixtures/models/",)
+
+
+def _tracked(root: Path) -> list[str]:
+    proc = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"not a git checkout ({root}): the tracked files cannot be listed")
+    return [p for p in proc.stdout.decode().split("\0") if p]
+
+
+def stray_binaries(root: Path) -> list[str]:
+    """Tracked build outputs, build directories and binary files (a NUL byte in the first 8 KiB) outside
+    BINARIES_ALLOWED."""
+    bad = []
+    for rel in _tracked(root):
+        path = root / rel
+        if rel.endswith(BUILD_OUTPUTS) or any(part in ("build", "dist") or part.endswith(".egg-info")
+                                               for part in Path(rel).parts[:-1]):
+            bad.append(f"{rel} (a build output)")
+        elif not rel.startswith(BINARIES_ALLOWED) and path.is_file() and b"\0" in path.read_bytes()[:8192]:
+            bad.append(f"{rel} (a binary file)")
+    return bad
+
+
+def test_no_build_outputs_or_binaries_tracked():
+    bad = stray_binaries(ROOT)
+    assert not bad, f"tracked files that are build outputs or binaries (remove them; .gitignore lists the kinds): {bad}"
+
+
+def test_a_committed_wheel_is_found(tmp_path):
+    """The check fails on what it exists for: a wheel committed at the root (as pyflakes-4.1.0-py2.py3-none-any.whl
+    was), and a binary file elsewhere than the fixtures."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    (tmp_path / "pkg-1.0-py3-none-any.whl").write_bytes(b"PK\x03\x04")
+    (tmp_path / "blob.dat").write_bytes(b"\x00\x01")
+    (tmp_path / "fixtures" / "models").mkdir(parents=True)
+    (tmp_path / "fixtures" / "models" / "m.safetensors").write_bytes(b"\x00\x01")
+    git("add", "-f", ".")
+    assert stray_binaries(tmp_path) == ["blob.dat (a binary file)", "pkg-1.0-py3-none-any.whl (a build output)"]
