@@ -52,10 +52,10 @@ def _attend(q, k, v, scale, sink=None):
 
 def decode(q, keys, block_table, cache_seqlens, *, page, softmax_scale, causal, indices=None, topk_length=None,
            attn_sink=None, head_dim_v=None, magnitudes=False, align="bottom-right"):
-    """The op contract's decode computed in float64, row by row, over ``keys`` [num_blocks * page, d_qk]: the
-    paged cache's rows decoded to float64, flat slot = block * page + offset: (out [B, s_q, h_q, d_v] float64, lse [B, h_q, s_q]
-    float64, natural log, +inf for a query with no keys); d_v = ``head_dim_v`` (512 by default), d_qk =
-    q's last dim.
+    """The op contract's decode computed in float64, row by row, over ``keys`` [num_blocks * page, d_qk] (the paged
+    cache's rows decoded to float64; flat slot = block * page + offset): (out [B, s_q, h_q, d_v] float64, lse
+    [B, h_q, s_q] float64, natural log, +inf for a query with no keys); d_v = ``head_dim_v`` (512 by default),
+    d_qk = q's last dim.
 
     ``magnitudes=True`` also returns, as a third element, what the op tests' error bounds scale with (one
     pass, the same softmax), a dict of float64 tensors:
