@@ -1,16 +1,21 @@
-"""Comparing an op's (out, lse) with the float64 op oracle (:func:`compare`, :func:`check_against_oracle`): lse
-converted from the op's declared ``lse_base``; a query with no keys must give out exactly 0 and the declared
-``empty_row`` infinity; NaN in a query with keys fails; every other element within its own bound, derived per
-element from the oracle's magnitudes (:func:`bounds`, :class:`~mla_conformance.checks.tolerances.OpTolerance`).
+"""Comparing an op's (out, lse) with a float64 oracle, the one place it is written: the decode layout (out
+[B, s_q, h, d], lse [B, h, s_q]: :func:`compare`, :func:`check_against_oracle`) and the token layout of the
+optional methods (out [T, h, d], lse [T, h]: :func:`compare_attention`, for prefill, sparse_prefill, merge and
+their compositions) go through the same checks (:func:`_judge`), each layout naming its indices
+(:class:`Layout`): lse converted from the op's declared base; a query with no keys must give out exactly 0 and
+the declared empty-row infinity; NaN in a query with keys fails; every other element within its own bound
+(:class:`Bounds`), derived per element from the oracle's magnitudes (:func:`bounds`, :func:`attention_bounds`,
+:class:`~mla_conformance.checks.tolerances.OpTolerance`) or a method's own rule (a merge's).
 
 Every failure message names the op, the case (:meth:`OpCase.describe`), the check and the measured numbers;
-``figures`` (the test's ``mla_figures``) is filled before anything is raised.
-"""
+``figures`` (the test's ``mla_figures``) is filled before anything is raised."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Callable
 
 import torch
 
@@ -22,7 +27,7 @@ from mla_conformance.checks.tolerances import (OP_LSE_ROUNDING, OP_TOLERANCES, o
                                                unit_roundoff)
 from mla_conformance.contract.op import D_V, OpCase, declared
 from mla_conformance.impl.ops.reference import dequantize_cache, oracle
-from mla_conformance.model.attention_oracles import lse_to_natural
+from mla_conformance.model.attention_oracles import lse_to_natural, to_natural
 
 
 def _oracle_inputs(inp: OpInputs) -> dict:
@@ -110,10 +115,82 @@ def bounds(tol, mags: dict, ref_out: torch.Tensor, ref_lse: torch.Tensor, out_dt
     return out_b, lse_b
 
 
+@dataclasses.dataclass
+class Bounds:
+    """Per-element bound on |out - ref| (out's shape), per-query bound on |lse - ref| (lse's shape; natural log),
+    the name of the rule (the ``tolerance`` figure) and what a failure message says of each bound at an index."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    name: str
+    explain_out: Callable[[tuple], str]
+    explain_lse: Callable[[tuple], str]
+    terms: dict = dataclasses.field(default_factory=dict)   # figures: the rule's terms
+
+
+def _terms(tol, out_dtype) -> dict:
+    return {"tolerance_p_round": tol.p_round, "tolerance_dot": tol.dot, "tolerance_acc": tol.acc,
+            "tolerance_u_out": torch.finfo(out_dtype).eps / 2}
+
+
+def _explain_out(key: str, tol, u_out: float, acc: float, s: float, t: float, under: str = "", tail: str = "") -> str:
+    return (f"{key}: u_out {u_out:.3g} x |ref| + (p_round {tol.p_round:.3g} + acc {acc:.3g}) x S {s:.3g} + dot "
+            f"{tol.dot:.3g} x T {t:.3g}{under}; S = softmax @ |V|, T = sum_t p_t (A_t + A_max) |v_t| from the float64 "
+            f"oracle{tail}")
+
+
+def _explain_lse(key: str, tol, acc: float, score: float, tail: str = "") -> str:
+    return f"{key}: dot {tol.dot:.3g} x Abar {score:.3g} + ({acc:.3g} + 2^-24) x (1 + |lse|){tail}"
+
+
+def decode_bounds(key: str, tol, mags: dict, ref_out, ref_lse, out_dtype, *, merged: bool = False,
+                  ref_dtype=None) -> Bounds:
+    """:func:`bounds` in the decode layout (out [B, s_q, h, d], lse [B, h, s_q]) as :class:`Bounds`; with
+    ``ref_dtype`` (the reference is another result of the op) its own bound added."""
+    out_b, lse_b = bounds(tol, mags, ref_out, ref_lse, out_dtype, merged=merged)
+    if ref_dtype is not None:
+        ref_out_b, ref_lse_b = bounds(tol, mags, ref_out, ref_lse, ref_dtype)
+        out_b, lse_b = out_b + ref_out_b, lse_b + ref_lse_b
+    terms = _terms(tol, out_dtype)
+
+    def explain_out(at):
+        b, s = at[0], at[1]
+        return _explain_out(key, tol, terms["tolerance_u_out"], _acc_of(tol, mags, b, s), float(mags["abs_v"][at]),
+                            float(mags["score_v"][at]), f" + underflow {_underflow_of(tol, mags, at, out_dtype)}",
+                            f"{_keys_of(mags, b, s)}{'; both sides bounded' if ref_dtype is not None else ''}")
+
+    def explain_lse(i):
+        b, _, s = i
+        return _explain_lse(key, tol, _acc_of(tol, mags, b, s), float(mags["score_abs"][i]), _keys_of(mags, b, s))
+
+    return Bounds(out_b, lse_b, key, explain_out, explain_lse, terms)
+
+
+def attention_bounds(case, mags: dict, ref_out, ref_lse, out_dtype) -> Bounds:
+    """The bounds of one attention kernel call in the token layout (out [T, h, d], lse [T, h]): :func:`bounds`
+    (OP_TOLERANCES, derived for a kernel that scores in float32, rounds P to the input dtype, accumulates in
+    float32) on the decode layout [1, T, h, d] / [1, h, T]."""
+    key, tol = tolerance_for(case)
+    per_q = {k: mags[k].T[None] for k in ("score_abs", "score_max", "sink_rel")}
+    m4 = {"abs_v": mags["abs_v"][None], "score_v": mags["score_v"][None], **per_q}
+    out_b, lse_b = bounds(tol, m4, ref_out[None], ref_lse.T[None], out_dtype)
+    terms = _terms(tol, out_dtype)
+
+    def explain_out(i):
+        return _explain_out(key, tol, terms["tolerance_u_out"], tol.acc, float(mags["abs_v"][i]),
+                            float(mags["score_v"][i]))
+
+    def explain_lse(i):
+        return _explain_lse(key, tol, tol.acc, float(mags["score_abs"][i]))
+
+    return Bounds(out_b[0], lse_b[0].T, key, explain_out, explain_lse, terms)
+
+
 def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures: dict, oracle, lse_base=None,
             empty_lse=None, merged: bool = False, out_dtype=None, ref_dtype=None,
             against: str = "the float64 oracle") -> dict:
-    """out / lse of the op against a reference (out float64, lse natural float64 with +inf for no keys).
+    """out [B, s_q, h, d] / lse [B, h, s_q] of the op against a reference (out float64, lse natural float64 with
+    +inf for no keys): the checks of :func:`_judge` in the decode layout (:data:`DECODE`).
 
     ``oracle``: (out, lse, magnitudes) of the float64 oracle of the case (what the bounds scale with; see
     :func:`bounds`). The reference is the oracle itself, or another result of the op (``ref_dtype``: the dtype
@@ -131,96 +208,212 @@ def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures
     w = where(op, case, check)
     o_out, o_lse, mags = oracle
     out_dtype = out.dtype if out_dtype is None else out_dtype
-    out_b, lse_b = bounds(tol, mags, o_out, o_lse, out_dtype, merged=merged)
-    if ref_dtype is not None:
-        ref_out_b, ref_lse_b = bounds(tol, mags, o_out, o_lse, ref_dtype)
-        out_b, lse_b = out_b + ref_out_b, lse_b + ref_lse_b
-    out = out.detach().cpu().to(torch.float64)
+    bnd = decode_bounds(key, tol, mags, o_out, o_lse, out_dtype, merged=merged, ref_dtype=ref_dtype)
+    got = out.detach().cpu().to(torch.float64)
     ref_out = ref_out.to(torch.float64)
     ref_lse = None if ref_lse is None else ref_lse.to(torch.float64)
-    if ref_lse is None:
-        lse = None
+    raw = None if lse is None or ref_lse is None else lse.detach().cpu().to(torch.float64)
     empty = torch.isinf(o_lse) & (o_lse > 0)                      # [B, h, s_q]: the oracle says no keys
-    has_keys = ~empty
-    empty_q = empty.transpose(1, 2)                                # [B, s_q, h]
-    valid_out = ~empty_q[..., None].expand_as(out)
-    ref_valid = ref_out[valid_out]
-    err = (out - ref_out).abs()
-    err = torch.where(valid_out, err, torch.zeros_like(err))
-    ratio = torch.where(valid_out, err / out_b.clamp_min(1e-300), torch.zeros_like(err)).nan_to_num(nan=math.inf)
+    c = _errors(got, ref_out, bnd, empty, empty.transpose(1, 2), raw, None if raw is None else
+                lse_to_natural(raw, base), ref_lse)
     figures.update({
-        "case": case.describe(), "check": check, "op": op.name,
-        "out_max_abs": float(torch.nan_to_num(err, nan=math.inf).max()) if err.numel() else 0.0,
-        "out_rel_fro": float((torch.nan_to_num(out, nan=0.0)[valid_out] - ref_valid).norm() / ref_valid.norm())
-        if ref_valid.numel() and float(ref_valid.norm()) else 0.0,
-        "out_error_over_bound": float(ratio.max()) if ratio.numel() else 0.0,
+        "case": case.describe(), "check": check, "op": op.name, **c.out_figures(),
         "queries": int(empty.numel()), "queries_without_keys": int(empty.sum()),
-        "tolerance": key, "tolerance_p_round": tol.p_round, "tolerance_dot": tol.dot, "tolerance_acc": tol.acc,
-        "tolerance_u_out": torch.finfo(out_dtype).eps / 2, "lse_base": base, "lse_compared": lse is not None,
+        "tolerance": key, **bnd.terms, "lse_base": base, "lse_compared": raw is not None,
     })
-    # NaN / inf in a query that has keys
-    bad = ~torch.isfinite(out) & valid_out
+    return _judge(op, w, DECODE, c, figures, late={} if raw is None else {"lse_max_abs": c.lse_max_abs()},
+                  base=base, base_key="lse_base", empty_lse=empty_lse, empty_key="empty_row", against=against)
+
+
+def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, base: str, base_key: str,
+                      empty_lse: float, empty_key: str | None, locate: Callable[[int], str],
+                      against: str = "the float64 oracle", bounds: Bounds | None = None) -> dict:
+    """out [T, h, d] and lse [T, h] (in ``base``) of an op against ``oracle`` = (out float64, lse natural with
+    +inf for a query with no keys, magnitudes): the checks of :func:`_judge` in the token layout
+    (:func:`tokens`): NaN in a query with keys fails, a query with no keys must give out exactly 0 and lse
+    ``empty_lse`` (the op's ``empty_key`` declaration; None: fixed by the contract), then lse and out within
+    ``bounds`` (:class:`Bounds`; default :func:`attention_bounds`). ``locate(t)`` says where token t is (its row
+    and position). ``lse`` None (a prefill that declares ``prefill_returns_lse = False``): out only. Fills
+    ``figures`` first."""
+    __tracebackhide__ = True
+    w = where(op, case, check)
+    o_out, o_lse, mags = oracle
+    if bounds is None:
+        bounds = attention_bounds(case, mags, o_out, o_lse, out.dtype)
+    got = out.detach().cpu().to(torch.float64)
+    empty = torch.isinf(o_lse) & (o_lse > 0)                             # [T, h]: no keys
+    raw = lse.detach().cpu().to(torch.float64) if lse is not None else torch.where(empty, empty_lse, o_lse)
+    nat = to_natural(raw, base) if lse is not None else o_lse            # no lse: nothing of it is checked
+    c = _errors(got, o_out, bounds, empty, empty, raw, nat, o_lse)
+    lse_ratio = c.lse_ratio()
+    figures.update({
+        "case": case.describe(), "check": check, "op": op.name, "tolerance": bounds.name, **bounds.terms,
+        **c.out_figures(), "lse_max_abs": c.lse_max_abs(),
+        "lse_error_over_bound": float(lse_ratio.max()) if lse_ratio.numel() else 0.0,
+        "queries": int(empty.numel()), "queries_without_keys": int(empty.sum()), "lse_base": base,
+    })
+    if lse is None:
+        for k in ("lse_max_abs", "lse_error_over_bound", "lse_base"):
+            del figures[k]
+    return _judge(op, w, tokens(locate), c, figures, late={}, base=base, base_key=base_key, empty_lse=empty_lse,
+                  empty_key=empty_key, against=against)
+
+
+# --------------------------------------------------------------------------- the checks both layouts share
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a failure message says of an index in one layout of out / lse (the checks, :func:`_judge`, are the
+    same in both): ``out_names`` / ``lse_names`` the index's axes, ``locate`` (the token layout's) where token
+    ``i[0]`` is; the decode layout's messages name the query ``(b=, s=)``, its non-finite out that the row has keys,
+    its NaN hint (:data:`NAN_HINT`) for out and lse; the token layout's the NaN of the strided inputs' padding.
+    ``mask_empty``: the lse over its bound is counted, and its worst ratio found, among queries with keys only
+    (token layout; the decode layout counts every query whose error is over and takes the worst of error / bound
+    unclamped -- the same where a query with no keys has a positive finite bound)."""
+
+    out_names: str
+    lse_names: str
+    query_out: Callable[[tuple], str]               # the query of an out index, as "query {...} has no keys"
+    query_lse: Callable[[tuple], str]               # the query of an lse index
+    keys_exist: Callable[[tuple], str]              # after a non-finite out's index
+    nan_out: str                                    # after a non-finite out's message
+    nan_lse: str                                    # after a non-finite lse's message
+    lse_worst: str                                  # before the lse's worst index
+    names_base_key: bool                            # "declared base e by <key>"
+    mask_empty: bool
+    locate: Callable[[int], str] | None = None
+
+    def at(self, names: str, i: tuple) -> str:
+        text = f"({names}) = ({', '.join(str(n) for n in i)})"
+        return text if self.locate is None else f"{text} ({self.locate(i[0])})"
+
+
+#: out [B, s_q, h, d], lse [B, h, s_q] (:func:`compare`)
+DECODE = Layout("b, s, h, d", "b, h, s", lambda i: f"(b={i[0]}, s={i[1]})", lambda i: f"(b={i[0]}, s={i[2]})",
+                lambda i: f" (cache_seqlens[{i[0]}] of the case: keys exist)", NAN_HINT, f"; {NAN_HINT}", " at ",
+                names_base_key=False, mask_empty=False)
+
+
+def tokens(locate: Callable[[int], str]) -> Layout:
+    """out [T, h, d], lse [T, h] (:func:`compare_attention`); ``locate(t)``: where token t is."""
+    return Layout("t, h, d", "t, h", lambda i: f"t={i[0]} ({locate(i[0])})", lambda i: f"t={i[0]} ({locate(i[0])})",
+                  lambda i: "", "NaN fills the padding of every strided input: an op that reads it, or whose softmax "
+                  "overflows or divides 0 by 0, shows it here", "", "; worst against its bound at ",
+                  names_base_key=True, mask_empty=True, locate=locate)
+
+
+@dataclasses.dataclass
+class _Compared:
+    """One comparison's tensors: out side in the layout's out shape, lse side (None: not compared) in its lse shape."""
+
+    got: torch.Tensor                   # out, float64
+    ref_out: torch.Tensor
+    bounds: Bounds
+    empty: torch.Tensor                 # lse shape: the query has no keys
+    valid: torch.Tensor                 # out shape: the element's query has keys
+    err: torch.Tensor                   # |got - ref_out|, 0 where not valid
+    ratio: torch.Tensor                 # err / bound, NaN as inf
+    raw: torch.Tensor | None            # lse as returned, float64
+    nat: torch.Tensor | None            # natural log
+    ref_lse: torch.Tensor | None
+    lse_err: torch.Tensor | None        # |nat - ref_lse|, 0 where no keys
+
+    def out_figures(self) -> dict:
+        err, ratio, valid = self.err, self.ratio, self.valid
+        ref_valid = self.ref_out[valid]
+        return {
+            "out_max_abs": float(torch.nan_to_num(err, nan=math.inf).max()) if err.numel() else 0.0,
+            "out_rel_fro": float((torch.nan_to_num(self.got, nan=0.0)[valid] - ref_valid).norm() / ref_valid.norm())
+            if ref_valid.numel() and float(ref_valid.norm()) else 0.0,
+            "out_error_over_bound": float(ratio.max()) if ratio.numel() else 0.0,
+        }
+
+    def lse_max_abs(self) -> float:
+        return float(torch.nan_to_num(self.lse_err, nan=math.inf).max()) if self.lse_err.numel() else 0.0
+
+    def lse_ratio(self) -> torch.Tensor:
+        return (self.lse_err / self.bounds.lse.clamp_min(1e-300)).nan_to_num(nan=math.inf)
+
+
+def _errors(got, ref_out, bounds: Bounds, empty, empty_q, raw, nat, ref_lse) -> _Compared:
+    """Per-element error and error / bound of out (``empty_q``: ``empty`` in out's layout, less its last axis),
+    per-query error of lse (``nat`` None: lse not compared)."""
+    valid = ~empty_q[..., None].expand_as(got)
+    err = torch.where(valid, (got - ref_out).abs(), torch.zeros_like(got))
+    ratio = torch.where(valid, err / bounds.out.clamp_min(1e-300), torch.zeros_like(err)).nan_to_num(nan=math.inf)
+    lse_err = None if nat is None else torch.where(empty, torch.zeros_like(nat), (nat - ref_lse).abs())
+    return _Compared(got, ref_out, bounds, empty, valid, err, ratio, raw, nat, ref_lse, lse_err)
+
+
+def _first(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def _judge(op, w: str, lay: Layout, c: _Compared, figures: dict, *, late: dict, base: str, base_key: str,
+           empty_lse: float, empty_key: str | None, against: str) -> dict:
+    """The checks, in order, each raising AssertionError: a non-finite out in a query with keys (then ``late``
+    goes into ``figures``), a non-finite lse there; a query with no keys whose out is not exactly 0 or whose lse is
+    not ``empty_lse`` (the op's ``empty_key`` declaration; None: the contract's); lse, then out, over its bound."""
+    __tracebackhide__ = True
+    got, valid, empty, raw = c.got, c.valid, c.empty, c.raw
+    bad = ~torch.isfinite(got) & valid
     if bool(bad.any()):
-        b, s, h, d = (int(i) for i in bad.nonzero()[0])
-        kind = "NaN" if math.isnan(float(out[b, s, h, d])) else "inf"
+        i = _first(bad)
+        kind = "NaN" if math.isnan(float(got[i])) else "inf"
         raise AssertionError(f"{w}: out has {int(bad.sum())} non-finite value(s) in queries with keys: {kind} at "
-                             f"(b, s, h, d) = ({b}, {s}, {h}, {d}) (cache_seqlens[{b}] of the case: keys exist); "
-                             f"{NAN_HINT}")
-    if lse is not None:
-        raw_lse = lse.detach().cpu().to(torch.float64)
-        nat = lse_to_natural(raw_lse, base)
-        lse_err = torch.where(has_keys, (nat - ref_lse).abs(), torch.zeros_like(nat))
-        figures["lse_max_abs"] = float(torch.nan_to_num(lse_err, nan=math.inf).max()) if lse_err.numel() else 0.0
-        bad = ~torch.isfinite(raw_lse) & has_keys
+                             f"{lay.at(lay.out_names, i)}{lay.keys_exist(i)}; {lay.nan_out}")
+    figures.update(late)
+    if raw is not None:
+        bad = ~torch.isfinite(raw) & ~empty
         if bool(bad.any()):
-            b, h, s = (int(i) for i in bad.nonzero()[0])
+            i = _first(bad)
             raise AssertionError(f"{w}: lse has {int(bad.sum())} non-finite value(s) in queries with keys: "
-                                 f"{float(raw_lse[b, h, s])} at (b, h, s) = ({b}, {h}, {s}), expected "
-                                 f"{float(ref_lse[b, h, s]):.6g} (natural log); {NAN_HINT}")
-    # queries with no keys: out exactly 0, lse the declared infinity
+                                 f"{float(raw[i])} at {lay.at(lay.lse_names, i)}, expected "
+                                 f"{float(c.ref_lse[i]):.6g} (natural log){lay.nan_lse}")
     if bool(empty.any()):
-        nonzero = (out != 0) & ~valid_out
+        nonzero = (got != 0) & ~valid
         if bool(nonzero.any()):
-            b, s, h, d = (int(i) for i in nonzero.nonzero()[0])
-            raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys, so out must be exactly 0; got "
-                                 f"{float(out[b, s, h, d])} at head {h}, channel {d} ({int(nonzero.sum())} value(s) "
+            i = _first(nonzero)
+            raise AssertionError(f"{w}: query {lay.query_out(i)} has no keys, so out must be exactly 0; got "
+                                 f"{float(got[i])} at head {i[-2]}, channel {i[-1]} ({int(nonzero.sum())} value(s) "
                                  "not 0)")
-        wrong = ((raw_lse != empty_lse) & empty) if lse is not None else torch.zeros_like(empty)
+        wrong = (raw != empty_lse) & empty if raw is not None else torch.zeros_like(empty)
         if bool(wrong.any()):
-            b, h, s = (int(i) for i in wrong.nonzero()[0])
-            got = float(raw_lse[b, h, s])
-            said, hint = empty_row_sentences(op, "empty_row", got)
-            raise AssertionError(f"{w}: query (b={b}, s={s}) has no keys: lse must be {empty_lse} ({said}), got {got} "
-                                 f"at head {h} ({int(wrong.sum())} such value(s)){hint}")
-    # lse of queries with keys
-    if lse is not None:
+            i = _first(wrong)
+            value = float(raw[i])
+            said, hint = (("the op contract's, as FlashMLA's ref.py", "") if empty_key is None else
+                          empty_row_sentences(op, empty_key, value))
+            raise AssertionError(f"{w}: query {lay.query_lse(i)} has no keys: lse must be {empty_lse} ({said}), got "
+                                 f"{value} at head {i[1]} ({int(wrong.sum())} such value(s)){hint}")
+    if raw is not None:
+        lse_err, lse_b, nat = c.lse_err, c.bounds.lse, c.nat
         over = lse_err > lse_b
+        if lay.mask_empty:
+            over = over & ~empty
+            worst = torch.where(~empty, c.lse_ratio(), 0.0)
+        else:
+            worst = (lse_err / lse_b).nan_to_num(nan=math.inf)
         if bool(over.any()):
-            b, h, s = _unravel(int((lse_err / lse_b).nan_to_num(nan=math.inf).flatten().argmax()), lse_err.shape)
-            got, exp = float(nat[b, h, s]), float(ref_lse[b, h, s])
-            hint = lse_base_hint(float(raw_lse[b, h, s]), exp, base, "lse_base")
+            i = _unravel(int(worst.flatten().argmax()), lse_err.shape)
+            exp = float(c.ref_lse[i])
+            hint = lse_base_hint(float(raw[i]), exp, base, base_key)
+            by = f" by {base_key}" if lay.names_base_key else ""
             raise AssertionError(
-                f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log) at (b, h, s) "
-                f"= ({b}, {h}, {s}): got {got:.6g} (raw {float(raw_lse[b, h, s]):.6g}, declared base {base}), expected "
-                f"{exp:.6g}; bound {float(lse_b[b, h, s]):.3e} ({key}: dot {tol.dot:.3g} x Abar "
-                f"{float(mags['score_abs'][b, h, s]):.3g} + ({_acc_of(tol, mags, b, s):.3g} + 2^-24) x (1 + |lse|)"
-                f"{_keys_of(mags, b, s)}); {int(over.sum())} "
-                f"of {int(has_keys.sum())} queries over{hint}")
-    # out of queries with keys
-    over = (err > out_b) & valid_out
+                f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log)"
+                f"{lay.lse_worst}{lay.at(lay.lse_names, i)}: got {float(nat[i]):.6g} (raw {float(raw[i]):.6g}, "
+                f"declared base {base}{by}), expected {exp:.6g}; bound {float(lse_b[i]):.3e} "
+                f"({c.bounds.explain_lse(i)}); {int(over.sum())} of {int((~empty).sum())} queries over{hint}")
+    err, ratio, out_b = c.err, c.ratio, c.bounds.out
+    over = (err > out_b) & valid
     if bool(over.any()):
-        b, s, h, d = _unravel(int(ratio.flatten().argmax()), err.shape)
-        at = (b, s, h, d)
+        i = _unravel(int(ratio.flatten().argmax()), err.shape)
         raise AssertionError(
             f"{w}: out differs from {against}: max abs error {float(err.max()):.3e}; worst against its bound at "
-            f"(b, s, h, d) = {at}: got {float(out[at]):.6g}, expected {float(ref_out[at]):.6g}, error "
-            f"{float(err[at]):.3e} = {float(ratio[at]):.3g} x the bound {float(out_b[at]):.3e} ({key}: u_out "
-            f"{figures['tolerance_u_out']:.3g} x |ref| + "
-            f"(p_round {tol.p_round:.3g} + acc {_acc_of(tol, mags, b, s):.3g}) x S {float(mags['abs_v'][at]):.3g} + "
-            f"dot {tol.dot:.3g} x T {float(mags['score_v'][at]):.3g} + underflow {_underflow_of(tol, mags, at, out_dtype)}"
-            f"; S = softmax @ |V|, T = sum_t p_t (A_t + A_max) |v_t| from the float64 oracle{_keys_of(mags, b, s)}"
-            f"{'; both sides bounded' if ref_dtype is not None else ''}); {int(over.sum())} of "
-            f"{int(valid_out.sum())} values over, rel_fro {figures['out_rel_fro']:.3e}")
+            f"{lay.at(lay.out_names, i)}: got {float(got[i]):.6g}, expected {float(c.ref_out[i]):.6g}, error "
+            f"{float(err[i]):.3e} = {float(ratio[i]):.3g} x the bound {float(out_b[i]):.3e} "
+            f"({c.bounds.explain_out(i)}); {int(over.sum())} of {int(valid.sum())} values over, rel_fro "
+            f"{figures['out_rel_fro']:.3e}")
     return figures
 
 

@@ -18,7 +18,7 @@ in the model dtype; some row with no context, one whose context ends in the firs
 
 Every step is checked against its float64 oracle (the attention of the new tokens' queries over the keys
 covered so far, from the very K / V the op was handed), so a failure names the step. The bound of a merged
-result of k parts follows from the parts' bounds (mla_conformance.checks.op.methods.attention_bounds): with
+result of k parts follows from the parts' bounds (mla_conformance.checks.op.compare.attention_bounds): with
 S = softmax @ |V| and T of the merged key set, delta the largest bound of a part's lse and E a merge's weight
 error (mla_conformance.checks.op.merge),
 ``|out - ref| <= (p_round + acc) S + dot T + k u_out S + 2 delta S + (k - 1) (2E + 2^-22) S`` and
@@ -36,6 +36,7 @@ import torch
 from mla_conformance.checks.op import merge as mc
 from mla_conformance.checks import op as oc
 from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op.compare import Bounds, compare_attention
 from mla_conformance.checks.op import prefill as pc
 from mla_conformance.checks.op.prefill import cu_seqlens
 from mla_conformance.checks.tolerances import unit_roundoff
@@ -285,9 +286,9 @@ def _prefill_part(op, spec, case, what, k, v, cu_q, cu_k, causal, oracle):
                      softmax_scale=spec.softmax_scale, causal=causal)
     out, lse = pc.outputs(op, case, what, result)
     empty = math.inf if declared(op, "prefill_empty_row") == "+inf" else -math.inf
-    om.compare_attention(op, case, out, lse, oracle, check=what, figures={}, base=declared(op, "prefill_lse_base"),
-                         base_key="prefill_lse_base", empty_lse=empty, empty_key="prefill_empty_row",
-                         locate=spec.locate)
+    compare_attention(op, case, out, lse, oracle, check=what, figures={}, base=declared(op, "prefill_lse_base"),
+                      base_key="prefill_lse_base", empty_lse=empty, empty_key="prefill_empty_row",
+                      locate=spec.locate)
     return out.detach().cpu(), _natural(op, "prefill_lse_base", lse)
 
 
@@ -308,7 +309,7 @@ def _merge_step(op, spec, acc, part, p, what, figures):
     return out.detach().cpu(), _natural(op, "merge_lse_base", lse)
 
 
-def _composed_bounds(spec, p, mags, ref_lse, out_dtype) -> om.Bounds:
+def _composed_bounds(spec, p, mags, ref_lse, out_dtype) -> Bounds:
     key, tol = oc.tolerance_for(spec.prefill_case(False, [1]))
     k = p + 1
     deltas, lse_abs = [], []
@@ -335,9 +336,9 @@ def _composed_bounds(spec, p, mags, ref_lse, out_dtype) -> om.Bounds:
     def explain_lse(i):
         return f"{k} parts merged ({key}): delta {float(delta[i]):.3g} + (k - 1) (E + 2^-23 + 2^-23 |lse|)"
 
-    return om.Bounds(out_b, lse_b, f"composition of {k} parts, {key}", explain_out, explain_lse,
-                     {"tolerance_p_round": tol.p_round, "tolerance_dot": tol.dot, "tolerance_acc": tol.acc,
-                      "tolerance_u_out": u_out})
+    return Bounds(out_b, lse_b, f"composition of {k} parts, {key}", explain_out, explain_lse,
+                  {"tolerance_p_round": tol.p_round, "tolerance_dot": tol.dot, "tolerance_acc": tol.acc,
+                   "tolerance_u_out": u_out})
 
 
 __all__ = ["CompositionSpec", "build", "up_project", "run_composition"]

@@ -25,6 +25,7 @@ import math
 import torch
 
 from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op.compare import Bounds, compare_attention
 from mla_conformance.checks.tolerances import unit_roundoff
 from mla_conformance.contract.op import MethodCase, declared
 from mla_conformance.model import attention_oracles as ao
@@ -147,7 +148,7 @@ def run(op, case, check: str, bufs: dict, tokens: int, heads: int, d: int):
     return out, lse
 
 
-def merge_bounds(mags: dict, ref_out, ref_lse, out_dtype) -> om.Bounds:
+def merge_bounds(mags: dict, ref_out, ref_lse, out_dtype) -> Bounds:
     """The bounds of a float32 merge (module docstring)."""
     e = U32 * (8.0 + 4.0 * 2.0 * mags["lse_abs"])                          # |lse_a| + |lse_b| <= 2 max
     finite = torch.where(torch.isfinite(ref_lse), ref_lse.abs(), torch.zeros_like(ref_lse))
@@ -162,7 +163,7 @@ def merge_bounds(mags: dict, ref_out, ref_lse, out_dtype) -> om.Bounds:
     def explain_lse(i):
         return f"merge in float32: E {float(e[i]):.3g} + 2^-23 + 2^-23 |lse|"
 
-    return om.Bounds(out_b, lse_b, "merge float32", explain_out, explain_lse, {"tolerance_u_out": u_out})
+    return Bounds(out_b, lse_b, "merge float32", explain_out, explain_lse, {"tolerance_u_out": u_out})
 
 
 def empty_lse(op) -> float:
@@ -191,13 +192,13 @@ def check_against_oracle(op, spec: MergeSpec, *, check: str, figures: dict):
 
 def compare(op, case, out, lse, oracle, bounds, *, check: str, figures: dict, locate, against="the float64 merge"):
     """out / lse of a merge against (ref out, ref lse natural with +inf for both empty, magnitudes) within
-    ``bounds`` (:class:`~mla_conformance.checks.op.methods.Bounds`); the lse in the op's merge_lse_base,
+    ``bounds`` (:class:`~mla_conformance.checks.op.compare.Bounds`); the lse in the op's merge_lse_base,
     both-empty tokens the declared merge_empty_row."""
     __tracebackhide__ = True
     ref_out, ref_lse, mags = oracle
-    om.compare_attention(op, case, out, lse, (ref_out, ref_lse, mags), check=check, figures=figures,
-                         base=declared(op, "merge_lse_base"), base_key="merge_lse_base", empty_lse=empty_lse(op),
-                         empty_key="merge_empty_row", locate=locate, against=against, bounds=bounds)
+    compare_attention(op, case, out, lse, (ref_out, ref_lse, mags), check=check, figures=figures,
+                      base=declared(op, "merge_lse_base"), base_key="merge_lse_base", empty_lse=empty_lse(op),
+                      empty_key="merge_empty_row", locate=locate, against=against, bounds=bounds)
 
 
 __all__ = ["MergeSpec", "build", "oracle_of", "spec_for", "empty_input", "marked", "run", "merge_bounds", "check_against_oracle", "compare",

@@ -8,31 +8,28 @@
   laid out in another dimension order (vLLM keeps lse as [h, T]);
 * **calling** (:func:`call`): an op that raises is a BackendError, one that writes an input or past a buffer
   fails; :func:`tensor_out` checks a returned tensor's type, shape and dtype (BackendOutputError);
-* **comparing** (:func:`compare_attention`): out / lse [T, h, ...] against a float64 oracle within the decode
-  bounds (mla_conformance.checks.op.bounds, OP_TOLERANCES: scores in float32, P rounded to the input dtype,
-  float32 accumulation, lse float32), the declared lse base and empty-row infinity.
+* **comparing**: out / lse [T, h, ...] against a float64 oracle is
+  :func:`mla_conformance.checks.op.compare.compare_attention` (the decode comparison's checks in the token layout,
+  within :func:`~mla_conformance.checks.op.compare.attention_bounds` or a method's own
+  :class:`~mla_conformance.checks.op.compare.Bounds`).
 
 Failure messages name the op, the case (MethodCase.describe), the check, the measured numbers and the bound.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Callable
 
 import pytest
 import torch
 
 from mla_conformance.checks import op as oc
 from mla_conformance.checks.op import inputs as op_inputs
-from mla_conformance.checks.op.compare import empty_row_sentences, lse_base_hint
 from mla_conformance.checks.op.inputs import declared_otherwise, not_declared, op_reason, where
 from mla_conformance.checks.op.run import permuted, raised
 from mla_conformance.contract.methods import FLAG, METHOD_SPECS, method_spec
 from mla_conformance.contract.op import declared, has_method, layout_of
 from mla_conformance.errors import BackendOutputError
-from mla_conformance.model.attention_oracles import to_natural
 from mla_conformance.dtypes import dtype_name
 
 #: The suites of compositions of methods, not of one method (no MethodSpec lists them): test_op_composition.py runs
@@ -189,145 +186,5 @@ def tuple_out(op, case, check: str, method: str, result, n: int, names: str):
     return tuple(result)
 
 
-# --------------------------------------------------------------------------- comparing
-
-
-@dataclasses.dataclass
-class Bounds:
-    """Per-element bound on |out - ref| [T, h, d], per-query bound on |lse - ref| [T, h] (natural log), the
-    name of the rule (the ``tolerance`` figure) and what a failure message says of each bound at an index."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-    name: str
-    explain_out: Callable[[tuple], str]
-    explain_lse: Callable[[tuple], str]
-    terms: dict = dataclasses.field(default_factory=dict)   # figures: the rule's terms
-
-
-def attention_bounds(case, mags: dict, ref_out, ref_lse, out_dtype) -> Bounds:
-    """The bounds of one attention kernel call: mla_conformance.checks.op.bounds (OP_TOLERANCES, derived for a
-    kernel that scores in float32, rounds P to the input dtype, accumulates in float32) on the decode layout
-    [1, T, h, d] / [1, h, T]."""
-    key, tol = oc.tolerance_for(case)
-    per_q = {k: mags[k].T[None] for k in ("score_abs", "score_max", "sink_rel")}
-    m4 = {"abs_v": mags["abs_v"][None], "score_v": mags["score_v"][None], **per_q}
-    out_b, lse_b = oc.bounds(tol, m4, ref_out[None], ref_lse.T[None], out_dtype)
-    u_out = torch.finfo(out_dtype).eps / 2
-
-    def explain_out(i):
-        return (f"{key}: u_out {u_out:.3g} x |ref| + (p_round {tol.p_round:.3g} + acc {tol.acc:.3g}) x S "
-                f"{float(mags['abs_v'][i]):.3g} + dot {tol.dot:.3g} x T {float(mags['score_v'][i]):.3g}; S = softmax @ "
-                "|V|, T = sum_t p_t (A_t + A_max) |v_t| from the float64 oracle")
-
-    def explain_lse(i):
-        return (f"{key}: dot {tol.dot:.3g} x Abar {float(mags['score_abs'][i]):.3g} + ({tol.acc:.3g} + 2^-24) x "
-                "(1 + |lse|)")
-
-    return Bounds(out_b[0], lse_b[0].T, key, explain_out, explain_lse,
-                  {"tolerance_p_round": tol.p_round, "tolerance_dot": tol.dot, "tolerance_acc": tol.acc,
-                   "tolerance_u_out": u_out})
-
-
-def _unravel(flat: int, shape) -> tuple[int, ...]:
-    out = []
-    for n in reversed(tuple(shape)):
-        out.append(flat % n)
-        flat //= n
-    return tuple(reversed(out))
-
-
-def _first(mask: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in mask.nonzero()[0])
-
-
-def compare_attention(op, case, out, lse, oracle, *, check: str, figures: dict, base: str, base_key: str,
-                      empty_lse: float, empty_key: str, locate: Callable[[int], str],
-                      against: str = "the float64 oracle", bounds=None) -> dict:
-    """out [T, h, d] and lse [T, h] (in ``base``) of an op against ``oracle`` = (out float64, lse natural with
-    +inf for a query with no keys, magnitudes): NaN in a query with keys fails, a query with no keys must give
-    out exactly 0 and lse ``empty_lse`` (the op's ``empty_key`` declaration; None: fixed by the contract), then lse and out
-    within ``bounds`` (:class:`Bounds`; default :func:`attention_bounds`). ``locate(t)`` says where token t is
-    (its row and position). ``lse`` None (a prefill that declares ``prefill_returns_lse = False``): out only. Fills
-    ``figures`` first."""
-    __tracebackhide__ = True
-    w = where(op, case, check)
-    o_out, o_lse, mags = oracle
-    if bounds is None:
-        bounds = attention_bounds(case, mags, o_out, o_lse, out.dtype)
-    out_b, lse_b = bounds.out, bounds.lse
-    got = out.detach().cpu().to(torch.float64)
-    empty = torch.isinf(o_lse) & (o_lse > 0)                             # [T, h]: no keys
-    raw = lse.detach().cpu().to(torch.float64) if lse is not None else torch.where(empty, empty_lse, o_lse)
-    nat = to_natural(raw, base) if lse is not None else o_lse            # no lse: nothing of it is checked
-    valid = ~empty[..., None].expand_as(got)
-    err = torch.where(valid, (got - o_out).abs(), torch.zeros_like(got))
-    ratio = torch.where(valid, err / out_b.clamp_min(1e-300), torch.zeros_like(err)).nan_to_num(nan=math.inf)
-    lse_err = torch.where(empty, torch.zeros_like(nat), (nat - o_lse).abs())
-    lse_ratio = (lse_err / lse_b.clamp_min(1e-300)).nan_to_num(nan=math.inf)
-    ref_valid = o_out[valid]
-    figures.update({
-        "case": case.describe(), "check": check, "op": op.name, "tolerance": bounds.name, **bounds.terms,
-        "out_max_abs": float(torch.nan_to_num(err, nan=math.inf).max()) if err.numel() else 0.0,
-        "out_rel_fro": float((torch.nan_to_num(got, nan=0.0)[valid] - ref_valid).norm() / ref_valid.norm())
-        if ref_valid.numel() and float(ref_valid.norm()) else 0.0,
-        "out_error_over_bound": float(ratio.max()) if ratio.numel() else 0.0,
-        "lse_max_abs": float(torch.nan_to_num(lse_err, nan=math.inf).max()) if lse_err.numel() else 0.0,
-        "lse_error_over_bound": float(lse_ratio.max()) if lse_ratio.numel() else 0.0,
-        "queries": int(empty.numel()), "queries_without_keys": int(empty.sum()), "lse_base": base,
-    })
-    if lse is None:
-        for k in ("lse_max_abs", "lse_error_over_bound", "lse_base"):
-            del figures[k]
-    bad = ~torch.isfinite(got) & valid
-    if bool(bad.any()):
-        t, h, d = _first(bad)
-        kind = "NaN" if math.isnan(float(got[t, h, d])) else "inf"
-        raise AssertionError(f"{w}: out has {int(bad.sum())} non-finite value(s) in queries with keys: {kind} at "
-                             f"(t, h, d) = ({t}, {h}, {d}) ({locate(t)}); NaN fills the padding of every strided "
-                             "input: an op that reads it, or whose softmax overflows or divides 0 by 0, shows it here")
-    bad = ~torch.isfinite(raw) & ~empty
-    if bool(bad.any()):
-        t, h = _first(bad)
-        raise AssertionError(f"{w}: lse has {int(bad.sum())} non-finite value(s) in queries with keys: "
-                             f"{float(raw[t, h])} at (t, h) = ({t}, {h}) ({locate(t)}), expected "
-                             f"{float(o_lse[t, h]):.6g} (natural log)")
-    if bool(empty.any()):
-        nonzero = (got != 0) & ~valid
-        if bool(nonzero.any()):
-            t, h, d = _first(nonzero)
-            raise AssertionError(f"{w}: query t={t} ({locate(t)}) has no keys, so out must be exactly 0; got "
-                                 f"{float(got[t, h, d])} at head {h}, channel {d} ({int(nonzero.sum())} value(s) "
-                                 "not 0)")
-        wrong = (raw != empty_lse) & empty
-        if bool(wrong.any()):
-            t, h = _first(wrong)
-            value = float(raw[t, h])
-            said, hint = (("the op contract's, as FlashMLA's ref.py", "") if empty_key is None else
-                          empty_row_sentences(op, empty_key, value))
-            raise AssertionError(f"{w}: query t={t} ({locate(t)}) has no keys: lse must be {empty_lse} ({said}), got "
-                                 f"{value} at head {h} ({int(wrong.sum())} such value(s)){hint}")
-    over = (lse_err > lse_b) & ~empty
-    if bool(over.any()):
-        t, h = divmod(int(torch.where(~empty, lse_ratio, 0.0).flatten().argmax()), lse_err.shape[1])
-        exp = float(o_lse[t, h])
-        hint = lse_base_hint(float(raw[t, h]), exp, base, base_key)
-        raise AssertionError(
-            f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log); worst against "
-            f"its bound at (t, h) = ({t}, {h}) ({locate(t)}): got {float(nat[t, h]):.6g} (raw {float(raw[t, h]):.6g}, "
-            f"declared base {base} by {base_key}), expected {exp:.6g}; bound {float(lse_b[t, h]):.3e} "
-            f"({bounds.explain_lse((t, h))}); {int(over.sum())} of {int((~empty).sum())} queries over{hint}")
-    over = (err > out_b) & valid
-    if bool(over.any()):
-        t, h, d = _unravel(int(ratio.flatten().argmax()), err.shape)
-        raise AssertionError(
-            f"{w}: out differs from {against}: max abs error {float(err.max()):.3e}; worst against its bound at "
-            f"(t, h, d) = ({t}, {h}, {d}) ({locate(t)}): got {float(got[t, h, d]):.6g}, expected "
-            f"{float(o_out[t, h, d]):.6g}, error {float(err[t, h, d]):.3e} = {float(ratio[t, h, d]):.3g} x the bound "
-            f"{float(out_b[t, h, d]):.3e} ({bounds.explain_out((t, h, d))}); {int(over.sum())} of {int(valid.sum())} "
-            f"values over, rel_fro {figures['out_rel_fro']:.3e}")
-    return figures
-
-
 __all__ = ["METHOD_SUITES", "COMPOSITION_SUITES", "require_method", "missing_method_reason", "unsupported", "require", "first_supported",
-           "Buffer", "buffers", "call", "tensor_out", "tuple_out", "Bounds", "attention_bounds", "compare_attention", "where"]
+           "Buffer", "buffers", "call", "tensor_out", "tuple_out", "where"]

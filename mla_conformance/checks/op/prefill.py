@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op.compare import compare_attention
 from mla_conformance.contract.op import MethodCase, declared
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.model import attention_oracles as ao
@@ -158,11 +159,11 @@ def check_against_oracle(op, spec: PrefillSpec, *, check: str, figures: dict):
     kw = dict(base=declared(op, "prefill_lse_base"), base_key="prefill_lse_base", empty_lse=empty_lse(op),
               empty_key="prefill_empty_row", locate=spec.locate)
     try:
-        om.compare_attention(op, case, out, lse, oracle_of(spec), check=check, figures=figures, **kw)
+        compare_attention(op, case, out, lse, oracle_of(spec), check=check, figures=figures, **kw)
     except AssertionError as exc:
         if spec.causal and any(m != n for m, n in spec.rows):
             try:
-                om.compare_attention(op, case, out, lse, oracle_of(spec, "top-left"), check=check, figures={}, **kw)
+                compare_attention(op, case, out, lse, oracle_of(spec, "top-left"), check=check, figures={}, **kw)
             except AssertionError:
                 raise exc from None
             figures["likely_cause"] = "top-left causal alignment"

@@ -19,6 +19,7 @@ import torch
 
 from mla_conformance.checks import op as oc
 from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op.compare import compare_attention
 from mla_conformance.contract.op import MethodCase, declared
 from mla_conformance.model import attention_oracles as ao
 
@@ -110,9 +111,9 @@ def check_against_oracle(op, spec: SparseSpec, *, check: str, figures: dict):
     def locate(s: int) -> str:
         return f"query {s}, {valid[s]} valid of its top-{spec.topk} indices"
 
-    om.compare_attention(op, case, out, lse, (o_out, o_lse, mags), check=check, figures=figures,
-                         base=declared(op, "sparse_prefill_lse_base"), base_key="sparse_prefill_lse_base",
-                         empty_lse=math.inf, empty_key=None, locate=locate)
+    compare_attention(op, case, out, lse, (o_out, o_lse, mags), check=check, figures=figures,
+                      base=declared(op, "sparse_prefill_lse_base"), base_key="sparse_prefill_lse_base",
+                      empty_lse=math.inf, empty_key=None, locate=locate)
     _check_max_logits(op, case, check, max_logits, o_max, mags, figures, locate)
     return out, max_logits, lse
 
