@@ -24,6 +24,10 @@ import re
 from mla_conformance.checks.op.methods import METHOD_SUITES
 
 from . import background, harness
+from .generated_cells import BROKEN as GENERATED, CELLS as GENERATED_CELLS, CORRECT as GENERATED_CORRECT
+from .generated_cells import SUITES as GENERATED_SUITES
+from .method_cells import BROKEN_OPS as METHOD_BROKEN, CELLS as METHOD_CELLS, CORRECT_OPS as METHOD_CORRECT
+from .method_cells import ERROR_OPS as METHOD_ERRORS, ERRORS as METHOD_ERROR_CELLS
 
 HERE = "tests/meta"
 
@@ -129,12 +133,12 @@ EXEMPT = {
     "suites/test_decode_bench.py::test_sparse_decode_step": "a timing (benchmark marker): figures, not a verdict",
 }
 
-#: suite files whose broken implementations another meta module runs -> that module: the generated-case
+#: suite files whose broken implementations another meta run holds -> its tables: the generated-case
 #: properties (their broken backends and ops are shapes nobody listed) and the op methods beyond decode
 ELSEWHERE = {
-    "suites/test_layer_generated.py": f"{HERE}/test_generated_meta.py",
-    "suites/test_op_generated.py": f"{HERE}/test_generated_meta.py",
-    **{f"suites/{name}": f"{HERE}/test_op_methods_meta.py" for name in METHOD_SUITES},
+    "suites/test_layer_generated.py": f"{HERE}/generated_cells.py",
+    "suites/test_op_generated.py": f"{HERE}/generated_cells.py",
+    **{f"suites/{name}": f"{HERE}/method_cells.py" for name in METHOD_SUITES},
 }
 
 
@@ -383,15 +387,8 @@ def layer_run() -> harness.SuiteRun:
     specs = [*(spec for spec, _ in [*BROKEN.values(), *CORRECT.values()]), *(spec for spec, _, _ in ERROR_CELLS),
              *readme_backends]
     cells = [n for _, _, n in node_ids() + correct_node_ids()] + [n for _, _, n in ERROR_CELLS] + [MUTANT_TEST]
-    # the generated-case meta run's implementations (its tables are test_generated_meta's: imported here, when the
-    # run starts, not when this data module is)
-    from .test_generated_meta import BROKEN as GENERATED, CELLS as GENERATED_CELLS, CORRECT as GENERATED_CORRECT, \
-        SUITES as GENERATED_SUITES
-
-    # and the op methods' (test_op_methods_meta's tables): their broken ops' cells, their correct ops' method suites
-    from .test_op_methods_meta import BROKEN_OPS as METHOD_BROKEN, CELLS as METHOD_CELLS, \
-        CORRECT_OPS as METHOD_CORRECT, ERROR_OPS as METHOD_ERRORS, ERRORS as METHOD_ERROR_CELLS
-
+    # the generated-case meta run's implementations, and the op methods' (their broken ops' cells, their correct
+    # ops' method suites): tests/meta/generated_cells.py, tests/meta/method_cells.py
     generated = [*GENERATED.values(), *GENERATED_CORRECT.values()]
     specs += [s for o, s, *_ in generated if o == "--mla-backend" and s not in specs]
     ops = [*readme_ops, *OP_SPECS, *(s for o, s, *_ in generated if o == "--mla-op")]
