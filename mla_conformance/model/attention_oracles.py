@@ -214,9 +214,10 @@ def merge(out_a, lse_a, out_b, lse_b, *, base="e", magnitudes=False):
     return out, lse, {"abs_mix": aa[..., None] * oa.abs() + ab[..., None] * ob.abs(), "lse_abs": lse_abs}
 
 
-def _merge_natural(out_a, la, out_b, lb):
+def _merge_natural(out_a, la, out_b, lb, *, read_zero_weight: bool = True):
     """:func:`merge` on float64 tensors on any device, lse natural: (out, lse, ((a_a, read out_a, la with 0 for an
-    empty side), (the same for b))). An empty side (lse +-inf) has weight 0 and its out is not read."""
+    empty side), (the same for b))). An empty side (lse +-inf) has weight 0 and its out is not read; with
+    ``read_zero_weight=False`` neither is the out of a side whose weight underflows to 0."""
     ea, eb = torch.isinf(la), torch.isinf(lb)
     la0, lb0 = torch.where(ea, 0.0, la), torch.where(eb, 0.0, lb)
     m = torch.where(ea, lb0, torch.where(eb, la0, torch.maximum(la0, lb0)))
@@ -226,8 +227,9 @@ def _merge_natural(out_a, la, out_b, lb):
     both = ea & eb
     aa = torch.where(both, 0.0, wa / torch.where(both, 1.0, total))
     ab = torch.where(both, 0.0, wb / torch.where(both, 1.0, total))
-    oa = torch.where(ea[..., None], 0.0, out_a)   # an empty side is never read
-    ob = torch.where(eb[..., None], 0.0, out_b)
+    skip_a, skip_b = (ea, eb) if read_zero_weight else (ea | (aa == 0), eb | (ab == 0))
+    oa = torch.where(skip_a[..., None], 0.0, out_a)   # an empty side is never read
+    ob = torch.where(skip_b[..., None], 0.0, out_b)
     out = aa[..., None] * oa + ab[..., None] * ob
     lse = torch.where(both, math.inf, m + torch.log(torch.where(both, 1.0, total)))
     return out, lse, ((aa, oa, la0), (ab, ob, lb0))
@@ -242,11 +244,7 @@ def merge_by_lse(out1, lse1, out2, lse2, base: str = "e"):
     not hide a broken part)."""
     l1 = lse_to_natural(lse1.to(F64), base).transpose(1, 2)          # [B, s_q, h]
     l2 = lse_to_natural(lse2.to(F64), base).transpose(1, 2)
-    o1, o2 = out1.to(F64), out2.to(F64)
-    _, _, ((a1, _, _), (a2, _, _)) = _merge_natural(o1, l1, o2, l2)
-    o1 = torch.where((a1 > 0)[..., None], o1, 0.0)                   # a part of weight 0 is not read
-    o2 = torch.where((a2 > 0)[..., None], o2, 0.0)
-    out, lse, _ = _merge_natural(o1, l1, o2, l2)
+    out, lse, _ = _merge_natural(out1.to(F64), l1, out2.to(F64), l2, read_zero_weight=False)
     nan = torch.isnan(l1) | torch.isnan(l2)                          # a NaN lse is not a part without keys
     lse = torch.where(nan, math.nan, lse)
     out = torch.where(nan[..., None], math.nan, out)

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from mla_conformance.dtypes import FP8_E4M3_MAX
-from mla_conformance.model.config import MLAConfig, rope_inv_freq
-from mla_conformance.model.reference import (absorbed_scores_and_mix, apply_rope, project, reference_attention_f64,
-                                             rms_norm, rope_cos_sin, rope_factor)
+from mla_conformance.model.config import MLAConfig
+from mla_conformance.model.reference import (absorbed_scores_and_mix, apply_rope, project, rms_norm, rope_cos_sin,
+                                             rope_factor)
 from mla_conformance.model.weights import MLAWeights
 
 # --------------------------------------------------------------------------- DeepSeek Sparse Attention (V3.2)

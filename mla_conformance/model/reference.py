@@ -111,19 +111,15 @@ def split_kv_b(weights: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
 
 def absorbed_kv_b(weights: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`split_kv_b`'s W_UK and W_UV, each made contiguous once per weights object (again after an in-place
-    change of ``kv_b_proj.weight``) instead of at every call: einsum copies a strided half on each use, which at
-    DeepSeek-V2-Lite dims was ~15 % of an absorbed decode step on CPU. The einsums below give bit-identical
-    results on the contiguous halves (tests/test_reference_einsum.py holds it)."""
+    change of ``kv_b_proj.weight``) instead of at every call: einsum copies a strided half on each use, at every
+    decode step. The einsums below give bit-identical results on the contiguous halves
+    (tests/test_reference_einsum.py holds it)."""
     wkv_b = weights["kv_b_proj.weight"]
     key = (wkv_b.data_ptr(), wkv_b._version, wkv_b.dtype, wkv_b.device, tuple(wkv_b.shape))
     memo = getattr(weights, "_absorbed_kv_b", None)
     if memo is None or memo[0] != key:
         w_uk, w_uv = split_kv_b(weights)
-        memo = (key, w_uk.contiguous(), w_uv.contiguous())
-        try:
-            weights._absorbed_kv_b = memo
-        except AttributeError:  # a mapping that takes no attribute: no memo, the same numbers
-            pass
+        memo = weights._absorbed_kv_b = (key, w_uk.contiguous(), w_uv.contiguous())
     return memo[1], memo[2]
 
 
@@ -134,8 +130,8 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Softmax over t of scores [B,S,H,T] where allowed [B,S,T]; a row with no key gives zeros."""
     work = softmax_dtype(out_dtype)
-    # in place on a contiguous copy of our own (never on the caller's scores; softmax would make a strided one
-    # contiguous itself): the same values, three score-sized copies fewer
+    # in place on one contiguous copy of our own (never on the caller's scores): the same values without the
+    # copies an out-of-place masked_fill and nan_to_num make, nor softmax's own copy of a strided input
     scores = scores.to(work, copy=True, memory_format=torch.contiguous_format)
     scores.masked_fill_(~allowed[:, :, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)

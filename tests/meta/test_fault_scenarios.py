@@ -2,9 +2,8 @@
 a segfault, an abort, os._exit, a hang in C with signals blocked, a crash on every first call (crashes in a row),
 a crash in collection and in the backend's import, a stopped process, xdist's own wedge, serially, under xdist and
 through plain pytest -- must end with the expected verdict and counts, the dead test named, the report written
-and no process left. Each is a real process started in the background when the session has collected this
-module (tests/meta/background.py): it runs on the core the session leaves idle, under the load of the session's
-own tests. ``python -m tests.meta.fault_scenarios --repeat 10 --load`` runs every scenario over and over."""
+and no process left. Each is a real process started in the background when the session starts (tests/meta/jobs.py,
+tests/meta/background.py): it runs on the core the session leaves idle, under the load of the session's own tests. ``python -m tests.meta.fault_scenarios --repeat 10 --load`` runs every scenario over and over."""
 
 import pytest
 

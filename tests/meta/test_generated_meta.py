@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_generated_meta")] 
 def run(inner_run) -> harness.SuiteRun:
     """The default-profile run of both generated suites with every implementation of the tables: each broken one's
     cell and every generated test of the correct ones, in the layer matrix's background process
-    (tests/meta/kill_matrix.py's layer_run), started when the session has collected this module."""
+    (tests/meta/kill_matrix.py's layer_run), started when the session starts (tests/conftest.py)."""
     return inner_run("kill-matrix")
 
 

@@ -4,7 +4,7 @@ The backends of ``impls/faulty/backends.py`` ``os._exit``, hang in Python or rai
 of a process. They run through ``mla-conformance run -- -n 2`` on a three-test suite of their own
 (tests/meta/fault_scenarios.py ``SUITE``, written as the ``--suites`` directory): a real ``mla-conformance run``
 process (its pytest and workers are real processes that really die), started in the background when the
-session has collected this module (tests/meta/background.py). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
+session starts (tests/meta/jobs.py, background.py). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
 The other faults, run's default (one worker) and serial runs: tests/meta/test_fault_scenarios.py.
 """
 

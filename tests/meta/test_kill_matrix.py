@@ -2,7 +2,7 @@
 runs a conformance test on a broken backend and must come out *failed* -- an AssertionError verdict naming
 the backend, not an error, a skip or a pass; the same tests on the correct backends written independently
 of the reference must pass (or skip an optional part they do not implement). All of it in one pytest
-subprocess (kill_matrix.layer_run, started in the background when the session has collected this module:
+subprocess (kill_matrix.layer_run, started in the background when the session starts (tests/conftest.py):
 tests/meta/background.py; the README's blocks run in it too, for tests/meta/test_readme_template.py),
 through the plugin as a user runs it (tests/meta/harness.py); and every conformance test of suites/ has a cell."""
 
@@ -35,7 +35,7 @@ def conformance_tests() -> set[str]:
     return found
 
 
-#: started when the session has collected this module, on the core the serial session leaves idle
+#: started when the session starts (tests/conftest.py), on the core the serial session leaves idle
 #: (tests/meta/background.py); tests/meta/test_readme_template.py reads the same run
 BACKGROUND = {"run": ("kill-matrix",)}
 

@@ -31,7 +31,7 @@ def op_tests() -> set[str]:
 
 
 #: the op matrix runs in the layer matrix's background process (tests/meta/kill_matrix.py's layer_run: one
-#: process start-up, one set of session caches), started when the session has collected this module
+#: process start-up, one set of session caches), started when the session starts (tests/conftest.py)
 BACKGROUND = {"run": ("kill-matrix",)}
 
 

@@ -20,7 +20,7 @@ from .method_cells import ROOT, INDEPENDENT, BROKEN_OPS, STEP_TEXT, CORRECT_OPS,
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_methods_meta")]
 #: the op methods' matrix runs in the layer matrix's background process (tests/meta/kill_matrix.py's layer_run keeps
 #: these tables' cells and correct ops' method suites: one process start-up, one set of session caches), started
-#: when the session has collected this module
+#: when the session starts (tests/conftest.py)
 BACKGROUND = {"run": ("kill-matrix",)}
 
 

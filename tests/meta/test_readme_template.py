@@ -4,7 +4,7 @@ shows are what the commands print; it has at most 200 lines; every relative link
 docs/*.md resolves.
 
 The blocks run in the kill matrix's one pytest process (tests/meta/kill_matrix.py layer_run: its start-up and
-its session caches shared; started in the background when the session has collected this module or
+its session caches shared; started in the background when the session starts (tests/conftest.py) or
 test_kill_matrix, on the core a serial session leaves idle: tests/meta/background.py): the README's backend and
 op over the whole default suite, its failing variant (the `scale *=` line removed) on FAILURE_TEST. There they
 report the names kill_matrix.README_NAMES (the frozen backend is "my-mla" too); a failure line is compared with
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_readme_template")]
 ROOT = harness.ROOT
 MAX_LINES = 200
 
-#: the kill matrix's run, started when the session has collected this module (once: one key with test_kill_matrix)
+#: the kill matrix's run, started when the session starts (tests/conftest.py) (once: one key with test_kill_matrix)
 BACKGROUND = {"readme_run": ("kill-matrix",)}
 
 
