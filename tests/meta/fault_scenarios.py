@@ -80,13 +80,16 @@ class Scenario:
 
 P, C, T, S, N = "passed", "crashed", "timeout", "stalled", "not-run"
 ONE_CRASH = {P: 2, C: 1}  # a process's 2nd call dies (which test that is depends on xdist's batches); the rest pass
+#: one xdist worker, chosen (run's default is a worker per core, at most two: report.run.default_workers; the
+#: scenarios "n2" and "n2-stopped" run two)
+ONE_WORKER = ("-n", "1")
 
 SCENARIOS = {
-    # run's default: one xdist worker, replaced each time it dies
+    # one xdist worker (run's default on a one-core machine), replaced each time it dies
     "xdist": Scenario(("Good", "Segfault", "NativeHang", "SegfaultFirst"),
                       {"good": (P, P, P), "segfault": ONE_CRASH, "hang-native": {P: 2, T: 1},
-                       "segfault-first": (C, C, C)}, signal="SIGSEGV"),
-    "xdist-abort-exit": Scenario(("Abort", "Exit"), {"abort": ONE_CRASH, "exit3": ONE_CRASH}),
+                       "segfault-first": (C, C, C)}, ONE_WORKER, signal="SIGSEGV"),
+    "xdist-abort-exit": Scenario(("Abort", "Exit"), {"abort": ONE_CRASH, "exit3": ONE_CRASH}, ONE_WORKER),
     # a crash in one worker while the other runs
     "n2": Scenario(("Good", "Segfault", "SegfaultFirst"), {"good": (P, P, P), "segfault": {P: 2, C: 1},
                                                           "segfault-first": (C, C, C)}, ("-n", "2")),
@@ -101,7 +104,7 @@ SCENARIOS = {
     "serial-first": Scenario(("SegfaultFirst", "Good"), {"segfault-first": (C, N, N), "good": (N, N, N)},
                              ("-p", "no:xdist"), signal="SIGSEGV"),
     # a process that cannot run at all (stopped): only run's watch over the whole run ends it
-    "stopped": Scenario(("Good", "Stopped"), {"good": (P, P, P), "stopped": (P, S, N)},
+    "stopped": Scenario(("Good", "Stopped"), {"good": (P, P, P), "stopped": (P, S, N)}, ONE_WORKER,
                         run_args=("--stall-timeout", str(STALL_S))),
     "serial-stopped": Scenario(("Good", "Stopped"), {"good": (P, P, P), "stopped": (P, S, N)}, ("-p", "no:xdist"),
                                run_args=("--stall-timeout", str(STALL_S))),
@@ -112,7 +115,7 @@ SCENARIOS = {
     "wedge": Scenario(("Segfault", "Good"), {}, ("-n", "1", "--dist", "loadgroup"),
                       run_args=("--stall-timeout", str(STALL_S))),
     # every xdist worker dies while collecting: the run ends after a few, the report holds no test
-    "collection": Scenario(("collection:CollectionCrash", "Good"), {}, env=(("MLA_FAULTY_IMPORT", "worker"),)),
+    "collection": Scenario(("collection:CollectionCrash", "Good"), {}, ONE_WORKER, env=(("MLA_FAULTY_IMPORT", "worker"),)),
     # the backend's import crashes the process that loads it: run refuses, naming it, before anything is written
     "import": Scenario(("collection:CollectionCrash", "Good"), {}, env=(("MLA_FAULTY_IMPORT", "always"),)),
     # plain pytest, serial: the sentinel names the test; -n 2: xdist records every crash

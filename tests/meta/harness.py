@@ -7,7 +7,7 @@
 * :func:`run_subprocess`: the same command line as a real pytest process, for the inner runs of
   tests/meta/jobs.py, which run on background threads (tests/meta/background.py: pytest is not thread-safe, a
   subprocess is);
-* :class:`Keep`: a plugin of a run keeping some tests by node id and every test of some backends and ops (a
+* :class:`Keep` (tests/meta/keep.py): a plugin of a run keeping some tests by node id and every test of some backends and ops (a
   session that runs the whole suite on one backend and chosen cells on others), in either kind of run;
 * :func:`pytest_inprocess`: pytester's run of any other command line (a usage error, an expectation file).
 
@@ -18,6 +18,7 @@ session's thread count is restored after an in-process run).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import background
+from .keep import Keep
 
 # torch and hypothesis (its pytest plugin imports it in every run) are imported before any pytester run:
 # pytester drops the modules a run imported first and the next run imports them again (torch must never be
@@ -34,30 +36,8 @@ import hypothesis  # noqa: F401
 import pytest
 import torch
 
-from _pytest.assertion import rewrite as _rewrite
-
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _rewritten_once(rewrite_test):
-    """pytest's assertion rewriting of a module, kept in memory for the session. An in-process run imports the
-    suites and the tool's modules afresh, and pytest rewrites each again unless it may write its .pyc cache
-    (it may not under PYTHONDONTWRITEBYTECODE, as on this project's machines): ~4 s a session. The code object
-    depends on the file's bytes only (the ini options rewriting reads are this project's, the same in every run)."""
-    done: dict = {}
-
-    def cached(fn, config):
-        key = (str(fn), fn.read_bytes())
-        if key not in done:
-            done[key] = rewrite_test(fn, config)
-        return done[key]
-
-    cached.uncached = rewrite_test
-    return cached
-
-
-if not hasattr(_rewrite._rewrite_test, "uncached"):
-    _rewrite._rewrite_test = _rewritten_once(_rewrite._rewrite_test)
 #: the options of every inner run of the suite
 BASE = ("-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:logging", "-p", "no:unraisableexception",
         "-p", "no:anyio", "-q", "-o", "addopts=", "--mla-device", "cpu",
@@ -178,46 +158,6 @@ def run_inprocess(pytester, targets: Iterable[str], *, backends: Iterable[str] =
     return _read(results, int(got.ret), "\n".join(got.outlines + got.errlines), expect)
 
 
-class Keep:
-    """A plugin of an inner run: keeps the tests whose node id is in ``nodeids`` and every test of the backends
-    and ops named in ``names`` (the names they report: the ``mla_backend`` / ``mla_op`` parameter) -- or, where
-    ``names`` is a dict of name -> suite files (``suites/test_x.py``; None: every file), their tests in those
-    files; the rest is deselected (counted as such in the run's summary)."""
-
-    def __init__(self, nodeids: Iterable[str] = (), names: Iterable[str] | dict = ()):
-        self.nodeids = set(nodeids)
-        self.names = {n: None if f is None else set(f) for n, f in names.items()} if isinstance(names, dict) \
-            else dict.fromkeys(names)
-
-    def _keep(self, item) -> bool:
-        if item.nodeid in self.nodeids:
-            return True
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        for fixture in ("mla_backend", "mla_op"):
-            name = getattr(params.get(fixture), "name", None)
-            if name in self.names and (self.names[name] is None or item.nodeid.split("::")[0] in self.names[name]):
-                return True
-        return False
-
-    def to_json(self) -> str:
-        return json.dumps({"nodeids": sorted(self.nodeids),
-                           "names": {n: None if f is None else sorted(f) for n, f in sorted(self.names.items())}})
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config, items):
-        kept = [item for item in items if self._keep(item)]
-        config.hook.pytest_deselected(items=[item for item in items if not self._keep(item)])
-        items[:] = kept
-
-
-#: a pytest process with a :class:`Keep` plugin: ``python -c _KEPT ROOT keep.json ARGS...`` (pytest.main with the
-#: plugin object, as ``python -m pytest`` is pytest.main without one). Its results are written when pytest.main
-#: returns, so it ends there (os._exit after flushing): the interpreter's teardown of torch and transformers is ~1 s.
-_KEPT = ("import json, os, sys; sys.path.insert(0, sys.argv[1]); import pytest; from tests.meta.harness import Keep; "
-         "code = int(pytest.main(sys.argv[3:], plugins=[Keep(**json.loads(open(sys.argv[2]).read()))])); "
-         "sys.stdout.flush(); sys.stderr.flush(); os._exit(code)")
-
-
 def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[str] = (), ops: Iterable[str] = (),
                    extra: Iterable[str] = (), keep: Keep | None = None, expect: int | None = None,
                    timeout: float = 600, env: dict[str, str] | None = None) -> SuiteRun:
@@ -226,12 +166,14 @@ def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[
     environment (e.g. TRITON_INTERPRET=1, which triton reads when it is imported)."""
     results = workdir / "results.json"
     command = [sys.executable, "-m", "pytest"]
-    if keep is not None:
+    env = dict(env or {})
+    if keep is not None:  # the plugin module, by name (``-p``), from this checkout
         (workdir / "keep.json").write_text(keep.to_json(), encoding="utf-8")
-        command = [sys.executable, "-c", _KEPT, str(ROOT), str(workdir / "keep.json")]
+        command += ["-p", "tests.meta.keep", "--meta-keep", str(workdir / "keep.json")]
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     proc = subprocess.run([*command, *suite_args(results, targets, backends, ops, extra)],
                           cwd=workdir, capture_output=True, text=True, timeout=timeout,
-                          env=background.env(**(env or {})))
+                          env=background.env(**env))
     return _read(results, proc.returncode, proc.stdout + proc.stderr, expect)
 
 

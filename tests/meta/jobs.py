@@ -22,7 +22,7 @@ from mla_conformance.report import run as R
 from mla_conformance.resources import suites_dir
 
 from . import background
-from .fault_scenarios import LEAN, backend_args, run_default, write_suite
+from .fault_scenarios import LEAN, ONE_WORKER, backend_args, run_default, write_suite
 from .kill_matrix import layer_run
 
 # --------------------------------------------------------------------------- the console script (test_cli.py)
@@ -43,7 +43,7 @@ def test_command_run():
 
 # --------------------------------------------------------------------------- crashes and signals (test_isolation.py)
 
-SCENARIOS = {  # mode -> (pytest args, backends); run's default (-n 1) and serial runs: tests/meta/fault_scenarios.py
+SCENARIOS = {  # mode -> (pytest args, backends); one worker, serial runs and more: tests/meta/fault_scenarios.py
     "n2": (["-n", "2"], ("Good", "Exit", "PythonHang", "CudaIllegalAccess", "CudaOOM")),
 }
 
@@ -65,7 +65,7 @@ def faulty_run(mode: str):
 
 def sigterm_run() -> dict:
     """kill -TERM on a running `mla-conformance run` (a real one: the signal must reach `run`) once its hanging
-    test has started; what the test then looks at."""
+    test has started, in its one worker; what the test then looks at."""
     tmp_path = background.scratch("mla-sigterm-")
     suite, out = write_suite(tmp_path), tmp_path / "out"
     out.mkdir()
@@ -78,7 +78,7 @@ def sigterm_run() -> dict:
     env = background.env(TMPDIR=str(tmpdir))
     proc = subprocess.Popen([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
                              str(out), "--timeout", "60", *backend_args("PythonHang"), "--", "-q",
-                             "--mla-device", "cpu", *LEAN],
+                             "--mla-device", "cpu", *LEAN, *ONE_WORKER],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     hung = "test_attend[hang-python-2]"
     deadline = time.monotonic() + 60

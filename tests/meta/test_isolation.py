@@ -148,7 +148,7 @@ def test_how_a_process_died_is_said():
 
 
 @pytest.mark.parametrize("user, added", [
-    ([], ["-n", "1", "-W", "ignore:Benchmarks are automatically disabled:pytest_benchmark.logger.PytestBenchmarkWarning",
+    ([], ["-n", "2", "-W", "ignore:Benchmarks are automatically disabled:pytest_benchmark.logger.PytestBenchmarkWarning",
           "--max-worker-restart", str(R.MAX_WORKER_RESTARTS)]),
     (["-n", "2"], ["--max-worker-restart", str(R.MAX_WORKER_RESTARTS)]),
     (["-n4", "--max-worker-restart", "3"], []),
@@ -157,7 +157,13 @@ def test_how_a_process_died_is_said():
     (["-m", "benchmark", "--benchmark-only"], []),
 ])
 def test_run_isolates_tests_in_a_worker_unless_told_otherwise(user, added):
-    assert R.isolation_args(user) == added
+    assert R.isolation_args(user, workers=2) == added
+
+
+def test_run_takes_a_worker_per_core_up_to_two(monkeypatch):
+    for cores, workers in ((1, 1), (2, 2), (16, R.DEFAULT_WORKERS_MAX)):
+        monkeypatch.setattr(R.os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
+        assert R.isolation_args([])[:2] == ["-n", str(workers)], cores
 
 
 @pytest.mark.parametrize("breakage", ["read-only", "mount point"])
