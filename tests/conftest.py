@@ -7,8 +7,8 @@
   independent correct ones must pass, crashes and hangs must end as verdicts;
 * ``tests/meta/impls/`` -- the implementations those tests run the suite against, a folder per kind (broken,
   independent, kernel_style, faulty); the frozen base backend and op stay in tests/meta, never edited;
-* inner runs of the suite: ``inner_run(key)`` (below) for the runs in other processes (tests/meta/jobs.py, on
-  background threads: tests/meta/background.py), ``suite_run(key, build)`` for the in-process ones
+* inner runs of the suite: ``inner_run(key)`` (below) for the runs in other processes (tests/meta/jobs.py, in
+  lanes of their own: tests/meta/background.py), ``suite_run(key, build)`` for the in-process ones
   (tests/meta/harness.py, pytester).
 """
 
@@ -73,13 +73,12 @@ def _whole_default_run(config) -> bool:
 
 def pytest_sessionstart(session):
     """In the whole default run every inner run is needed: start them all now (tests/meta/jobs.py), before
-    collection, on the background threads (tests/meta/background.py)."""
+    collection, in processes of their own (tests/meta/background.py)."""
     if not _whole_default_run(session.config):
         return
     from tests.meta import background, jobs
 
-    for key in sorted(jobs.JOBS, key=lambda k: k != background.LONGEST):
-        background.start(key, jobs.JOBS[key])
+    background.start(jobs.JOBS)
     _one_thread(session.config)
 
 
@@ -92,24 +91,18 @@ def _one_thread(config) -> None:
 
 
 def pytest_collection_finish(session):
-    """Start the inner runs a selected, unskipped test reads, on the background threads: its module's
-    ``BACKGROUND`` = {fixture: job keys of tests/meta/jobs.py} names them for the tests that use that fixture. A
-    serial session only: an xdist worker makes each run in the test that reads it (``inner_run``)."""
+    """Start the inner runs a selected, unskipped test reads: its module's ``BACKGROUND`` = {fixture: job keys of
+    tests/meta/jobs.py} names them for the tests that use that fixture. A serial session only: an xdist worker
+    starts each run in the test that reads it (``inner_run``)."""
     if hasattr(session.config, "workerinput") or session.config.getoption("collectonly", False):
         return
-    from tests.meta import background, jobs
+    from tests.meta import background
 
-    started = False
-    for item in session.items:
-        declared = getattr(getattr(item, "module", None), "BACKGROUND", None)
-        if not declared or item.get_closest_marker("skip"):
-            continue
-        for fixture, keys in declared.items():
-            if fixture in item.fixturenames:
-                for key in keys:
-                    background.start(key, jobs.JOBS[key])
-                    started = True
-    if started:
+    wanted = [key for item in session.items if not item.get_closest_marker("skip")
+              for fixture, keys in (getattr(getattr(item, "module", None), "BACKGROUND", None) or {}).items()
+              if fixture in item.fixturenames for key in keys]
+    if wanted:
+        background.start(wanted)
         _one_thread(session.config)
 
 
@@ -132,13 +125,13 @@ def suite_runs(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def inner_run(suite_runs):
     """``inner_run(key)``: the result of the inner run ``tests/meta/jobs.py``'s ``JOBS[key]`` (a real
-    ``mla-conformance`` or pytest process, or several), made once per session and shared by the xdist workers:
-    by a background thread when the session started it there (a module's ``BACKGROUND`` names the runs its
-    fixtures read), else now, by the first test that asks. The one way a meta test reads a run of the suite in
+    ``mla-conformance`` or pytest process, or several), made once per session and shared by the xdist workers,
+    in a process of its own (tests/meta/background.py): started when the session started (a module's
+    ``BACKGROUND`` names the runs its fixtures read), else now, by the first test that asks. The one way a meta test reads a run of the suite in
     other processes; ``suite_run`` below is the in-process one (pytester)."""
-    from tests.meta import background, jobs
+    from tests.meta import background
 
-    return lambda key: suite_runs.get(key, lambda: background.result(key, jobs.JOBS[key]))
+    return lambda key: suite_runs.get(key, lambda: background.result(key))
 
 
 @pytest.fixture

@@ -1,92 +1,152 @@
-"""The threads the inner runs of tests/meta/jobs.py run on, so that they take the core a serial session leaves idle.
+"""The processes the inner runs of tests/meta/jobs.py run in, so that they take the core a serial session leaves idle.
 
 A serial ``pytest`` keeps one core busy (torch runs one thread per process, ``--mla-threads``); the inner runs
-spend their time in subprocesses (the kill matrix's pytest, workers that start, crash, hang and time out). The
-whole default run starts every job when the session starts, a selection those its tests read when collection
-ends (tests/conftest.py); on two threads, at a lower priority, they run while the rest of the session goes on,
-and the tests read their results through the ``inner_run`` fixture. Jobs never call pytest in this process
-(pytest is not thread-safe): they drive subprocesses only. Under xdist, or when a test asks first, a job runs in
-the test.
+spend their time in subprocesses of their own (the kill matrix's pytest, workers that start, crash, hang and time
+out). The whole default run starts every job when the session starts, a selection those its tests read when
+collection ends (tests/conftest.py). A *lane* is one ``python -m tests.meta.jobs`` process that runs its jobs one
+after the other, at a lower priority, and writes each result to a file of the session's directory as it ends; a
+test reads it through the ``inner_run`` fixture, which waits for that file. The longest job has a lane of its own,
+the others share one. The session's own process starts the lanes and only waits for files: it runs no thread of
+its own, so nothing it does (pytester, monkeypatch.setenv) can race a spawn.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
+import pickle
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Iterable
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_JOBS: dict[str, concurrent.futures.Future] = {}
-_DIRS: list[Path] = []
+ROOT = Path(__file__).resolve().parents[2]
 
-#: The environment the jobs' processes get, taken before any test runs. A job passes it (``env=background.env()``)
-#: rather than inheriting: CPython spawns through vfork(), so a child shares this process's memory until it execs,
-#: and the main thread's tests change os.environ meanwhile (pytester, monkeypatch.setenv); glibc's setenv may
-#: reallocate ``environ`` under the child's execve: "OSError: [Errno 14] Bad address" (CI; reproduced with one
-#: thread spawning /bin/true while another sets variables: 111 of 300 spawns failed). An explicit env is copied
-#: by the spawning thread. (Turning vfork off instead costs ~0.1 s per spawn from this 2-3 GB process.)
-_ENV = dict(os.environ)
+#: The job that takes longest (the kill matrix's process): a lane of its own, started first.
+LONGEST = "kill-matrix"
 
-#: Dropped from the jobs' environment, so that their pytest processes keep and share bytecode, pytest's
+#: Dropped from the lanes' environment, so that their pytest processes keep and share bytecode, pytest's
 #: assertion-rewritten plugin and test modules among it (why and what it saves: the root conftest.py, which does
 #: the same for the session's own process).
 NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"
 
-
-#: The jobs' threads, and so every process they start, run at this lower priority (on Linux a thread's nice value
-#: is its own and its children inherit it): the session's own tests keep their core, the jobs get the rest.
+#: The lanes, and so every process they start, run at this lower priority (children inherit a nice value): the
+#: session's own tests keep their core, the jobs get the rest.
 NICE = 10
 
+#: The session's directory for the jobs' results and scratch directories, as the lanes are told it.
+DIR_ENV = "MLA_META_JOBS_DIR"
 
-#: Jobs at a time. Most jobs wait on their processes more than they compute (workers that start, crash, hang and
-#: time out); with two, the longest job (:data:`LONGEST`, started first) computes while the others take turns on
-#: the second thread, and every job's processes yield to the session's tests (:data:`NICE`).
-WORKERS = 2
-#: The job that takes longest (the kill matrix's process), started first in the whole default run
-#: (tests/conftest.py) so that it does not wait behind the others.
-LONGEST = "kill-matrix"
+_DIR: Path | None = None
+_LANES: dict[str, tuple[subprocess.Popen, Path]] = {}  # job key -> (its lane's process, the lane's output)
+_DIRS: list[Path] = []  # scratch directories of jobs run in this process (a test that asked first)
 
 
 def env(**extra: str) -> dict[str, str]:
-    """The session's starting environment (less :data:`NO_BYTECODE`) plus ``extra``: what a job's subprocess
-    gets."""
-    return {**{k: v for k, v in _ENV.items() if k != NO_BYTECODE}, **extra}
+    """This process's environment (less :data:`NO_BYTECODE`) plus ``extra``: what a job's subprocess gets."""
+    return {**{k: v for k, v in os.environ.items() if k != NO_BYTECODE}, **extra}
 
 
 def scratch(prefix: str) -> Path:
-    """A fresh directory for one job, removed at the end of the session (:func:`shutdown`)."""
-    d = Path(tempfile.mkdtemp(prefix=prefix))
-    _DIRS.append(d)
+    """A fresh directory for one job: in a lane, under the session's directory (removed with it when the session
+    ends: :func:`shutdown`); elsewhere a temporary directory removed by this process's :func:`shutdown`."""
+    parent = os.environ.get(DIR_ENV)
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    if parent is None:
+        _DIRS.append(d)
     return d
 
 
-def _lower_priority() -> None:
-    if hasattr(os, "nice"):  # POSIX (elsewhere the jobs share the CPU evenly with the session)
+def _session_dir() -> Path:
+    global _DIR
+    if _DIR is None:
+        _DIR = Path(tempfile.mkdtemp(prefix="mla-meta-jobs-"))
+    return _DIR
+
+
+def _result_file(key: str) -> Path:
+    return _session_dir() / f"{key}.pickle"
+
+
+def start(keys: Iterable[str]) -> None:
+    """Start the jobs ``keys`` not started yet: :data:`LONGEST` in a lane of its own, the others in one lane, in
+    the order given."""
+    keys = [k for k in dict.fromkeys(keys) if k not in _LANES]
+    for lane in ([k for k in keys if k == LONGEST], [k for k in keys if k != LONGEST]):
+        if lane:
+            _start_lane(lane)
+
+
+def _start_lane(keys: list[str]) -> None:
+    d = _session_dir()
+    log = d / f"lane-{keys[0]}.log"
+    lane_env = env(**{DIR_ENV: str(d), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.meta.jobs", str(d), *keys], cwd=ROOT, env=lane_env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    for key in keys:
+        _LANES[key] = (proc, log)
+
+
+def result(key: str) -> Any:
+    """The job's result, once its lane has written it (the job is started now if it was not)."""
+    if key not in _LANES:
+        start([key])
+    proc, log = _LANES[key]
+    done = _result_file(key)
+    while not done.is_file():
+        if proc.poll() is not None and not done.is_file():
+            tail = log.read_text(encoding="utf-8", errors="replace")[-4000:] if log.is_file() else ""
+            raise AssertionError(f"the process running the job {key!r} ended ({proc.returncode}) without its "
+                                 f"result; its output:\n{tail}")
+        time.sleep(0.05)
+    return read(done, key)
+
+
+def read(done: Path, key: str) -> Any:
+    """A result file's value; an AssertionError with the job's traceback where the job raised."""
+    ok, value = pickle.loads(done.read_bytes())
+    if not ok:
+        raise AssertionError(f"the job {key!r} failed:\n{value}")
+    return value
+
+
+def lower_priority() -> None:
+    """A lane's first step: :data:`NICE` (POSIX; elsewhere the jobs share the CPU evenly with the session)."""
+    if hasattr(os, "nice"):
         os.nice(NICE)
 
 
-def start(key: str, fn: Callable[[], Any]) -> None:
-    """Run ``fn`` on a background thread, once per session: two jobs at a time (:data:`WORKERS`), the rest wait
-    their turn in the order started."""
-    global _POOL
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="meta-background",
-                                                      initializer=_lower_priority)
-    if key not in _JOBS:
-        _JOBS[key] = _POOL.submit(fn)
+def run_lane(directory: Path, keys: list[str], jobs: dict) -> None:
+    """What a lane's process does (``python -m tests.meta.jobs DIR KEY...``, after :func:`lower_priority`): each
+    job in turn, its result (or the traceback of what it raised) written to ``DIR/KEY.pickle`` when it ends."""
+    import traceback
 
-
-def result(key: str, fn: Callable[[], Any]) -> Any:
-    """The started job's result (waiting for it), else ``fn()`` run now."""
-    job = _JOBS.get(key)
-    return job.result() if job is not None else fn()
+    for key in keys:
+        try:
+            value = (True, jobs[key]())
+        except Exception as exc:  # noqa: BLE001 - handed to the tests that read the job
+            value = (False, "".join(traceback.format_exception(exc)))
+        part = directory / f"{key}.pickle.part"
+        part.write_bytes(pickle.dumps(value))
+        part.rename(directory / f"{key}.pickle")
 
 
 def shutdown() -> None:
-    if _POOL is not None:
-        _POOL.shutdown(wait=True, cancel_futures=True)
-    for d in _DIRS:
+    """End the lanes still running (with every process of their group) and remove the session's directory."""
+    global _DIR
+    for proc in {id(p): p for p, _ in _LANES.values()}.values():
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    _LANES.clear()
+    for d in [*_DIRS, *([_DIR] if _DIR is not None else [])]:
         shutil.rmtree(d, ignore_errors=True)
+    _DIRS.clear()
+    _DIR = None

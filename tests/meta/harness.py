@@ -5,8 +5,7 @@
   imported once); the ``suite_run`` fixture (tests/conftest.py) makes one such run per session for all the
   tests of a module, whichever asks first, once even under xdist (:class:`SuiteRuns`);
 * :func:`run_subprocess`: the same command line as a real pytest process, for the inner runs of
-  tests/meta/jobs.py, which run on background threads (tests/meta/background.py: pytest is not thread-safe, a
-  subprocess is);
+  tests/meta/jobs.py, which run in processes of their own (tests/meta/background.py);
 * :class:`Keep` (tests/meta/keep.py): a plugin of a run keeping some tests by node id and every test of some backends and ops (a
   session that runs the whole suite on one backend and chosen cells on others), in either kind of run;
 * :func:`pytest_inprocess`: pytester's run of any other command line (a usage error, an expectation file).

@@ -1,11 +1,11 @@
 """The inner runs the meta tests read, one function each (:data:`JOBS`, by key), and what they share with the tests
 that read them. A test gets a run's result through the ``inner_run`` fixture (tests/conftest.py): ``inner_run(key)``
-returns ``JOBS[key]()``'s result, made once per session (shared by xdist workers) -- by the background thread if the
-session started it there (tests/meta/background.py), else by the first test that asks.
+returns ``JOBS[key]()``'s result, made once per session (shared by xdist workers) in a process of its own, a lane
+(tests/meta/background.py: ``python -m tests.meta.jobs DIR KEY...``), started when the session starts or by the
+first test that asks.
 
-Every job drives subprocesses only (pytest is not thread-safe, so none calls pytest in this process), writes under
-``background.scratch`` directories and gives its processes ``background.env()``: it may run on a background thread.
-The one in-process inner run (pytester: tests/meta/test_report.py's plain run) is not a job.
+Every job writes under ``background.scratch`` directories (removed when the session ends) and returns a picklable
+result. The one in-process inner run (pytester: tests/meta/test_report.py's plain run) is not a job.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from mla_conformance.resources import suites_dir
 
 from . import background
 from .fault_scenarios import LEAN, ONE_WORKER, backend_args, run_default, write_suite
-from .kill_matrix import layer_run
 
 # --------------------------------------------------------------------------- the console script (test_cli.py)
 
@@ -183,8 +182,16 @@ def xdist_run():
 #: key -> the job. The kill matrix (tests/meta/kill_matrix.py: every broken and correct backend and op through
 #: the suite, one process) is read by test_kill_matrix, test_op_meta, test_op_methods_meta, test_generated_meta and
 #: test_readme_template; the fault scenarios (tests/meta/fault_scenarios.py) by test_fault_scenarios.
+def kill_matrix_run():
+    """The kill matrix's run (tests/meta/kill_matrix.py), imported in its own lane only: the other lane's jobs
+    drive subprocesses and never import torch or the harness (~1.7 s a process)."""
+    from .kill_matrix import layer_run
+
+    return layer_run()
+
+
 JOBS = {
-    "kill-matrix": layer_run,
+    "kill-matrix": kill_matrix_run,
     "fault-scenarios": run_default,
     "test-command": test_command_run,
     **{f"faulty-{mode}": (lambda mode=mode: faulty_run(mode)) for mode in SCENARIOS},
@@ -192,3 +199,8 @@ JOBS = {
     "foreign-project": foreign_run,
     "report-xdist": xdist_run,
 }
+
+
+if __name__ == "__main__":  # a lane: python -m tests.meta.jobs DIR KEY...
+    background.lower_priority()
+    background.run_lane(Path(sys.argv[1]), sys.argv[2:], JOBS)

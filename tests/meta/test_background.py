@@ -1,36 +1,30 @@
-"""The background jobs' rule (tests/meta/background.py): a process started off the main thread gets the session's
-starting environment explicitly (``env=``). CPython spawns through vfork(), so an inherited environment is read
-from this process's memory while the main thread's tests may be changing it (CI: "OSError: [Errno 14] Bad
-address"). Checked from the source of every module a job of tests/meta/jobs.py is defined in, and of the harness."""
+"""The lanes the inner runs of tests/meta/jobs.py run in (tests/meta/background.py): a job's result or failure
+reaches the test that reads it, and a lane that dies is named with its output, never waited on forever."""
 
-import ast
-import inspect
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 
-from .jobs import JOBS
-
-HERE = Path(__file__).resolve().parent
-SPAWNS = {"run", "Popen", "check_output", "check_call", "call"}
+from . import background
 
 pytestmark = pytest.mark.meta
 
 
-def _job_modules() -> list[Path]:
-    return sorted({Path(inspect.getsourcefile(fn)).resolve() for fn in JOBS.values()} | {HERE / "harness.py"})
+def test_a_lane_writes_each_result_and_each_failure(tmp_path):
+    background.run_lane(tmp_path, ["ok", "fails"], {"ok": lambda: {"figure": 1}, "fails": lambda: 1 / 0})
+    assert background.read(tmp_path / "ok.pickle", "ok") == {"figure": 1}
+    with pytest.raises(AssertionError, match=r"(?s)the job 'fails' failed:.*ZeroDivisionError"):
+        background.read(tmp_path / "fails.pickle", "fails")
+    assert not list(tmp_path.glob("*.part")), "a result is written whole (renamed into place)"
 
 
-def test_the_jobs_module_is_checked():
-    assert HERE / "jobs.py" in _job_modules(), [p.name for p in _job_modules()]
-
-
-@pytest.mark.parametrize("path", _job_modules(), ids=lambda p: p.name)
-def test_every_spawn_passes_an_environment(path):
-    bare = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SPAWNS \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess":
-            if "env" not in {k.arg for k in node.keywords}:
-                bare.append(f"{path.name}:{node.lineno}")
-    assert not bare, f"subprocess calls without env= (use background.env()): {bare}"
+def test_a_lane_that_dies_is_named_with_its_output(tmp_path, monkeypatch):
+    log = tmp_path / "lane.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; print('the lane said this'); sys.exit(3)"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    proc.wait()
+    monkeypatch.setitem(background._LANES, "dead-job", (proc, log))
+    with pytest.raises(AssertionError, match=r"(?s)'dead-job' ended \(3\) without its result.*the lane said this"):
+        background.result("dead-job")

@@ -433,7 +433,7 @@ def test_domain_modules_import_nothing_from_cli():
 # --------------------------------------------------------------------------- test: the checkout's ids
 
 
-#: the inner runs this module's fixtures read, started on the background threads (tests/conftest.py, tests/meta/jobs.py)
+#: the inner runs this module's fixtures read, started in the background lanes (tests/conftest.py, tests/meta/background.py)
 BACKGROUND = {"command_run": ("test-command",)}
 
 

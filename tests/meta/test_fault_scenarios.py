@@ -12,7 +12,7 @@ from .fault_scenarios import DEFAULT, check
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_fault_scenarios")]
 
 
-#: the inner run this module's fixture reads, started on a background thread (tests/conftest.py, tests/meta/jobs.py)
+#: the inner run this module's fixture reads, started in a background lane (tests/conftest.py, tests/meta/background.py)
 BACKGROUND = {"fault_run": ("fault-scenarios",)}
 
 

@@ -26,7 +26,7 @@ from .jobs import SCENARIOS
 pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_isolation")]  # module fixtures run once under -n
 
 
-#: the inner runs this module's fixtures read, started on the background threads (tests/conftest.py, tests/meta/jobs.py)
+#: the inner runs this module's fixtures read, started in the background lanes (tests/conftest.py, tests/meta/background.py)
 BACKGROUND = {"faulty_run": tuple(f"faulty-{mode}" for mode in SCENARIOS), "sigterm_run": ("sigterm",)}
 
 

@@ -15,7 +15,7 @@ from . import harness
 pytestmark = pytest.mark.meta
 
 
-#: the inner run this module's fixture reads, started on a background thread (tests/conftest.py, tests/meta/jobs.py)
+#: the inner run this module's fixture reads, started in a background lane (tests/conftest.py, tests/meta/background.py)
 BACKGROUND = {"foreign_run": ("foreign-project",)}
 
 

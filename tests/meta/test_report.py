@@ -468,7 +468,7 @@ def _plain_run(pytester):
     return tmp, tmp / "a", rc
 
 
-#: the inner run this module's fixture reads, started on a background thread (tests/conftest.py, tests/meta/jobs.py)
+#: the inner run this module's fixture reads, started in a background lane (tests/conftest.py, tests/meta/background.py)
 BACKGROUND = {"two_runs": ("report-xdist",)}
 
 
