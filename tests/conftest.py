@@ -26,8 +26,15 @@ TRITON_MARKER = ("triton_interpret: the built-in triton op through the op suite 
 
 
 def pytest_configure(config):
+    """The markers; and in the whole default run, where every inner run is needed, they all start now
+    (tests/meta/jobs.py), before collection, in processes of their own (tests/meta/background.py)."""
     config.addinivalue_line("markers", META_MARKER)
     config.addinivalue_line("markers", TRITON_MARKER)
+    if _whole_default_run(config):
+        from tests.meta import background, jobs
+
+        background.start(jobs.JOBS)
+        _one_thread(config)
 
 
 def _jobs_read(item) -> set[str]:
@@ -68,18 +75,9 @@ def _whole_default_run(config) -> bool:
     return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not hasattr(config, "workerinput")
             and not getattr(opt, "numprocesses", None) and getattr(opt, "dist", "no") == "no"  # an xdist controller
             and not opt.keyword and not opt.markexpr and not getattr(opt, "deselect", None)
-            and not opt.collectonly and not config.getoption("--mla-backend") and not config.getoption("--mla-op"))
-
-
-def pytest_sessionstart(session):
-    """In the whole default run every inner run is needed: start them all now (tests/meta/jobs.py), before
-    collection, in processes of their own (tests/meta/background.py)."""
-    if not _whole_default_run(session.config):
-        return
-    from tests.meta import background, jobs
-
-    background.start(jobs.JOBS)
-    _one_thread(session.config)
+            and not opt.collectonly and not getattr(opt, "help", False) and not getattr(opt, "markers", False)
+            and not getattr(opt, "fixtures", False) and not config.getoption("--mla-backend")
+            and not config.getoption("--mla-op"))
 
 
 def _one_thread(config) -> None:
@@ -106,7 +104,7 @@ def pytest_collection_finish(session):
         _one_thread(session.config)
 
 
-def pytest_sessionfinish(session):
+def pytest_unconfigure(config):
     from tests.meta import background
 
     background.shutdown()
