@@ -37,22 +37,7 @@ def pytest_configure(config):
         _one_thread(config)
 
 
-def _jobs_read(item) -> set[str]:
-    """The inner runs (tests/meta/jobs.py) an item's module reads, by its ``BACKGROUND``: {fixture: job keys}."""
-    return {key for keys in (getattr(getattr(item, "module", None), "BACKGROUND", None) or {}).values() for key in keys}
-
-
 def pytest_collection_modifyitems(config, items):
-    # The modules whose tests read an inner run that runs in the background (``BACKGROUND``) run last, so the
-    # runs have had the whole session to finish on the other core instead of being waited for; those of the
-    # longest run last of all.
-    from tests.meta.background import LONGEST
-
-    def waits(item) -> tuple[bool, bool]:
-        jobs = _jobs_read(item)
-        return bool(jobs), LONGEST in jobs
-
-    items.sort(key=waits)
     if "triton_interpret" not in (config.option.markexpr or ""):
         tier = pytest.mark.skip(reason="the Triton interpreter tier (minutes): run it with `pytest -m triton_interpret` "
                                        "after `pip install -e .[triton]`; .ci/run does")
