@@ -303,6 +303,12 @@ def _killpg(pgid: int, sig: int) -> bool:
         return False
 
 
+#: Popen's arguments for a child in a process group of its own (signalled and killed as a group) that stays in the
+#: caller's session: on Linux a new session is also a new scheduler autogroup, which takes an even share of the CPU
+#: whatever the nice value ``run`` was started with (a session given the idle core only would take half of the busy).
+OWN_PROCESS_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+
+
 def _run_pytest(cmd: list[str], watch: RunWatch | None = None) -> tuple[int, int | None]:
     """Run pytest in a process group of its own; (its return code, the signal that interrupted ``run`` or None).
 
@@ -313,7 +319,7 @@ def _run_pytest(cmd: list[str], watch: RunWatch | None = None) -> tuple[int, int
     (a worker, a test's child) is killed too.
     """
     # faulthandler from the first line: a crash while pytest or a worker starts prints its stack too
-    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    proc = subprocess.Popen(cmd, **OWN_PROCESS_GROUP, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     if watch is not None:
         watch.pid = proc.pid
     got: list[int] = []

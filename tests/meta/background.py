@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from mla_conformance.report.run import OWN_PROCESS_GROUP
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: The job that takes longest (the kill matrix's process): a lane of its own, started first.
@@ -33,9 +35,12 @@ LONGEST = "kill-matrix"
 #: the same for the session's own process).
 NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"
 
-#: The lanes, and so every process they start, run at this lower priority (children inherit a nice value): the
-#: session's own tests keep their core, the jobs get the rest.
-NICE = 10
+#: The lanes, and so every process they start, run at a lower priority (children inherit a nice value): the
+#: session's own tests keep their core, the jobs get the rest -- the longest job's lane first, the other lane what
+#: that one leaves (it has the session's length to finish; the longest job barely does). A lane, and every process
+#: it starts, stays in the session's own session (OWN_PROCESS_GROUP: a new session would be a new autogroup on
+#: Linux, beyond nice's reach).
+NICE = {LONGEST: 10, "others": 19}
 
 #: The session's directory for the jobs' results and scratch directories, as the lanes are told it.
 DIR_ENV = "MLA_META_JOBS_DIR"
@@ -86,7 +91,7 @@ def _start_lane(keys: list[str]) -> None:
     lane_env = env(**{DIR_ENV: str(d), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tests.meta.jobs", str(d), *keys], cwd=ROOT, env=lane_env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP)
     for key in keys:
         _LANES[key] = (proc, log)
 
@@ -114,10 +119,10 @@ def read(done: Path, key: str) -> Any:
     return value
 
 
-def lower_priority() -> None:
-    """A lane's first step: :data:`NICE` (POSIX; elsewhere the jobs share the CPU evenly with the session)."""
+def lower_priority(keys: list[str]) -> None:
+    """A lane's first step: its :data:`NICE` (POSIX; elsewhere the jobs share the CPU evenly with the session)."""
     if hasattr(os, "nice"):
-        os.nice(NICE)
+        os.nice(NICE[LONGEST] if keys == [LONGEST] else NICE["others"])
 
 
 def run_lane(directory: Path, keys: list[str], jobs: dict) -> None:

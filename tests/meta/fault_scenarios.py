@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mla_conformance.report.run import OWN_PROCESS_GROUP
+
 from . import background
 
 HERE = Path(__file__).resolve().parent
@@ -150,7 +152,7 @@ def run_scenario(key: str) -> dict:
                "--mla-device", "cpu", *LEAN, *s.pytest_args]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            **OWN_PROCESS_GROUP)
     try:
         stdout, stderr = proc.communicate(timeout=BOUND_S)
         ended = True

@@ -202,5 +202,5 @@ JOBS = {
 
 
 if __name__ == "__main__":  # a lane: python -m tests.meta.jobs DIR KEY...
-    background.lower_priority()
+    background.lower_priority(sys.argv[2:])
     background.run_lane(Path(sys.argv[1]), sys.argv[2:], JOBS)
