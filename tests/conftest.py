@@ -9,7 +9,8 @@
   independent, kernel_style, faulty); the frozen base backend and op stay in tests/meta, never edited;
 * inner runs of the suite: ``inner_run(key)`` (below) for the runs in other processes (tests/meta/jobs.py, in
   lanes of their own: tests/meta/background.py), ``suite_run(key, build)`` for the in-process ones
-  (tests/meta/harness.py, pytester).
+  (tests/meta/harness.py, pytester). The whole default run starts every inner run as it starts, and runs
+  tests/meta last (pyproject's ``testpaths``), so the runs have most of the session on the idle core.
 """
 
 from pathlib import Path
