@@ -14,9 +14,10 @@ it and the known ones, everywhere: nothing falls back to another method.
 
 To add a method: a :class:`MethodSpec` in :data:`METHOD_SPECS` (its declarations prefixed by its name); its
 section, with its meaning, in schema.SECTIONS; its words in contract/op.py's docstring (the method and each of its
-declarations); its suite file(s) under suites/ (each test takes ``mla_op``; the check code in checks/ as the other
-methods have it); the method on ReferenceOp and on tests/meta/impls/independent/op_methods.py's op, and a broken op for
-each of its tests (tests/meta/impls/broken/op_methods.py, a cell in tests/meta/test_op_methods_meta.py); then
+declarations; a declaration's gates are MethodCase fields, given with ``needed_for``); its suite file(s) under
+suites/ (each test takes ``mla_op``; the check code in checks/op/ as the other methods have it, recording figures
+under keys schema.FIGURES declares); the method on ReferenceOp and on tests/meta/impls/independent/op_methods.py's op, and a broken op for
+each of its tests (tests/meta/impls/broken/op_methods.py, a cell in tests/meta/method_cells.py); then
 ``mla-conformance docs`` rewrites the tables (docs/op-contract.md, markers.md).
 
 Pure python (no torch): the report's renderers read it.
