@@ -179,9 +179,6 @@ def xdist_run():
 
 # --------------------------------------------------------------------------- the jobs
 
-#: key -> the job. The kill matrix (tests/meta/kill_matrix.py: every broken and correct backend and op through
-#: the suite, one process) is read by test_kill_matrix, test_op_meta, test_op_methods_meta, test_generated_meta and
-#: test_readme_template; the fault scenarios (tests/meta/fault_scenarios.py) by test_fault_scenarios.
 def kill_matrix_run():
     """The kill matrix's run (tests/meta/kill_matrix.py), imported in its own lane only: the other lane's jobs
     drive subprocesses and never import torch or the harness (~1.7 s a process)."""
@@ -190,10 +187,15 @@ def kill_matrix_run():
     return layer_run()
 
 
+#: key -> the job. The kill matrix (tests/meta/kill_matrix.py: every broken and correct backend and op through
+#: the suite, one process) is read by test_kill_matrix, test_op_meta, test_op_methods_meta, test_generated_meta and
+#: test_readme_template; the fault scenarios (tests/meta/fault_scenarios.py) by test_fault_scenarios. The other
+#: lane runs its jobs in this order: the order their readers come in tests/meta (test_cli, test_fault_scenarios,
+#: test_isolation, test_plugin_polite, test_report).
 JOBS = {
     "kill-matrix": kill_matrix_run,
-    "fault-scenarios": run_default,
     "test-command": test_command_run,
+    "fault-scenarios": run_default,
     **{f"faulty-{mode}": (lambda mode=mode: faulty_run(mode)) for mode in SCENARIOS},
     "sigterm": sigterm_run,
     "foreign-project": foreign_run,
