@@ -55,15 +55,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: the options (by dest) of a pytest that shows something instead of running tests: --help, --markers, --fixtures,
+#: --fixtures-per-test
+NOT_A_RUN = ("help", "markers", "showfixtures", "show_fixtures_per_test")
+
+
 def _whole_default_run(config) -> bool:
     """``pytest`` as typed: the testpaths, no selection, a serial session that runs tests."""
     opt = config.option
     return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not hasattr(config, "workerinput")
             and not getattr(opt, "numprocesses", None) and getattr(opt, "dist", "no") == "no"  # an xdist controller
             and not opt.keyword and not opt.markexpr and not getattr(opt, "deselect", None)
-            and not opt.collectonly and not getattr(opt, "help", False) and not getattr(opt, "markers", False)
-            and not getattr(opt, "fixtures", False) and not config.getoption("--mla-backend")
-            and not config.getoption("--mla-op"))
+            and not opt.collectonly and not any(getattr(opt, dest, False) for dest in NOT_A_RUN)
+            and not config.getoption("--mla-backend") and not config.getoption("--mla-op"))
 
 
 def _one_thread(config) -> None:
@@ -111,8 +115,8 @@ def inner_run(suite_runs):
     """``inner_run(key)``: the result of the inner run ``tests/meta/jobs.py``'s ``JOBS[key]`` (a real
     ``mla-conformance`` or pytest process, or several), made once per session and shared by the xdist workers,
     in a process of its own (tests/meta/background.py): started when the session started (a module's
-    ``BACKGROUND`` names the runs its fixtures read), else now, by the first test that asks. The one way a meta test reads a run of the suite in
-    other processes; ``suite_run`` below is the in-process one (pytester)."""
+    ``BACKGROUND`` names the runs its fixtures read), else now, by the first test that asks. The one way a meta
+    test reads a run of the suite in other processes; ``suite_run`` below is the in-process one (pytester)."""
     from tests.meta import background
 
     return lambda key: suite_runs.get(key, lambda: background.result(key))

@@ -246,10 +246,10 @@ def narrows_selection(pytest_args: list[str]) -> bool:
 #: ``run`` runs its tests in xdist workers that are replaced when they die (:func:`default_workers` unless -n is
 #: given); a backend that crashes in every test costs a worker start per test, bounded by this many restarts.
 MAX_WORKER_RESTARTS = 1000
-#: At most this many workers by default. Two halve the run where the machine has two cores (measured on a 2-core
-#: CPU machine: the default run's pytest 34.6 s with ``-n 1``, 25.9 s with ``-n 2``, byte-identical reports); each
-#: worker imports torch and transformers and builds the session's weights and oracles itself, and on a GPU holds its
-#: own CUDA context, so more are left to ``-n``.
+#: At most this many workers by default: a second worker uses a second core, and the report does not depend on the
+#: count (tests/meta/test_report.py: plain and -n 2 byte-identical); each worker imports torch and transformers and
+#: builds the session's weights and oracles itself, and on a GPU holds its own CUDA context, so more are left to
+#: ``-n``.
 DEFAULT_WORKERS_MAX = 2
 
 

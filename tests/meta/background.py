@@ -47,7 +47,12 @@ DIR_ENV = "MLA_META_JOBS_DIR"
 
 _DIR: Path | None = None
 _LANES: dict[str, tuple[subprocess.Popen, Path]] = {}  # job key -> (its lane's process, the lane's output)
-_DIRS: list[Path] = []  # scratch directories of jobs run in this process (a test that asked first)
+_DIRS: list[Path] = []  # scratch directories of jobs run outside a lane (fault_scenarios.py --repeat)
+
+
+def checkout_on_path() -> str:
+    """PYTHONPATH with this checkout first: a process started elsewhere imports ``tests.meta`` from it."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -88,9 +93,9 @@ def start(keys: Iterable[str]) -> None:
 def _start_lane(keys: list[str]) -> None:
     d = _session_dir()
     log = d / f"lane-{keys[0]}.log"
-    lane_env = env(**{DIR_ENV: str(d), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.meta.jobs", str(d), *keys], cwd=ROOT, env=lane_env,
+        proc = subprocess.Popen([sys.executable, "-m", "tests.meta.jobs", str(d), *keys], cwd=ROOT,
+                                env=env(**{DIR_ENV: str(d), "PYTHONPATH": checkout_on_path()}),
                                 stdout=out, stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP)
     for key in keys:
         _LANES[key] = (proc, log)

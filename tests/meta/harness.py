@@ -6,8 +6,8 @@
   tests of a module, whichever asks first, once even under xdist (:class:`SuiteRuns`);
 * :func:`run_subprocess`: the same command line as a real pytest process, for the inner runs of
   tests/meta/jobs.py, which run in processes of their own (tests/meta/background.py);
-* :class:`Keep` (tests/meta/keep.py): a plugin of a run keeping some tests by node id and every test of some backends and ops (a
-  session that runs the whole suite on one backend and chosen cells on others), in either kind of run;
+* :class:`Keep` (tests/meta/keep.py): a plugin of a run keeping some tests by node id and every test of some
+  backends and ops (a session that runs the whole suite on one backend and chosen cells on others);
 * :func:`pytest_inprocess`: pytester's run of any other command line (a usage error, an expectation file).
 
 Every run: no xdist, no cache, none of the project's ``addopts``, the CPU, one torch thread (the outer
@@ -17,7 +17,6 @@ session's thread count is restored after an in-process run).
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import hypothesis  # noqa: F401
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = background.ROOT
 
 #: the options of every inner run of the suite
 BASE = ("-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:logging", "-p", "no:unraisableexception",
@@ -169,7 +168,7 @@ def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[
     if keep is not None:  # the plugin module, by name (``-p``), from this checkout
         (workdir / "keep.json").write_text(keep.to_json(), encoding="utf-8")
         command += ["-p", "tests.meta.keep", "--meta-keep", str(workdir / "keep.json")]
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        env["PYTHONPATH"] = background.checkout_on_path()
     proc = subprocess.run([*command, *suite_args(results, targets, backends, ops, extra)],
                           cwd=workdir, capture_output=True, text=True, timeout=timeout,
                           env=background.env(**env))

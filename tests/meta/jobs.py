@@ -181,7 +181,7 @@ def xdist_run():
 
 def kill_matrix_run():
     """The kill matrix's run (tests/meta/kill_matrix.py), imported in its own lane only: the other lane's jobs
-    drive subprocesses and never import torch or the harness (~1.7 s a process)."""
+    drive subprocesses and never import torch or the harness."""
     from .kill_matrix import layer_run
 
     return layer_run()
