@@ -114,7 +114,7 @@ def observed() -> dict:
         "describe_decode": [OpCase(**kw).describe() for kw in OP_CASES],
         "unsupported": {o.name: {m: [op_methods.unsupported(o, c) for c in cs] for m, cs in cases.items()}
                         for o in OPS},
-        "METHOD_SUITES": op_methods.METHOD_SUITES,
+        "METHOD_SUITES": methods.METHOD_SUITES,
         "GENERIC_SECTIONS": markdown.GENERIC_SECTIONS,
     }))
 
@@ -158,7 +158,7 @@ def test_the_registry_is_ordered_and_every_table_is_derived_from_it():
         for d in spec.declarations:
             assert op.DECLARATIONS[d.name] == d.default and methods.declaration(d.name) is d
     assert list(op.DECLARATIONS) == [d.name for s in METHOD_SPECS for d in s.declarations]
-    assert op_methods.METHOD_SUITES == (*(f for s in METHOD_SPECS[1:] for f in s.suites), *op_methods.COMPOSITION_SUITES)
+    assert methods.METHOD_SUITES == (*(f for s in METHOD_SPECS[1:] for f in s.suites), *methods.COMPOSITION_SUITES)
     assert markdown.GENERIC_SECTIONS[:-3] == tuple(sec for s in METHOD_SPECS[1:] for sec in s.sections)
 
 
@@ -263,9 +263,9 @@ def test_each_spec_s_suites_exist_take_mla_op_and_carry_its_sections(spec: Metho
 
 
 def test_every_op_suite_is_one_method_s_or_a_composition_s():
-    owned = [f for s in METHOD_SPECS for f in s.suites] + list(op_methods.COMPOSITION_SUITES)
+    owned = [f for s in METHOD_SPECS for f in s.suites] + list(methods.COMPOSITION_SUITES)
     assert sorted(owned) == sorted(p.name for p in suites_dir().glob("test_op_*.py"))
-    for name in op_methods.COMPOSITION_SUITES:
+    for name in methods.COMPOSITION_SUITES:
         assert all("mla_op" in args for _, _, args in _suite_tests(suites_dir() / name))
 
 

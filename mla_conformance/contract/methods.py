@@ -3,7 +3,7 @@ method -- its signature, its tensors, its declarations (each a :class:`Declarati
 the case attributes it gates), what a case's description says of it, its suite files and its report sections --
 and every per-method table of the package is derived from it: :data:`METHODS`, :data:`SIGNATURES`,
 :data:`TENSORS`, :data:`DECLARATIONS`, :data:`METHOD_DECLARATIONS` here (re-exported by
-:mod:`mla_conformance.contract.op`, whose docstring is the contract's prose), ``METHOD_SUITES`` and the method
+:mod:`mla_conformance.contract.op`, whose docstring is the contract's prose) and :data:`METHOD_SUITES`, the method
 tests' skips (``mla_conformance.checks.op.methods``), the report's generic sections
 (``mla_conformance.report.markdown.GENERIC_SECTIONS``) and the docs tables of docs/op-contract.md
 (``mla-conformance docs``). Section names are declared, with their meaning, in :data:`mla_conformance.schema.SECTIONS`
@@ -396,6 +396,14 @@ WRITE = MethodSpec(
 #: The methods of the op contract, in the order the docs, the report and ``methods_of`` list them.
 METHOD_SPECS: tuple[MethodSpec, ...] = (DECODE, PREFILL, SPARSE_PREFILL, MERGE, WRITE)
 
+#: The suites of compositions of methods, not of one method (no MethodSpec lists them): test_op_composition.py runs
+#: an op's prefill, merge and write together as chunked prefill does (mla_conformance.checks.op.composition).
+COMPOSITION_SUITES = ("test_op_composition.py",)
+#: The suite files of the optional methods (each MethodSpec's but the base method's), then the compositions' (the
+#: decode op meta test, tests/meta/test_op_meta.py, covers the others; tests/meta/test_op_methods_meta.py covers
+#: these).
+METHOD_SUITES = tuple(s for spec in METHOD_SPECS if not spec.base for s in spec.suites) + COMPOSITION_SUITES
+
 
 def _checked(specs: tuple[MethodSpec, ...]) -> dict[str, MethodSpec]:
     """name -> spec, once the registry is one: unique method, declaration, suite and section names, one base method
@@ -459,7 +467,7 @@ def declaration(key: str) -> Declaration:
                          f"{', '.join(DECLARATION_SPECS)})") from None
 
 
-__all__ = ["MethodSpec", "Declaration", "METHOD_SPECS", "BASE_METHOD", "METHODS", "OPTIONAL_METHODS", "SIGNATURES",
+__all__ = ["MethodSpec", "Declaration", "METHOD_SPECS", "METHOD_SUITES", "COMPOSITION_SUITES", "BASE_METHOD", "METHODS", "OPTIONAL_METHODS", "SIGNATURES",
            "TENSORS", "DECLARATIONS", "DECLARATION_SPECS", "METHOD_DECLARATIONS", "method_spec", "declaration", "KINDS",
            "FLAG", "CHOICE", "HEAD_DIMS", "FORMATS", "SIZES", "CLAIM", "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES",
            "KV_FORMATS", "WRITE_KV_FORMATS", "PREFILL_D_QK", "PREFILL_D_V"]

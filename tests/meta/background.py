@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -130,9 +131,26 @@ def lower_priority(keys: list[str]) -> None:
         os.nice(NICE[LONGEST] if keys == [LONGEST] else NICE["others"])
 
 
+def end_with_parent(poll: float = 0.5) -> None:
+    """A lane's guard (POSIX; a lane leads its process group): a daemon thread that kills the lane's group -- the
+    lane and the processes its jobs started -- once the process that started it is gone. A session killed with
+    SIGKILL never reaches :func:`shutdown`; its lanes would otherwise run their jobs to the end."""
+    parent = os.getppid()
+    if not hasattr(os, "killpg") or os.getpgrp() != os.getpid():
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 def run_lane(directory: Path, keys: list[str], jobs: dict) -> None:
-    """What a lane's process does (``python -m tests.meta.jobs DIR KEY...``, after :func:`lower_priority`): each
-    job in turn, its result (or the traceback of what it raised) written to ``DIR/KEY.pickle`` when it ends."""
+    """What a lane's process does (``python -m tests.meta.jobs DIR KEY...``, after :func:`lower_priority` and
+    :func:`end_with_parent`): each job in turn, its result (or the traceback of what it raised) written to
+    ``DIR/KEY.pickle`` when it ends."""
     import traceback
 
     for key in keys:

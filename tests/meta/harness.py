@@ -27,12 +27,7 @@ from typing import Callable, Iterable
 from . import background
 from .keep import Keep
 
-# torch and hypothesis (its pytest plugin imports it in every run) are imported before any pytester run:
-# pytester drops the modules a run imported first and the next run imports them again (torch must never be
-# imported twice; hypothesis costs 1-4 s a run)
-import hypothesis  # noqa: F401
 import pytest
-import torch
 
 ROOT = background.ROOT
 
@@ -140,6 +135,8 @@ def _read(results: Path, code: int, log: str, expect: int | None) -> SuiteRun:
 
 def pytest_inprocess(pytester, *args: str, plugins: Iterable = ()) -> pytest.RunResult:
     """pytester's in-process run of ``args`` (from pytester's directory; the outer torch thread count kept)."""
+    import torch  # the session's own (tests/meta/conftest.py imported it before any pytester fixture)
+
     threads = torch.get_num_threads()
     try:
         return pytester.runpytest_inprocess(*args, plugins=list(plugins))

@@ -205,4 +205,5 @@ JOBS = {
 
 if __name__ == "__main__":  # a lane: python -m tests.meta.jobs DIR KEY...
     background.lower_priority(sys.argv[2:])
+    background.end_with_parent()
     background.run_lane(Path(sys.argv[1]), sys.argv[2:], JOBS)

@@ -21,7 +21,7 @@ the checkpoint probe) for both.
 
 import re
 
-from mla_conformance.checks.op.methods import METHOD_SUITES
+from mla_conformance.contract.methods import METHOD_SUITES
 
 from . import background, harness
 from .generated_cells import BROKEN as GENERATED, CELLS as GENERATED_CELLS, CORRECT as GENERATED_CORRECT

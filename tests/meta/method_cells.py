@@ -4,8 +4,7 @@ tests that must fail it, the correct ops, the ops that must error, and the metho
 
 import ast
 
-from mla_conformance.checks.op.methods import METHOD_SUITES
-from mla_conformance.contract.methods import METHOD_SPECS
+from mla_conformance.contract.methods import METHOD_SPECS, METHOD_SUITES
 from tests.meta import harness
 
 ROOT = harness.ROOT

@@ -5,7 +5,7 @@ an error, a skip or a pass) in the method tests named for it; the ops written in
 decode (tests/meta/frozen_base_op.py, never edited) skips every one, naming the method it lacks. All of it in
 the layer matrix's pytest process (tests/meta/kill_matrix.py: the plugin, --mla-op, --mla-results, as a user runs
 it), which keeps these tables' cells and their correct ops' tests of the method suites
-(mla_conformance.checks.op.methods.METHOD_SUITES)."""
+(mla_conformance.contract.methods.METHOD_SUITES)."""
 
 import ast
 

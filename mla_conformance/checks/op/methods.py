@@ -27,19 +27,10 @@ from mla_conformance.checks import op as oc
 from mla_conformance.checks.op import inputs as op_inputs
 from mla_conformance.checks.op.inputs import declared_otherwise, not_declared, op_reason, where
 from mla_conformance.checks.op.run import permuted, raised
-from mla_conformance.contract.methods import FLAG, METHOD_SPECS, method_spec
+from mla_conformance.contract.methods import FLAG, method_spec
 from mla_conformance.contract.op import declared, has_method, layout_of
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.dtypes import dtype_name
-
-#: The suites of compositions of methods, not of one method (no MethodSpec lists them): test_op_composition.py runs
-#: an op's prefill, merge and write together as chunked prefill does (mla_conformance.checks.op.composition).
-COMPOSITION_SUITES = ("test_op_composition.py",)
-#: The suite files of the optional methods (each MethodSpec's but the base method's), then the compositions' (the
-#: decode op meta test, tests/meta/test_op_meta.py, covers the others; tests/meta/test_op_methods_meta.py covers
-#: these).
-METHOD_SUITES = tuple(s for spec in METHOD_SPECS if not spec.base for s in spec.suites) + COMPOSITION_SUITES
-
 
 def missing_method_reason(op, method: str) -> str:
     return (f"op {op.name} has no {method} method (optional: {method_spec(method).signature}; define it to have "
@@ -186,5 +177,5 @@ def tuple_out(op, case, check: str, method: str, result, n: int, names: str):
     return tuple(result)
 
 
-__all__ = ["METHOD_SUITES", "COMPOSITION_SUITES", "require_method", "missing_method_reason", "unsupported", "require", "first_supported",
+__all__ = ["require_method", "missing_method_reason", "unsupported", "require", "first_supported",
            "Buffer", "buffers", "call", "tensor_out", "tuple_out", "where"]
