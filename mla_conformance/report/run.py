@@ -309,8 +309,19 @@ def _killpg(pgid: int, sig: int) -> bool:
 OWN_PROCESS_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
+def pytest_group() -> dict:
+    """How ``run`` starts its pytest: in a process group of its own (:data:`OWN_PROCESS_GROUP`), or, where one of
+    run's standard streams is a terminal, in a session of its own (whose pgid is its pid too): a background process
+    group of the terminal's session is stopped (SIGTTOU) when it writes to the terminal under ``stty tostop``, and
+    whenever it reads from it (SIGTTIN: ``--pdb``); the terminal is not a new session's controlling terminal."""
+    if any(os.isatty(fd) for fd in (0, 1, 2)):
+        return {"start_new_session": True}
+    return OWN_PROCESS_GROUP
+
+
 def _run_pytest(cmd: list[str], watch: RunWatch | None = None) -> tuple[int, int | None]:
-    """Run pytest in a process group of its own; (its return code, the signal that interrupted ``run`` or None).
+    """Run pytest in a process group of its own (:func:`pytest_group`); (its return code, the signal that
+    interrupted ``run`` or None).
 
     SIGINT, SIGTERM or SIGHUP to ``run`` is forwarded to the whole group as SIGINT (pytest stops after
     saying where it was); a second signal, or pytest still running :data:`STOP_GRACE_S` later, kills the
@@ -319,7 +330,7 @@ def _run_pytest(cmd: list[str], watch: RunWatch | None = None) -> tuple[int, int
     (a worker, a test's child) is killed too.
     """
     # faulthandler from the first line: a crash while pytest or a worker starts prints its stack too
-    proc = subprocess.Popen(cmd, **OWN_PROCESS_GROUP, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    proc = subprocess.Popen(cmd, **pytest_group(), env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     if watch is not None:
         watch.pid = proc.pid
     got: list[int] = []

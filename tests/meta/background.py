@@ -40,7 +40,8 @@ NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"
 #: session's own tests keep their core, the jobs get the rest -- the longest job's lane first, the other lane what
 #: that one leaves (it has the session's length to finish; the longest job barely does). A lane, and every process
 #: it starts, stays in the session's own session (OWN_PROCESS_GROUP: a new session would be a new autogroup on
-#: Linux, beyond nice's reach).
+#: Linux, beyond nice's reach), with no terminal on its standard streams (``mla-conformance run`` starts its pytest
+#: in a session of its own where it has one: report/run.pytest_group).
 NICE = {LONGEST: 10, "others": 19}
 
 #: The session's directory for the jobs' results and scratch directories, as the lanes are told it.
@@ -97,7 +98,7 @@ def _start_lane(keys: list[str]) -> None:
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tests.meta.jobs", str(d), *keys], cwd=ROOT,
                                 env=env(**{DIR_ENV: str(d), "PYTHONPATH": checkout_on_path()}),
-                                stdout=out, stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP)
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP)
     for key in keys:
         _LANES[key] = (proc, log)
 

@@ -151,8 +151,8 @@ def run_scenario(key: str) -> dict:
                "--name", "host", "--timeout", "0.5", *s.run_args, *backend_args(*s.backends), "--", "-q",
                "--mla-device", "cpu", *LEAN, *s.pytest_args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **OWN_PROCESS_GROUP)
+    proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **OWN_PROCESS_GROUP)
     try:
         stdout, stderr = proc.communicate(timeout=BOUND_S)
         ended = True

@@ -11,6 +11,8 @@ result. The one in-process inner run (pytester: tests/meta/test_report.py's plai
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -97,6 +99,69 @@ def sigterm_run() -> dict:
             "before": before, "after": {p.name: p.read_bytes() for p in out.iterdir()},
             "tmp_left": [p.name for p in tmpdir.iterdir() if p.name != f"pytest-of-{user()}"],
             "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and cmdline_has(p, str(suite))]}
+
+
+#: How long terminal_run waits for the run (three tests on one good backend, LEAN, one worker: 1.4 s wall on an idle
+#: 2-core machine); a run whose pytest is stopped by SIGTTOU never ends.
+TERMINAL_BOUND_S = 60
+
+#: Started in a session of its own by terminal_run: makes the terminal (argv[1], a pty's slave) its controlling
+#: terminal by opening it, sets ``stty tostop`` on it, gives it as stdin, stdout and stderr, and execs argv[2:].
+ON_A_TERMINAL = """
+import os, sys, termios
+fd = os.open(sys.argv[1], os.O_RDWR)
+attrs = termios.tcgetattr(fd)
+attrs[3] |= termios.TOSTOP
+termios.tcsetattr(fd, termios.TCSANOW, attrs)
+for std in (0, 1, 2):
+    os.dup2(fd, std)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def terminal_run() -> dict:
+    """`mla-conformance run` on a good backend typed at a terminal with ``stty tostop`` (a pty, the run's
+    controlling terminal, its output read here): its pytest must neither stop on writing the terminal nor keep it
+    from ending. What the terminal showed, the exit status and whether the report was written; or that it had not
+    ended within TERMINAL_BOUND_S (the run was then killed)."""
+    import pty  # POSIX only, as the other jobs' process groups are
+
+    tmp = background.scratch("mla-terminal-")
+    suite, out = write_suite(tmp), tmp / "out"
+    master, slave = pty.openpty()  # the slave stays open here: the master reads EIO while no process holds it
+    cmd = [sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out", str(out), "--name",
+           "host", "--timeout", "30", *backend_args("Good"), "--", "-q", "--mla-device", "cpu", *LEAN, *ONE_WORKER]
+    proc = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, os.ttyname(slave), *cmd], start_new_session=True,
+                            stdin=subprocess.DEVNULL, env=background.env())
+    shown, deadline = b"", time.monotonic() + TERMINAL_BOUND_S
+    try:
+        while time.monotonic() < deadline:
+            ready = select.select([master], [], [], 0.2)[0]
+            if ready:
+                shown += os.read(master, 65536)
+            elif proc.poll() is not None:  # ended, and all it wrote has been read
+                break
+        ended = proc.poll() is not None
+        if not ended:  # the whole session: run's pytest may be in a process group of its own
+            for pid in _in_session(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    finally:
+        os.close(master)
+        os.close(slave)
+    return {"ended": ended, "returncode": proc.returncode, "shown": shown.decode(errors="replace"),
+            "report": (out / "conformance.json").is_file()}
+
+
+def _in_session(sid: int) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and os.getsid(int(p.name)) == sid:
+                pids.append(int(p.name))
+        except OSError:  # ended meanwhile
+            pass
+    return pids
 
 
 def user() -> str:
@@ -198,6 +263,7 @@ JOBS = {
     "fault-scenarios": run_default,
     **{f"faulty-{mode}": (lambda mode=mode: faulty_run(mode)) for mode in SCENARIOS},
     "sigterm": sigterm_run,
+    "terminal": terminal_run,
     "foreign-project": foreign_run,
     "report-xdist": xdist_run,
 }

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_isolation")]  # mo
 
 
 #: the inner runs this module's fixtures read, started in the background lanes (tests/conftest.py, tests/meta/background.py)
-BACKGROUND = {"faulty_run": tuple(f"faulty-{mode}" for mode in SCENARIOS), "sigterm_run": ("sigterm",)}
+BACKGROUND = {"faulty_run": tuple(f"faulty-{mode}" for mode in SCENARIOS), "sigterm_run": ("sigterm",),
+              "terminal_run": ("terminal",)}
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))
@@ -95,6 +96,21 @@ def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm
     assert got["after"] == got["before"], "the previous report is untouched"
     assert not got["tmp_left"], f"temporary files left: {got['tmp_left']}"  # pytest's own basetemp may stay
     assert not got["procs_left"], "processes of the run left behind"
+
+
+@pytest.fixture
+def terminal_run(inner_run) -> dict:
+    return inner_run("terminal")
+
+
+def test_run_typed_at_a_terminal_with_tostop_ends(terminal_run):
+    """`mla-conformance run` at a terminal under ``stty tostop``: its pytest writes to the terminal without being
+    stopped (a background process group of the terminal's session would be: SIGTTOU), and the run ends with its
+    report (report/run.pytest_group)."""
+    got = terminal_run
+    assert got["ended"], f"the run had not ended (its pytest stopped on writing the terminal?):\n{got['shown'][-2000:]}"
+    assert got["returncode"] == 0 and got["report"], got["shown"][-2000:]
+    assert "passed" in got["shown"], f"pytest's summary never reached the terminal:\n{got['shown'][-2000:]}"
 
 
 # --------------------------------------------------------------------------- the pieces, in process
