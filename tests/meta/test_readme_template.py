@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from mla_conformance.checks.tolerances import TOLERANCES
+
 from . import harness
 from .kill_matrix import (FAILURE_TEST, MUTANT_TEST, OP_SECTION, README, README_BACKEND, README_NAMES,
                           readme_block)
@@ -82,15 +84,23 @@ def _numbers(text: str) -> tuple[list[str], list[float]]:
     return re.split(number, text), [float(x) for x in re.findall(number, text)]
 
 
+def _same_figure(shown: float, got: float) -> bool:
+    """Equal to the printed precision (within 5%); or, below the float32 tolerance the line states, both below it:
+    the residual of the backend against the reference it matches (the one without mscale²) is float32 rounding,
+    which differs with the CPU's kernels (6.9e-07 where the README was written, 8.5e-07 on an AVX-512 machine)."""
+    noise = TOLERANCES["float32"].rel_fro
+    return abs(shown - got) <= 0.05 * max(abs(shown), abs(got)) or max(abs(shown), abs(got)) < noise
+
+
 def test_readme_failure_is_what_the_command_prints(readme_run):
     """The failure README.md shows is the one its backend without the `scale *=` line gets: the same words, the
-    same figures to their printed precision (the float32 residuals within 5%)."""
+    same figures to their printed precision, the float32 rounding residuals below the float32 tolerance."""
     text = README.read_text(encoding="utf-8")
     shown = [line for line in text.splitlines() if line.startswith("E   AssertionError: ")]
     assert len(shown) == 1, "README.md shows one failure line ('E   AssertionError: ...')"
     (words, figures), (got_words, got_figures) = _numbers(shown[0]), _numbers(readme_run["failure"])
     assert words == got_words and len(figures) == len(got_figures) and all(
-        abs(a - b) <= 0.05 * max(abs(a), abs(b)) for a, b in zip(figures, got_figures)), (
+        _same_figure(a, b) for a, b in zip(figures, got_figures)), (
         f"README.md's failure excerpt differs from what {FAILURE_TEST} prints for its backend without the "
         f"`scale *=` line; replace it with:\n{readme_run['failure']}")
 
