@@ -12,13 +12,19 @@ tests' skips (``mla_conformance.checks.op.methods``), the report's generic secti
 A name that is not a method (:func:`method_spec`) or not a declaration (:func:`declaration`) is a ValueError naming
 it and the known ones, everywhere: nothing falls back to another method.
 
-To add a method: a :class:`MethodSpec` in :data:`METHOD_SPECS` (its declarations prefixed by its name); its
-section, with its meaning, in schema.SECTIONS; its words in contract/op.py's docstring (the method and each of its
-declarations; a declaration's gates are MethodCase fields, given with ``needed_for``); its suite file(s) under
-suites/ (each test takes ``mla_op``; the check code in checks/op/ as the other methods have it, recording figures
-under keys schema.FIGURES declares); the method on ReferenceOp and on tests/meta/impls/independent/op_methods.py's op, and a broken op for
-each of its tests (tests/meta/impls/broken/op_methods.py, a cell in tests/meta/method_cells.py); then
-``mla-conformance docs`` rewrites the tables (docs/op-contract.md, markers.md).
+To add a method (a toy one, added and removed again, touched 10 files by hand and 2 by ``docs``):
+
+1. a :class:`MethodSpec` in :data:`METHOD_SPECS` (its declarations prefixed by its name) and its section, with its
+   meaning, in schema.SECTIONS;
+2. its words: contract/op.py's docstring (the method and each of its declarations; a declaration's gates are
+   MethodCase fields, given with ``needed_for``) and a bullet in docs/op-contract.md's "The optional methods";
+3. its float64 oracle in mla_conformance/model/ (attention_oracles.py has the others'), its check in checks/op/
+   (recording figures under keys schema.FIGURES declares) and its suite file(s) under suites/ (each test takes
+   ``mla_op``);
+4. the method on ReferenceOp (impl/ops/reference.py, calling the oracle) and on the independent op
+   (tests/meta/impls/independent/op_methods.py), and a broken op for each of its tests
+   (tests/meta/impls/broken/op_methods.py, a cell in tests/meta/method_cells.py);
+5. ``mla-conformance docs``: it rewrites the tables (docs/op-contract.md, markers.md).
 
 Pure python (no torch): the report's renderers read it.
 """

@@ -1,4 +1,4 @@
-"""What the checks of the op contract's optional methods (prefill, sparse_prefill, merge, write) share:
+"""What the checks of the op contract's optional methods (every method but decode: contract/methods.py) share:
 
 * **presence** (:func:`require_method`): a test of a method skips, naming it and its signature, on an op that
   has not got it; the case is then asked of the op (``unsupported_reason``) and of its declarations
