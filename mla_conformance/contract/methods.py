@@ -12,7 +12,7 @@ tests' skips (``mla_conformance.checks.op.methods``), the report's generic secti
 A name that is not a method (:func:`method_spec`) or not a declaration (:func:`declaration`) is a ValueError naming
 it and the known ones, everywhere: nothing falls back to another method.
 
-To add a method (a toy one, added and removed again, touched 10 files by hand and 2 by ``docs``):
+To add a method:
 
 1. a :class:`MethodSpec` in :data:`METHOD_SPECS` (its declarations prefixed by its name) and its section, with its
    meaning, in schema.SECTIONS;

@@ -132,7 +132,7 @@ def terminal_run() -> dict:
     cmd = [sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out", str(out), "--name",
            "host", "--timeout", "30", *backend_args("Good"), "--", "-q", "--mla-device", "cpu", *LEAN, *ONE_WORKER]
     proc = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, os.ttyname(slave), *cmd], start_new_session=True,
-                            stdin=subprocess.DEVNULL, env=background.env())
+                            env=background.env())
     shown, deadline = b"", time.monotonic() + TERMINAL_BOUND_S
     try:
         while time.monotonic() < deadline:
@@ -154,6 +154,7 @@ def terminal_run() -> dict:
 
 
 def _in_session(sid: int) -> list[int]:
+    """The pids of the processes in session ``sid``, whatever process group each is in."""
     pids = []
     for p in Path("/proc").iterdir():
         try:

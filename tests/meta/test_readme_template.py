@@ -85,9 +85,9 @@ def _numbers(text: str) -> tuple[list[str], list[float]]:
 
 
 def _same_figure(shown: float, got: float) -> bool:
-    """Equal to the printed precision (within 5%); or, below the float32 tolerance the line states, both below it:
-    the residual of the backend against the reference it matches (the one without mscale²) is float32 rounding,
-    which differs with the CPU's kernels (6.9e-07 where the README was written, 8.5e-07 on an AVX-512 machine)."""
+    """Equal to the printed precision (within 5%); or both below the float32 rel_fro tolerance (the one the line
+    states): the residual of the backend against the reference it matches (the one without mscale²) is float32
+    rounding, which differs from host to host (README's 6.9e-07; 8.5e-07 on another host, at the same commit)."""
     noise = TOLERANCES["float32"].rel_fro
     return abs(shown - got) <= 0.05 * max(abs(shown), abs(got)) or max(abs(shown), abs(got)) < noise
 
