@@ -68,6 +68,10 @@ the declaration that would opt it in. Every later extension is held to this rule
 * ``kv_codec`` values other than ``"none"`` (quantized caches): a backend that cannot do one says so
   in ``unsupported_reason`` and the suite skips with that sentence.
 * ``supports_paging = True`` with ``new_cache(..., page_block_size=N)`` (paged latent cache).
+* DeepSeek-V4 attention: a backend opts in with ``deepseek_v4 = True``; it is then also handed
+  :class:`mla_conformance.model.v4_config.V4Config` layers (with :class:`~mla_conformance.model.v4_config.V4Weights`),
+  and declines the MLA configs it does not implement in ``unsupported_reason`` (and MLA backends never see a V4
+  config). The V4 contract (the same four members; the cache's ``v4_layout``) is docs/deepseek-v4.md's.
 * ``diagnose(weights) -> str | None``: a known cause, appended to a numerics failure's message
   (hf-transformers uses it to say when a transformers release drops YaRN's mscale^2).
 
@@ -94,10 +98,11 @@ BUILTINS: dict[str, str] = {
     "flashmla": "mla_conformance.impl.backends.flashmla:FlashMLA",
     "reference-dsa": "mla_conformance.impl.backends.reference:ReferenceDSA",
     "flashmla-sparse": "mla_conformance.impl.backends.flashmla:FlashMLASparse",
+    "reference-v4": "mla_conformance.impl.backends.v4:ReferenceV4",
 }
 
 #: Backends a default run checks.
-DEFAULT_BACKENDS = ("reference-naive", "reference-absorbed", "hf-transformers", "reference-dsa")
+DEFAULT_BACKENDS = ("reference-naive", "reference-absorbed", "hf-transformers", "reference-dsa", "reference-v4")
 
 REQUIRED_METHODS = ("unsupported_reason", "new_cache", "attend")
 
@@ -119,10 +124,22 @@ def declares_dsa(backend) -> bool:
     return kind == "dsa" or getattr(backend, "cache_format", None) == "latent+indexer"
 
 
+def declares_v4(backend) -> bool:
+    """Whether the backend declares DeepSeek-V4 attention: ``deepseek_v4 = True`` on the backend."""
+    return getattr(backend, "deepseek_v4", False) is True
+
+
 def declaration_reason(backend, config) -> str | None:
-    """The skip sentence when ``config`` needs an optional part the backend does not declare (today: DeepSeek
+    """The skip sentence when ``config`` needs an optional part the backend does not declare (DeepSeek-V4
+    attention, a :class:`mla_conformance.model.v4_config.V4Config`, without ``deepseek_v4 = True``; DeepSeek
     Sparse Attention, ``index_topk`` set, without ``sparse_attention = "dsa"``); None when the backend may be
     asked (its own ``unsupported_reason`` decides next)."""
+    if getattr(config, "attention_kind", None) == "deepseek-v4":
+        if declares_v4(backend):
+            return None
+        return (f"{getattr(backend, 'name', backend)} does not declare DeepSeek-V4 attention; this config is a V4 "
+                f"layer ({config.layer_type}: shared-KV MQA with a sliding window, a sink and compressed entries). "
+                "A backend opts in with deepseek_v4 = True (docs/deepseek-v4.md)")
     if getattr(config, "index_topk", None) is None or declares_dsa(backend):
         return None
     return (f"{getattr(backend, 'name', backend)} does not declare DeepSeek Sparse Attention; this config has "

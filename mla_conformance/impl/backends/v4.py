@@ -1,0 +1,229 @@
+"""``reference-v4``: DeepSeek-V4 attention over a V4 cache, as DeepSeek's inference code lays it out.
+
+The cache (per layer, per row; DeepSeek's ``Attention.kv_cache`` / ``Indexer.kv_cache`` / ``Compressor`` state):
+
+* ``window``     [B, sliding_window, head_dim]: a ring of the last sliding_window KV vectors (token t at slot
+  t % sliding_window), K = V: one tensor, in the cache dtype;
+* ``compressed`` [B, capacity // ratio, head_dim]: one entry per closed window of ``ratio`` tokens (CSA, HCA);
+* ``indexer``    [B, capacity // ratio, index_head_dim]: the lightning indexer's compressed keys (CSA);
+* ``kv_state`` / ``score_state`` (and the indexer's ``index_kv_state`` / ``index_score_state``) float32
+  [B, 2 * ratio, coff * dim]: the compressor's projections of the previous window (slots 0..ratio-1, CSA's
+  overlap reads them) and of the window still open (slots ratio..2 ratio-1), as DeepSeek's ``Compressor`` keeps
+  them between decode steps. A call may end anywhere inside a window; the entry is written when its window closes.
+
+Projections in the weights' dtype, everything after them in float32 (float64 for float64 weights); the KV
+vectors and entries are rounded to the cache dtype when stored and read back from it, so a decode step sees what
+a prefill saw. The cache exposes ``last_topk_indices`` (the CSA selection of the last call, entry indices per
+query, -1 unused) for inspection.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_conformance.model.v4_config import CSA, V4Config
+from mla_conformance.model.v4_reference import inv_freq
+
+NOT_V4 = ("reference-v4 implements DeepSeek-V4 attention only; this config is MLA (reference-absorbed and "
+          "reference-dsa implement that)")
+
+
+class V4Cache:
+    """A V4 layer's cache for ``batch_size`` rows of up to ``capacity`` tokens (see the module docstring)."""
+
+    def __init__(self, config: V4Config, *, batch_size: int, capacity: int, dtype, device):
+        self.config, self.batch_size, self.capacity, self.dtype = config, batch_size, capacity, dtype
+        B, D, W, m = batch_size, config.head_dim, config.sliding_window, config.compress_ratio
+        self.seq_lens = torch.zeros(B, dtype=torch.int64, device=device)
+        self._t = {"window": torch.zeros(B, W, D, dtype=dtype, device=device)}
+        self.v4_layout = {"window": "window"}
+        if m:
+            coff = 2 if config.overlap else 1
+            self._t["compressed"] = torch.zeros(B, max(capacity // m, 1), D, dtype=dtype, device=device)
+            self._t["kv_state"] = torch.zeros(B, 2 * m, coff * D, dtype=torch.float32, device=device)
+            self._t["score_state"] = torch.zeros(B, 2 * m, coff * D, dtype=torch.float32, device=device)
+            self.v4_layout.update(compressed="compressed", kv_state="state", score_state="state")
+            if config.layer_type == CSA:
+                Di = config.index_head_dim
+                self._t["indexer"] = torch.zeros(B, max(capacity // m, 1), Di, dtype=dtype, device=device)
+                self._t["index_kv_state"] = torch.zeros(B, 2 * m, 2 * Di, dtype=torch.float32, device=device)
+                self._t["index_score_state"] = torch.zeros(B, 2 * m, 2 * Di, dtype=torch.float32, device=device)
+                self.v4_layout.update(indexer="indexer", index_kv_state="state", index_score_state="state")
+        self.last_topk_indices = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self._t)
+
+    def allocated_nbytes(self) -> int:
+        return sum(t.nbytes for t in self._t.values())
+
+    def active_nbytes(self) -> int:
+        """The rows holding stored tokens: min(len, window) window rows, len // ratio entries (and indexer keys),
+        plus the compressor state of each started row."""
+        cfg, total = self.config, 0
+        row = lambda name: self._t[name][0, 0].nbytes
+        for n in self.seq_lens.tolist():
+            total += min(n, cfg.sliding_window) * row("window")
+            if cfg.compress_ratio and n:
+                total += (n // cfg.compress_ratio) * row("compressed")
+                total += sum(self._t[k][0].nbytes for k, v in self.v4_layout.items() if v == "state")
+                if "indexer" in self._t:
+                    total += (n // cfg.compress_ratio) * row("indexer")
+        return total
+
+
+class ReferenceV4:
+    """DeepSeek-V4 attention (window, CSA, HCA; sink; inverse RoPE; grouped output) over :class:`V4Cache`."""
+
+    name = "reference-v4"
+    deepseek_v4 = True
+
+    def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if getattr(config, "attention_kind", None) != "deepseek-v4":
+            return NOT_V4
+        if kv_codec != "none":
+            return f"reference-v4 stores the KV vectors in the cache dtype; kv_codec {kv_codec!r} is not supported"
+        return None
+
+    def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
+        return V4Cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device)
+
+    # ------------------------------------------------------------------ pieces
+    @staticmethod
+    def _rope(x, positions, freqs, inverse=False):
+        rd = 2 * freqs.numel()
+        ang = positions.to(freqs.dtype)[:, None] * freqs[None, :]
+        if x.ndim == 3:
+            ang = ang[:, None, :]
+        cos, sin = ang.cos(), ang.sin() * (-1 if inverse else 1)
+        a, b = x[..., -rd:][..., 0::2], x[..., -rd:][..., 1::2]
+        return torch.cat([x[..., :-rd], torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)], -1)
+
+    @staticmethod
+    def _rms(x, eps, weight=None):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return y if weight is None else y * weight.to(x.dtype)
+
+    def _compress(self, cache, b, proj_kv, proj_score, names, ape, norm, overlap, start, n, out_name, freqs, wd):
+        """Feed row b's n new tokens (positions start..start+n-1; their projections [n, coff*d]) to a compressor
+        whose state lives in ``names`` (kv_state, score_state); write each entry whose window closes to
+        ``out_name``. Returns nothing: the entries are read back from the cache."""
+        cfg = cache.config
+        m = cfg.compress_ratio
+        kv_state, score_state = cache._t[names[0]], cache._t[names[1]]
+        d = norm.numel()
+        open_from = (start // m) * m                         # first token of the window open before this call
+        r = start - open_from                                # its tokens already in the state
+        seq_kv = torch.cat([kv_state[b, :m + r].to(wd), proj_kv], 0)          # positions open_from - m ..
+        seq_sc = torch.cat([score_state[b, :m + r].to(wd), proj_score + ape[(torch.arange(n) + start) % m]], 0)
+        end = start + n
+        first_new_window = open_from // m
+        closed = end // m                                    # windows 0..closed-1 are closed after this call
+        for j in range(first_new_window, closed):
+            lo = j * m - (open_from - m)                     # index of window j's first token in seq_*
+            cur_kv, cur_sc = seq_kv[lo:lo + m], seq_sc[lo:lo + m]
+            if overlap:
+                if j == 0:
+                    prev_kv = cur_kv.new_zeros(m, d)
+                    prev_sc = cur_sc.new_full((m, d), -math.inf)
+                else:
+                    prev_kv, prev_sc = seq_kv[lo - m:lo, :d], seq_sc[lo - m:lo, :d]
+                kv_w = torch.cat([prev_kv, cur_kv[:, d:]], 0)
+                sc_w = torch.cat([prev_sc, cur_sc[:, d:]], 0)
+            else:
+                kv_w, sc_w = cur_kv, cur_sc
+            entry = self._rms((kv_w * sc_w.softmax(0)).sum(0), cfg.rms_norm_eps, norm)
+            entry = self._rope(entry[None], torch.tensor([j * m]), freqs)[0]
+            cache._t[out_name][b, j] = entry.to(cache.dtype)
+        # the state after the call: the last closed window (slots 0..m-1) and the open one (slots m..)
+        new_open = (end // m) * m
+        keep_from = new_open - m - (open_from - m)           # index in seq_* of the window before the open one
+        tail_kv, tail_sc = seq_kv[max(keep_from, 0):], seq_sc[max(keep_from, 0):]
+        pad = max(-keep_from, 0)                             # before window 0: nothing (never read)
+        if pad:
+            tail_kv = torch.cat([tail_kv.new_zeros(pad, tail_kv.shape[1]), tail_kv], 0)
+            tail_sc = torch.cat([tail_sc.new_full((pad, tail_sc.shape[1]), -math.inf), tail_sc], 0)
+        kv_state[b, :tail_kv.shape[0]] = tail_kv.to(kv_state.dtype)
+        score_state[b, :tail_sc.shape[0]] = tail_sc.to(score_state.dtype)
+
+    # ------------------------------------------------------------------ attend
+    def attend(self, weights, hidden_states, positions, cache: V4Cache, lengths=None):
+        cfg: V4Config = weights.config
+        x, dt = hidden_states, hidden_states.dtype
+        wd = torch.float64 if weights.dtype == torch.float64 else torch.float32
+        B, S, _ = x.shape
+        H, D, rd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim, cfg.rms_norm_eps
+        W, m = cfg.sliding_window, cfg.compress_ratio
+        lengths = torch.full((B,), S) if lengths is None else lengths.to("cpu")
+        theta, yarn = cfg.rope()
+        freqs = inv_freq(rd, theta, yarn).to(device=x.device, dtype=wd)
+        lin = lambda t, name: t.to(weights[name].dtype) @ weights[name].T
+        out = torch.zeros(B, S, cfg.hidden_size, dtype=dt, device=x.device)
+        topk_all = torch.full((B, S, cfg.index_topk), -1, dtype=torch.int64)
+        for b in range(B):
+            n, start = int(lengths[b]), int(cache.seq_lens[b])
+            if n == 0:
+                continue
+            xb = x[b, :n]
+            pos = torch.arange(start, start + n, device=x.device)
+            qr = self._rms(lin(xb, "q_a_proj.weight").to(wd), eps, weights["q_a_norm.weight"])
+            q = self._rms(lin(qr, "q_b_proj.weight").to(wd).view(n, H, D), eps)
+            q = self._rope(q, pos, freqs)
+            kv = self._rope(self._rms(lin(xb, "kv_proj.weight").to(wd), eps, weights["kv_norm.weight"]), pos, freqs)
+            kv = kv.to(cache.dtype)
+            # window keys: the ring's stored tokens still in some query's window, then the new ones
+            old_lo = max(0, start - W + 1)
+            old_pos = torch.arange(old_lo, start, device=x.device)
+            old = cache._t["window"][b, old_pos % W] if len(old_pos) else kv[:0]
+            win_keys = torch.cat([old, kv], 0).to(wd)
+            win_pos = torch.cat([old_pos, pos])
+            keep = pos[-min(n, W):]
+            cache._t["window"][b, keep % W] = kv[-min(n, W):]
+            visible = (win_pos[None, :] <= pos[:, None]) & (win_pos[None, :] > pos[:, None] - W)
+            keys = win_keys
+            if m:
+                pre = "compressor."
+                coff_kv = lin(xb, pre + "kv_proj.weight").to(wd)
+                coff_sc = lin(xb, pre + "gate_proj.weight").to(wd)
+                self._compress(cache, b, coff_kv, coff_sc, ("kv_state", "score_state"),
+                               weights[pre + "position_bias"].to(wd), weights[pre + "kv_norm.weight"].to(wd),
+                               cfg.overlap, start, n, "compressed", freqs, wd)
+                N = (start + n) // m
+                entries = cache._t["compressed"][b, :N].to(wd)
+                closed = (torch.arange(N, device=x.device)[None, :] + 1) * m <= pos[:, None] + 1
+                attended = closed
+                if cfg.layer_type == CSA:
+                    ip = "compressor.indexer."
+                    self._compress(cache, b, lin(xb, ip + "kv_proj.weight").to(wd),
+                                   lin(xb, ip + "gate_proj.weight").to(wd), ("index_kv_state", "index_score_state"),
+                                   weights[ip + "position_bias"].to(wd), weights[ip + "kv_norm.weight"].to(wd), True,
+                                   start, n, "indexer", freqs, wd)
+                if cfg.layer_type == CSA and N:
+                    ikeys = cache._t["indexer"][b, :N].to(wd)
+                    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+                    qi = self._rope(lin(qr, ip + "q_b_proj.weight").to(wd).view(n, Hi, Di), pos, freqs)
+                    wts = lin(xb, ip + "scorer.weights_proj.weight").to(wd) * (Di ** -0.5 * Hi ** -0.5)
+                    scores = torch.einsum("si,sij->sj", wts, torch.einsum("sic,jc->sij", qi, ikeys).clamp(min=0))
+                    scores = scores.masked_fill(~closed, -math.inf)
+                    k = min(cfg.index_topk, N)
+                    top = scores.topk(k, dim=-1).indices
+                    attended = torch.zeros_like(closed).scatter_(1, top, True) & closed
+                    topk_all[b, :n, :k] = torch.where(closed.gather(1, top), top, -1).cpu()
+                keys = torch.cat([win_keys, entries], 0)
+                visible = torch.cat([visible, attended], 1)
+            z = torch.einsum("shd,td->hst", q, keys) * cfg.softmax_scale
+            z = z.masked_fill(~visible[None], -math.inf)
+            sink = weights["sinks"].to(wd).view(H, 1, 1)
+            zmax = torch.maximum(z.amax(-1, keepdim=True), sink)
+            e = (z - zmax).exp()
+            p = e / (e.sum(-1, keepdim=True) + (sink - zmax).exp())
+            o = self._rope(torch.einsum("hst,td->shd", p, keys), pos, freqs, inverse=True)
+            g = cfg.o_groups
+            w_oa = weights["o_a_proj.weight"].view(g, cfg.o_lora_rank, -1)
+            y = torch.einsum("sgd,grd->sgr", o.reshape(n, g, -1).to(w_oa.dtype), w_oa)
+            out[b, :n] = lin(y.flatten(1), "o_b_proj.weight").to(dt)
+        cache.seq_lens += lengths.to(cache.seq_lens.device)
+        cache.last_topk_indices = topk_all
+        return out
