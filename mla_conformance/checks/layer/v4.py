@@ -56,10 +56,10 @@ LIKELY_CAUSES: dict[str, tuple[Variant, str, tuple[str, ...]]] = {
     "no-sink": (Variant(sink=False), "the attention sink not in the softmax denominator alone (dropped, or added "
                 "to every score / the numerator, where it cancels): p = exp(z) / (sum exp(z) + exp(sink_h))",
                 (SLIDING, CSA, HCA)),
-    "window+1": (Variant(window_delta=1), "the sliding window one token too wide (the query and the "
-                 "sliding_window - 1 tokens before it: t > p - sliding_window)", (SLIDING, CSA, HCA)),
-    "window-1": (Variant(window_delta=-1), "the sliding window one token too narrow (the query and the "
-                 "sliding_window - 1 tokens before it: t > p - sliding_window)", (SLIDING, CSA, HCA)),
+    "window+1": (Variant(window_delta=1), "the sliding window one token too wide: sliding_window + 1 tokens "
+                 "(t >= p - sliding_window); V4's is the query and the sliding_window - 1 tokens before it", (SLIDING, CSA, HCA)),
+    "window-1": (Variant(window_delta=-1), "the sliding window one token too narrow: sliding_window - 1 "
+                 "tokens; V4's is the query and the sliding_window - 1 tokens before it (t > p - sliding_window)", (SLIDING, CSA, HCA)),
     "entry-early": (Variant(entry_early=True), "a compressed entry visible before its window closed: entry j "
                     "(tokens j*m .. j*m+m-1) is visible to query p only when (j+1)*m <= p+1", (CSA, HCA)),
     "overlap-swapped": (Variant(overlap_swapped=True), "CSA's overlapping compressor halves misaligned: an entry "

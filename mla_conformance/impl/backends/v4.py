@@ -125,17 +125,19 @@ class ReferenceV4:
             lo = j * m - (open_from - m)                     # index of window j's first token in seq_*
             cur_kv, cur_sc = seq_kv[lo:lo + m], seq_sc[lo:lo + m]
             if overlap:
+                first, second = self._overlap_halves(d)
                 if j == 0:
                     prev_kv = cur_kv.new_zeros(m, d)
                     prev_sc = cur_sc.new_full((m, d), -math.inf)
                 else:
-                    prev_kv, prev_sc = seq_kv[lo - m:lo, :d], seq_sc[lo - m:lo, :d]
-                kv_w = torch.cat([prev_kv, cur_kv[:, d:]], 0)
-                sc_w = torch.cat([prev_sc, cur_sc[:, d:]], 0)
+                    prev_kv, prev_sc = seq_kv[lo - m:lo, first], seq_sc[lo - m:lo, first]
+                kv_w = torch.cat([prev_kv, cur_kv[:, second]], 0)
+                sc_w = torch.cat([prev_sc, cur_sc[:, second]], 0)
             else:
                 kv_w, sc_w = cur_kv, cur_sc
             entry = self._rms((kv_w * sc_w.softmax(0)).sum(0), cfg.rms_norm_eps, norm)
-            entry = self._rope(entry[None], torch.tensor([j * m]), freqs)[0]
+            entry = self._rope(entry[None], torch.tensor([self._entry_position(j, m)]),
+                               self._entry_freqs(cfg, freqs))[0]
             cache._t[out_name][b, j] = entry.to(cache.dtype)
         # the state after the call: the last closed window (slots 0..m-1) and the open one (slots m..)
         new_open = (end // m) * m
@@ -147,6 +149,48 @@ class ReferenceV4:
             tail_sc = torch.cat([tail_sc.new_full((pad, tail_sc.shape[1]), -math.inf), tail_sc], 0)
         kv_state[b, :tail_kv.shape[0]] = tail_kv.to(kv_state.dtype)
         score_state[b, :tail_sc.shape[0]] = tail_sc.to(score_state.dtype)
+
+    # ------------------------------------------------------------------ the rules, one method each
+    @staticmethod
+    def _window_visible(win_pos, pos, W):
+        """Query p sees window tokens t with p - W < t <= p (the last W tokens, itself included)."""
+        return (win_pos[None, :] <= pos[:, None]) & (win_pos[None, :] > pos[:, None] - W)
+
+    @staticmethod
+    def _entry_visible(j, pos, m):
+        """Entry j (tokens j*m .. j*m+m-1) is visible to query p once its window closed: (j+1)*m <= p+1."""
+        return (j[None, :] + 1) * m <= pos[:, None] + 1
+
+    @staticmethod
+    def _overlap_halves(d):
+        """CSA: the previous window contributes its first d projections (Ca), the entry's own its second (Cb)."""
+        return slice(0, d), slice(d, 2 * d)
+
+    @staticmethod
+    def _entry_position(j, m):
+        """Entry j is rotated at its window's first token."""
+        return j * m
+
+    @staticmethod
+    def _entry_freqs(cfg, freqs):
+        """Entries use the layer's (compressed) RoPE: compress_rope_theta with YaRN."""
+        return freqs
+
+    @staticmethod
+    def _index_scores(wts, dots):
+        """sum_i w_i ReLU(q_i . k): [S, Hi] weights, [S, Hi, N] dots -> [S, N]."""
+        return torch.einsum("si,sij->sj", wts, dots.clamp(min=0))
+
+    @staticmethod
+    def _probabilities(z, sink):
+        """softmax over the visible keys with the per-head sink in the denominator only."""
+        zmax = torch.maximum(z.amax(-1, keepdim=True), sink)
+        e = (z - zmax).exp()
+        return e / (e.sum(-1, keepdim=True) + (sink - zmax).exp())
+
+    def _rotate_back(self, o, pos, freqs):
+        """The conjugate rotation of the output's rope slice at the query's position."""
+        return self._rope(o, pos, freqs, inverse=True)
 
     # ------------------------------------------------------------------ attend
     def attend(self, weights, hidden_states, positions, cache: V4Cache, lengths=None):
@@ -181,7 +225,7 @@ class ReferenceV4:
             win_pos = torch.cat([old_pos, pos])
             keep = pos[-min(n, W):]
             cache._t["window"][b, keep % W] = kv[-min(n, W):]
-            visible = (win_pos[None, :] <= pos[:, None]) & (win_pos[None, :] > pos[:, None] - W)
+            visible = self._window_visible(win_pos, pos, W)
             keys = win_keys
             if m:
                 pre = "compressor."
@@ -192,7 +236,7 @@ class ReferenceV4:
                                cfg.overlap, start, n, "compressed", freqs, wd)
                 N = (start + n) // m
                 entries = cache._t["compressed"][b, :N].to(wd)
-                closed = (torch.arange(N, device=x.device)[None, :] + 1) * m <= pos[:, None] + 1
+                closed = self._entry_visible(torch.arange(N, device=x.device), pos, m)
                 attended = closed
                 if cfg.layer_type == CSA:
                     ip = "compressor.indexer."
@@ -205,7 +249,7 @@ class ReferenceV4:
                     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
                     qi = self._rope(lin(qr, ip + "q_b_proj.weight").to(wd).view(n, Hi, Di), pos, freqs)
                     wts = lin(xb, ip + "scorer.weights_proj.weight").to(wd) * (Di ** -0.5 * Hi ** -0.5)
-                    scores = torch.einsum("si,sij->sj", wts, torch.einsum("sic,jc->sij", qi, ikeys).clamp(min=0))
+                    scores = self._index_scores(wts, torch.einsum("sic,jc->sij", qi, ikeys))
                     scores = scores.masked_fill(~closed, -math.inf)
                     k = min(cfg.index_topk, N)
                     top = scores.topk(k, dim=-1).indices
@@ -215,11 +259,8 @@ class ReferenceV4:
                 visible = torch.cat([visible, attended], 1)
             z = torch.einsum("shd,td->hst", q, keys) * cfg.softmax_scale
             z = z.masked_fill(~visible[None], -math.inf)
-            sink = weights["sinks"].to(wd).view(H, 1, 1)
-            zmax = torch.maximum(z.amax(-1, keepdim=True), sink)
-            e = (z - zmax).exp()
-            p = e / (e.sum(-1, keepdim=True) + (sink - zmax).exp())
-            o = self._rope(torch.einsum("hst,td->shd", p, keys), pos, freqs, inverse=True)
+            p = self._probabilities(z, weights["sinks"].to(wd).view(H, 1, 1))
+            o = self._rotate_back(torch.einsum("hst,td->shd", p, keys), pos, freqs)
             g = cfg.o_groups
             w_oa = weights["o_a_proj.weight"].view(g, cfg.o_lora_rank, -1)
             y = torch.einsum("sgd,grd->sgr", o.reshape(n, g, -1).to(w_oa.dtype), w_oa)

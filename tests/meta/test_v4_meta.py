@@ -1,0 +1,78 @@
+"""DeepSeek-V4 attention's verdicts, through the plugin as a user runs it (suites/test_deepseek_v4.py):
+
+* each broken backend of tests/meta/impls/broken/v4_backends.py (reference-v4 with one known bug) fails its named
+  test, and the failure names its cause;
+* the independent V4 backend (tests/meta/impls/independent/v4_backend.py, written from DeepSeek's V4
+  inference/model.py without the suite's reference) and reference-v4 pass every V4 test;
+* a backend that does not declare V4 (the frozen base backend) skips every V4 test naming the declaration.
+"""
+
+import pytest
+
+from . import harness
+
+pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_v4_meta")]
+BROKEN = "tests/meta/impls/broken/v4_backends.py"
+INDEPENDENT = "tests/meta/impls/independent/v4_backend.py:IndependentV4"
+FROZEN = "tests/meta/frozen_base_backend.py:MyBackend"
+S = "suites/test_deepseek_v4.py"
+
+#: broken backend class -> (its name, the test that must fail, what the failure must name)
+FAILS = {
+    "RopeLeading": ("broken-v4-rope-leading", "test_v4_float32[{}-prefill-swa]", "RoPE on the leading"),
+    "NoRotateBack": ("broken-v4-no-rotate-back", "test_v4_float32[{}-prefill-swa]", "not rotated back"),
+    "SinkInNumerator": ("broken-v4-sink-in-numerator", "test_v4_float32[{}-prefill-swa]",
+                        "sink not in the softmax denominator alone"),
+    "WindowOffByOne": ("broken-v4-window-off-by-one", "test_v4_float32[{}-prefill-swa]", "one token too wide"),
+    "EntryEarly": ("broken-v4-entry-early", "test_v4_float32[{}-prefill-hca]", "visible before its window closed"),
+    "OverlapSwapped": ("broken-v4-overlap-swapped", "test_v4_float32[{}-prefill-csa]", "halves misaligned"),
+    "EntryRopeLast": ("broken-v4-entry-rope-last", "test_v4_float32[{}-prefill-hca]", "at the wrong position"),
+    "EntryRopeMainTheta": ("broken-v4-entry-rope-main-theta", "test_v4_float32[{}-prefill-hca]",
+                           "main rope_theta without YaRN"),
+    "IndexerNoRelu": ("broken-v4-indexer-no-relu", "test_v4_float32[{}-prefill-csa]", "without the ReLU"),
+    "IndexerNoWeights": ("broken-v4-indexer-no-weights", "test_v4_float32[{}-prefill-csa]", "per-head weights"),
+    "KeyAndValueCopy": ("broken-v4-key-and-value-copy", "test_v4_cache_bytes[{}-sliding_attention]",
+                        "a key copy and a value copy"),
+}
+FAIL_IDS = {f"{S}::{test.format(name)}": cause for name, test, cause in FAILS.values()}
+PASSING = ("reference-v4", "independent-v4")
+
+
+def _passing_run(pytester) -> harness.SuiteRun:
+    return harness.run_inprocess(pytester, [S], backends=["reference-v4", INDEPENDENT, FROZEN])
+
+
+def _broken_run(pytester) -> harness.SuiteRun:
+    return harness.run_inprocess(pytester, list(FAIL_IDS), backends=[f"{BROKEN}:{cls}" for cls in FAILS])
+
+
+@pytest.fixture
+def outcomes(suite_run) -> dict[str, dict]:
+    return suite_run("v4-meta-passing", _passing_run).by_id
+
+
+@pytest.fixture
+def broken_outcomes(suite_run) -> dict[str, dict]:
+    return suite_run("v4-meta-broken", _broken_run).by_id
+
+
+@pytest.mark.parametrize("nodeid", list(FAIL_IDS))
+def test_broken_v4_backend_fails_naming_its_cause(broken_outcomes, nodeid):
+    got = broken_outcomes.get(nodeid)
+    assert got is not None, f"{nodeid} did not run"
+    assert got["outcome"] == "failed", f"{nodeid}: {got['outcome']}: {got.get('reason', '')}"
+    assert FAIL_IDS[nodeid] in got.get("reason", ""), got.get("reason")
+
+
+@pytest.mark.parametrize("backend", PASSING)
+def test_reference_and_independent_v4_pass(outcomes, backend):
+    mine = {k: v for k, v in outcomes.items() if f"[{backend}-" in k}
+    assert len(mine) >= 33, f"{backend}: only {len(mine)} V4 tests ran"
+    bad = {k: f"{v['outcome']}: {v.get('reason', '')[:300]}" for k, v in mine.items() if v["outcome"] != "passed"}
+    assert not bad, bad
+
+
+def test_undeclared_backend_skips_naming_the_declaration(outcomes):
+    mine = {k: v for k, v in outcomes.items() if "[my-mla-" in k}
+    assert mine, "the frozen base backend ran no V4 test"
+    assert all(v["outcome"] == "skipped" and "deepseek_v4 = True" in v.get("reason", "") for v in mine.values()), mine
