@@ -18,7 +18,8 @@ def add_cli(sub: Any) -> None:
                        "fits / does-not-fit verdict",
         description="The KV budget (seed 004): KV-cache bytes (MHA/GQA/MLA latent/expanded/codecs), decode "
                     "arithmetic intensity, balance points, and the MLA decode tile's registers and shared "
-                    "memory with a fits / does-not-fit verdict against the stated device's per-block limit.")
+                    "memory with a fits / does-not-fit verdict against the stated device's per-block limit. "
+                    "With --v4: DeepSeek-V4's KV cache beside V3 MLA and V3.2 DSA, and DeepSeek's 1M-token claim.")
     p.add_argument("--preset", default=DEFAULT_PRESET, help=preset_help() + "; seed 004's figures: deepseek-v3.2")
     p.add_argument("--seq", type=int, default=8192, help="sequence length for the one-sequence bytes (default: 8192)")
     p.add_argument("--capability", action="append", metavar="X.Y", default=None,
@@ -33,6 +34,11 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--threads", type=int, default=256)
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--v4", action="store_true",
+                   help="instead of the preset's budget: DeepSeek-V4-Flash and V4-Pro's KV cache per layer type and "
+                        "model at 128k and 1M tokens (bf16, FP8 MODEL1), beside V3 MLA and V3.2 DSA, and the ratio to "
+                        "V3.2 against DeepSeek's claim (mla_conformance.kv.v4_budget); --json applies, the other "
+                        "options do not")
     p.add_argument("--json", action="store_true", help="print the figures as deterministic JSON")
     p.set_defaults(func=run)
 
@@ -49,6 +55,12 @@ def _smem_capability(text: str) -> str:
 
 
 def run(args) -> int:
+    if args.v4:
+        from mla_conformance.kv import v4_budget
+
+        report = v4_budget.v4_report()
+        print(to_json(report) if args.json else v4_budget.format_v4_report(report))
+        return 0
     if args.seq <= 0:
         raise UserError(f"--seq must be a positive integer, got {args.seq}")
     elem_bytes = args.elem_bytes
