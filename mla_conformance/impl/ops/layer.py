@@ -84,6 +84,9 @@ class OpBackend:
     cache_format = "latent"
     supports_paging = True
     paged_bit_exact = False
+    #: V4 layers go to mla_conformance.impl.ops.v4_layer (the op's sparse decode over two caches with the sink);
+    #: an op that lacks what that needs declines them there, with the missing declaration named
+    deepseek_v4 = True
 
     def __init__(self, op, page_block_size: int | None = None, context_chunk: int | None = None):
         for attr in ("unsupported_reason", "decode"):
@@ -162,7 +165,13 @@ class OpBackend:
             cases.append(OpCase(batch=1, s_q=MULTI_TOKEN_S_Q, **common))
         return cases
 
+    def _v4(self):
+        from mla_conformance.impl.ops.v4_layer import V4OpPath
+        return V4OpPath(self)
+
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if getattr(config, "attention_kind", None) == "deepseek-v4":
+            return self._v4().unsupported_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
         reason = self.request_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
         if reason:
             return reason
@@ -174,6 +183,9 @@ class OpBackend:
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none", page_block_size=None):
+        if getattr(config, "attention_kind", None) == "deepseek-v4":
+            return self._v4().new_cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype,
+                                        device=device, kv_codec=kv_codec)
         page_block_size = self.page_block_size if page_block_size is None else page_block_size
         if page_block_size not in self.page_block_sizes:
             raise ValueError(f"{self.name}: the op reads pages of {', '.join(map(str, self.page_block_sizes))} "
@@ -200,6 +212,8 @@ class OpBackend:
         return o
 
     def attend(self, weights, hidden_states, positions, cache, lengths=None):
+        if getattr(weights.config, "attention_kind", None) == "deepseek-v4":
+            return self._v4().attend(weights, hidden_states, positions, cache, lengths)
         if hidden_states.dtype != weights.dtype:
             raise ValueError(f"hidden_states are {hidden_states.dtype} but weights are {weights.dtype}")
         if not isinstance(cache, PagedLatentCache):
