@@ -58,3 +58,22 @@ def test_v4_cache_bytes(mla_backend, layer_type, mla_device, mla_figures):
     140 // 4 CSA entries (+ as many 128-wide indexer keys) or 140 // 128 HCA entries of 512 x 2 B."""
     v4.check_cache_bytes(mla_backend, layer_type, checks.DTYPES["bfloat16"], mla_device, tokens=140,
                          figures=mla_figures)
+
+
+@pytest.mark.mla_section("deepseek-v4")
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "compressed_sparse_attention",
+                                        "heavily_compressed_attention"])
+def test_v4_cache_bytes_model1_fp8(mla_backend, layer_type, mla_device, mla_figures):
+    """kv_codec fp8-e4m3-model1 (FlashMLA's MODEL1 row: 448 e4m3 + 7 UE8M0 scales + 64 bf16 rope + 1 pad = 584
+    B): window 128 x 584 B, entries 584 B each; the indexer keys stay in the cache dtype (DeepSeek's V4 code)."""
+    v4.check_cache_bytes(mla_backend, layer_type, checks.DTYPES["bfloat16"], mla_device, tokens=140,
+                         kv_codec="fp8-e4m3-model1", figures=mla_figures)
+
+
+@pytest.mark.mla_section("deepseek-v4")
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "compressed_sparse_attention",
+                                        "heavily_compressed_attention"])
+def test_v4_model1_fp8(mla_backend, layer_type, mla_device, mla_figures):
+    """Under the MODEL1 FP8 cache at V4's widths (v4-mini, bfloat16, 150 tokens + 3 decode steps): the output
+    against the float64 oracle over MODEL1-rounded window rows and entries, to the bfloat16 row tolerance."""
+    v4.judge_fp8(mla_backend, layer_type, checks.DTYPES["bfloat16"], mla_device, mla_figures)

@@ -285,7 +285,7 @@ V4_PRESETS: dict[str, dict[str, Any]] = {
     # V4's own widths (head_dim 512, rope 64, index_head_dim 128, window 128, ratios 4 / 128) with few heads and a
     # small model width: the cache layouts (bytes, MODEL1 FP8 rows) at the real per-token sizes on CPU.
     "v4-mini": dict(hidden_size=256, num_attention_heads=2, q_lora_rank=64, o_groups=2, o_lora_rank=64,
-                    index_n_heads=2, index_head_dim=128, index_topk=8, layer_types=[SLIDING, CSA, HCA],
+                    index_n_heads=8, index_head_dim=128, index_topk=8, layer_types=[SLIDING, CSA, HCA],
                     rope_scaling=_V4_YARN),
 }
 #: the numerics presets' judged layers: suite id -> (preset, layer type)

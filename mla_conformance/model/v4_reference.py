@@ -58,6 +58,7 @@ class Variant:
     entry_rope: str = "first"         # "last": entry j rotated at j*m + m - 1; "main-theta": rope_theta, no YaRN
     indexer_relu: bool = True         # False: the indexer sums w * (q.k) without the ReLU
     indexer_weights: bool = True      # False: the indexer sums ReLU(q.k) without its per-head weights
+    kv_format: str = "exact"          # "fp8-e4m3-model1": the window rows and entries as MODEL1 FP8 stores them
 
 
 EXACT = Variant()
@@ -132,6 +133,23 @@ def compress(x: torch.Tensor, w_kv: torch.Tensor, w_gate: torch.Tensor, ape: tor
     return rms((kv * score.softmax(dim=1)).sum(dim=1), eps, norm)
 
 
+def stored(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """KV rows as a cache format stores them, read back in float64: unchanged ("exact"), or FlashMLA's MODEL1 FP8
+    row (448 e4m3 in tiles of 64 with UE8M0 scales, the 64 rope dims in bf16: mla_conformance.kv.model1), the
+    rounding DeepSeek's V4 code simulates with act_quant(kv[..., :-rd], 64, "ue8m0") on the window and entries."""
+    if kv_format == "exact" or rows.shape[0] == 0:
+        return rows
+    from mla_conformance.kv import model1
+    if kv_format != model1.NAME:
+        raise ValueError(f"unknown kv_format {kv_format!r} (exact, {model1.NAME})")
+    payload, scales = model1.encode(rows[:, :model1.D_NOPE], rows[:, model1.D_NOPE:])
+    nope = payload[:, :model1.D_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
+    s = scales.contiguous().view(torch.float8_e8m0fnu).to(torch.float64)
+    nope = (nope.unflatten(-1, (model1.TILES, model1.TILE)) * s[..., None]).flatten(-2)
+    rope_part = payload[:, model1.D_NOPE:].contiguous().view(torch.bfloat16).to(torch.float64)
+    return torch.cat([nope, rope_part], -1)
+
+
 @dataclasses.dataclass
 class RowTrace:
     """What the oracle computed for one row: the indexer's scores [L, N] (-inf where an entry is not yet visible;
@@ -160,6 +178,7 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT) -> tuple
     q = rms((qr @ f["q_b_proj.weight"].T).view(L, H, D), eps)                            # unweighted, per head
     q = rope(q, pos, freqs, leading=lead)
     kv = rope(rms(x @ f["kv_proj.weight"].T, eps, f["kv_norm.weight"]), pos, freqs, leading=lead)   # [L, D]
+    kv = stored(kv, variant.kv_format)
 
     s, t = pos[:, None], pos[None, :]
     visible_win = (t <= s) & (t > s - win)                                               # [L, L]
@@ -172,7 +191,7 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT) -> tuple
         N = entries.shape[0]
         at = torch.arange(N) * m + (m - 1 if variant.entry_rope == "last" else 0)
         efreqs = inv_freq(rd, float(cfg.rope_theta), None) if variant.entry_rope == "main-theta" else freqs
-        entries = rope(entries, at, efreqs, leading=lead)
+        entries = stored(rope(entries, at, efreqs, leading=lead), variant.kv_format)
         j = torch.arange(N)[None, :]
         closed = (j + 1) * m <= s + 1                                                    # [L, N]
         if variant.entry_early:

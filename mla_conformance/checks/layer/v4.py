@@ -181,15 +181,24 @@ def decode_equals_prefill(backend, layer: str, dtype: torch.dtype, device="cpu",
 
 # --------------------------------------------------------------------------- bytes
 
-def expected_component_bytes(config, n: int, dtype: torch.dtype) -> dict[str, int]:
-    """The V4 cache of one row of n tokens, per component, in the cache dtype (DeepSeek's layout): a window ring of
-    min(n, sliding_window) head_dim rows (K = V: one vector), n // ratio compressed head_dim rows (CSA, HCA), and
-    for CSA n // ratio indexer keys of index_head_dim."""
+def kv_row_bytes(config, dtype: torch.dtype, kv_codec: str = "none") -> int:
+    """One KV row (window or entry): head_dim values in the cache dtype, or MODEL1's 584 bytes."""
+    from mla_conformance.kv import model1
+    if kv_codec == model1.NAME:
+        return model1.TOKEN_BYTES
+    return config.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def expected_component_bytes(config, n: int, dtype: torch.dtype, kv_codec: str = "none") -> dict[str, int]:
+    """The V4 cache of one row of n tokens, per component (DeepSeek's layout): a window ring of
+    min(n, sliding_window) KV rows (K = V: one vector), n // ratio compressed rows (CSA, HCA), a KV row being
+    head_dim values in the cache dtype or a 584-byte MODEL1 row; for CSA n // ratio indexer keys of
+    index_head_dim in the cache dtype."""
     e = torch.empty(0, dtype=dtype).element_size()
-    m = config.compress_ratio
-    out = {"window": min(n, config.sliding_window) * config.head_dim * e}
+    m, row = config.compress_ratio, kv_row_bytes(config, dtype, kv_codec)
+    out = {"window": min(n, config.sliding_window) * row}
     if m:
-        out["compressed"] = (n // m) * config.head_dim * e
+        out["compressed"] = (n // m) * row
     if config.layer_type == CSA:
         out["indexer"] = (n // m) * config.index_head_dim * e
     return out
@@ -198,12 +207,15 @@ def expected_component_bytes(config, n: int, dtype: torch.dtype) -> dict[str, in
 V4_COMPONENTS = ("window", "compressed", "indexer", "state", "bookkeeping")
 
 
-def measure_component_bytes(cache, poisoned) -> dict[str, int]:
-    """Bytes written per component (``cache.v4_layout``), measured from ``tensors()``: of a preallocated
-    buffer, the elements that no longer hold the suite's poison; of a buffer that appeared or grew, all its
-    bytes. A tensor listed twice under two names (transformers' window keys and values) counts once."""
+def measure_component_bytes(runs) -> dict[str, int]:
+    """Bytes written per component (``cache.v4_layout``), measured from ``tensors()`` over runs of the same
+    scenario whose poison differs ((cache, poisoned) pairs; integer storage with 0xFF, then 0x00 bytes, so a
+    written byte equal to one poison still counts): of a preallocated buffer, the elements that no longer hold
+    the poison in some run; of a buffer that appeared or grew, all its bytes. A tensor listed twice under two
+    names (transformers' window keys and values) counts once."""
     from mla_conformance.contract.layer import BackendSpecError
 
+    cache = runs[0][0]
     tensors = cache.tensors()
     layout = getattr(cache, "v4_layout", None)
     if not isinstance(layout, dict):
@@ -222,7 +234,8 @@ def measure_component_bytes(cache, poisoned) -> dict[str, int]:
             continue
         seen.add(key)
         unique[k] = t
-    per_tensor = written_bytes(unique, [written_masks(unique, poisoned)])
+    masks = [written_masks({k: c.tensors()[k] for k in unique}, p) for c, p in runs]
+    per_tensor = written_bytes(unique, masks)
     out = {c: 0 for c in V4_COMPONENTS}
     for k, nbytes in per_tensor.items():
         out[layout[k]] += nbytes
@@ -230,7 +243,7 @@ def measure_component_bytes(cache, poisoned) -> dict[str, int]:
 
 
 def check_cache_bytes(backend, layer_type: str, dtype: torch.dtype, device="cpu", *, tokens: int,
-                      figures: dict | None = None) -> dict[str, int]:
+                      kv_codec: str = "none", figures: dict | None = None) -> dict[str, int]:
     """At V4's widths (``v4-mini``: head_dim 512, window 128, ratios 4 / 128, indexer keys of 128), one row of
     ``tokens`` tokens (a prefill of tokens - 3, then 3 decode steps): the bytes written per component equal
     DeepSeek's layout in the cache dtype. A window holding twice its bytes is named as a key copy beside the value
@@ -239,18 +252,22 @@ def check_cache_bytes(backend, layer_type: str, dtype: torch.dtype, device="cpu"
     figures = {} if figures is None else figures
     w = weights_for("v4-mini", layer_type, dtype, str(device))
     cfg = w.config
-    require_support(backend, cfg, dtype=dtype, device=device)
+    require_support(backend, cfg, dtype=dtype, device=device, kv_codec=kv_codec)
     sc = Scenario("v4_bytes", (tokens - 3,), decode_steps=3)
     x = inputs_for(cfg, sc)
-    trace: dict = {}
-    _, cache = run_scenario(backend, w, x, sc, device=device, trace=trace)
-    measured = measure_component_bytes(cache, trace["poisoned"])
-    expected = expected_component_bytes(cfg, tokens, dtype)
+    runs = []
+    for sentinel in (0xFF, 0x00):
+        trace: dict = {}
+        _, cache = run_scenario(backend, w, x, sc, device=device, trace=trace, kv_codec=kv_codec,
+                                poison_sentinel=sentinel)
+        runs.append((cache, trace["poisoned"]))
+    measured = measure_component_bytes(runs)
+    expected = expected_component_bytes(cfg, tokens, dtype, kv_codec)
     figures.update({f"{k}_bytes": v for k, v in measured.items()})
     figures.update({f"expected_{k}_bytes": v for k, v in expected.items()})
     where = (f"{backend.name} DeepSeek-V4 {SHORT[layer_type]} cache (v4-mini, {tokens} tokens, "
-             f"{dtype_name(dtype)})")
-    row = cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+             f"{dtype_name(dtype)}, kv_codec {kv_codec})")
+    row = kv_row_bytes(cfg, dtype, kv_codec)
     for comp, want in expected.items():
         got = measured[comp]
         if got == want:
@@ -265,14 +282,49 @@ def check_cache_bytes(backend, layer_type: str, dtype: torch.dtype, device="cpu"
         elif comp in ("compressed", "indexer") and want and got % want == 0:
             hint = f"; {got // want} x the entries' bytes"
         raise AssertionError(f"{where}: {comp} holds {got:,} B, expected {want:,} B "
-                             f"({_formula(cfg, comp, tokens, dtype)}){hint}")
+                             f"({_formula(cfg, comp, tokens, dtype, row)}){hint}")
     return measured
 
 
-def _formula(cfg, comp: str, n: int, dtype) -> str:
+def _formula(cfg, comp: str, n: int, dtype, row: int) -> str:
     e = torch.empty(0, dtype=dtype).element_size()
     if comp == "window":
-        return f"min({n}, {cfg.sliding_window}) rows x {cfg.head_dim} x {e} B"
+        return f"min({n}, {cfg.sliding_window}) rows x {row} B"
     if comp == "compressed":
-        return f"{n} // {cfg.compress_ratio} entries x {cfg.head_dim} x {e} B"
+        return f"{n} // {cfg.compress_ratio} entries x {row} B"
     return f"{n} // {cfg.compress_ratio} keys x {cfg.index_head_dim} x {e} B"
+
+
+#: the MODEL1 FP8 numerics scenario at V4's widths: a 150-token prefill (past the 128-token window, one HCA entry,
+#: 37 CSA entries of which the indexer keeps 8) and 3 decode steps
+FP8_SCENARIO = Scenario("v4_fp8", (150,), decode_steps=3)
+
+
+@functools.lru_cache(maxsize=8)
+def _fp8_oracle(layer_type: str, dtype: torch.dtype):
+    w = master_weights("v4-mini", layer_type)
+    x = inputs_for(w.config, FP8_SCENARIO).to(dtype).to(torch.float64)
+    from mla_conformance.kv import model1
+    return v4_attention_f64(w, x, scenario_lengths(FP8_SCENARIO), Variant(kv_format=model1.NAME))
+
+
+def judge_fp8(backend, layer_type: str, dtype: torch.dtype, device="cpu", figures: dict | None = None) -> dict:
+    """The MODEL1 FP8 cache (kv_codec fp8-e4m3-model1) at V4's widths: the output against the float64 oracle whose
+    window rows and entries are rounded as MODEL1 stores them (the format's rounding is the format's; the
+    arithmetic around it is held to the dtype's row tolerance, as every layer output is)."""
+    __tracebackhide__ = True
+    from mla_conformance.kv import model1
+    figures = {} if figures is None else figures
+    w = weights_for("v4-mini", layer_type, dtype, str(device))
+    require_support(backend, w.config, dtype=dtype, device=device, kv_codec=model1.NAME)
+    x = inputs_for(w.config, FP8_SCENARIO)
+    out, _ = run_scenario(backend, w, x, FP8_SCENARIO, device=device, kv_codec=model1.NAME)
+    lengths = scenario_lengths(FP8_SCENARIO)
+    ref, traces = _fp8_oracle(layer_type, dtype)
+    keep = _certain(traces, lengths, x.shape[1], dtype)
+    figures["tied_queries_not_compared"] = int((~keep).sum())
+    figures.update(error_metrics(out[keep], ref[keep]))
+    check_rows(out, torch.where(keep[..., None], ref, out), lengths, dtype, figures=figures,
+               where=f"{backend.name} DeepSeek-V4 {SHORT[layer_type]} layer (v4-mini) {model1.NAME} "
+                     f"{dtype_name(dtype)}")
+    return figures

@@ -23,8 +23,32 @@ import math
 
 import torch
 
+from mla_conformance.kv import model1
 from mla_conformance.model.v4_config import CSA, V4Config
 from mla_conformance.model.v4_reference import inv_freq
+
+def model1_rows(rows: torch.Tensor) -> torch.Tensor:
+    """KV rows [n, 512] -> MODEL1 rows uint8 [n, 584]: 448 e4m3 (tiles of 64, UE8M0 scales) + 64 bf16 rope,
+    the 7 scale bytes, one zero padding byte (mla_conformance.kv.model1's token layout, unpaged)."""
+    payload, scales = model1.encode(rows[:, :model1.D_NOPE], rows[:, model1.D_NOPE:])
+    return torch.cat([payload, scales, scales.new_zeros(scales.shape[0], 1)], -1)
+
+
+def model1_values(rows: torch.Tensor) -> torch.Tensor:
+    """MODEL1 rows uint8 [n, 584] -> values [n, 512] in bfloat16 (e4m3 x e8m0 scale, exact; the bf16 rope)."""
+    nope = rows[:, :model1.D_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.bfloat16)
+    s = rows[:, model1.PART_BYTES:model1.PART_BYTES + model1.TILES].contiguous().view(torch.float8_e8m0fnu)
+    nope = (nope.unflatten(-1, (model1.TILES, model1.TILE)) * s.to(torch.bfloat16)[..., None]).flatten(-2)
+    rope = rows[:, model1.D_NOPE:model1.PART_BYTES].contiguous().view(torch.bfloat16)
+    return torch.cat([nope, rope], -1)
+
+
+def stored_as(cache, rows: torch.Tensor, dtype) -> torch.Tensor:
+    """KV rows as the cache's window holds them, read back in ``dtype`` (rounded to the cache dtype, or MODEL1)."""
+    if cache.kv_codec == model1.NAME:
+        return model1_values(model1_rows(rows)).to(dtype)
+    return rows.to(cache.dtype).to(dtype)
+
 
 NOT_V4 = ("reference-v4 implements DeepSeek-V4 attention only; this config is MLA (reference-absorbed and "
           "reference-dsa implement that)")
@@ -33,15 +57,20 @@ NOT_V4 = ("reference-v4 implements DeepSeek-V4 attention only; this config is ML
 class V4Cache:
     """A V4 layer's cache for ``batch_size`` rows of up to ``capacity`` tokens (see the module docstring)."""
 
-    def __init__(self, config: V4Config, *, batch_size: int, capacity: int, dtype, device):
+    def __init__(self, config: V4Config, *, batch_size: int, capacity: int, dtype, device, kv_codec: str = "none"):
         self.config, self.batch_size, self.capacity, self.dtype = config, batch_size, capacity, dtype
+        self.kv_codec = kv_codec
         B, D, W, m = batch_size, config.head_dim, config.sliding_window, config.compress_ratio
+        #: a KV row: head_dim values in the cache dtype, or MODEL1's 584 bytes (kv_codec fp8-e4m3-model1)
+        row = dict(size=(model1.TOKEN_BYTES,), dtype=torch.uint8) if kv_codec == model1.NAME else \
+            dict(size=(D,), dtype=dtype)
         self.seq_lens = torch.zeros(B, dtype=torch.int64, device=device)
-        self._t = {"window": torch.zeros(B, W, D, dtype=dtype, device=device)}
+        self._t = {"window": torch.zeros(B, W, *row["size"], dtype=row["dtype"], device=device)}
         self.v4_layout = {"window": "window"}
         if m:
             coff = 2 if config.overlap else 1
-            self._t["compressed"] = torch.zeros(B, max(capacity // m, 1), D, dtype=dtype, device=device)
+            self._t["compressed"] = torch.zeros(B, max(capacity // m, 1), *row["size"], dtype=row["dtype"],
+                                                device=device)
             self._t["kv_state"] = torch.zeros(B, 2 * m, coff * D, dtype=torch.float32, device=device)
             self._t["score_state"] = torch.zeros(B, 2 * m, coff * D, dtype=torch.float32, device=device)
             self.v4_layout.update(compressed="compressed", kv_state="state", score_state="state")
@@ -53,6 +82,20 @@ class V4Cache:
                 self.v4_layout.update(indexer="indexer", index_kv_state="state", index_score_state="state")
         self.last_topk_indices = None
 
+    def put(self, name: str, b: int, slots, rows: torch.Tensor) -> None:
+        """Store KV rows [n, head_dim] (window / compressed: MODEL1-encoded under its codec) or indexer keys."""
+        if self.kv_codec == model1.NAME and name in ("window", "compressed"):
+            self._t[name][b, slots] = model1_rows(rows)
+        else:
+            self._t[name][b, slots] = rows.to(self._t[name].dtype)
+
+    def get(self, name: str, b: int, slots, dtype) -> torch.Tensor:
+        """Stored rows back as values [n, dim] in ``dtype`` (MODEL1 rows decoded: e4m3 x 2^k in bf16, bf16 rope)."""
+        t = self._t[name][b, slots]
+        if self.kv_codec == model1.NAME and name in ("window", "compressed"):
+            return model1_values(t).to(dtype)
+        return t.to(dtype)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(self._t)
 
@@ -63,7 +106,7 @@ class V4Cache:
         """The rows holding stored tokens: min(len, window) window rows, len // ratio entries (and indexer keys),
         plus the compressor state of each started row."""
         cfg, total = self.config, 0
-        row = lambda name: self._t[name][0, 0].nbytes
+        row = lambda name: self._t[name][0, 0].nbytes  # MODEL1: 584 B
         for n in self.seq_lens.tolist():
             total += min(n, cfg.sliding_window) * row("window")
             if cfg.compress_ratio and n:
@@ -83,12 +126,20 @@ class ReferenceV4:
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
         if getattr(config, "attention_kind", None) != "deepseek-v4":
             return NOT_V4
+        if kv_codec == model1.NAME:
+            if (config.head_dim, config.qk_rope_head_dim) != (model1.D_QK, model1.D_ROPE):
+                return (f"reference-v4's {model1.NAME} cache is FlashMLA's MODEL1 row: head_dim {model1.D_QK} = "
+                        f"{model1.D_NOPE} e4m3 + {model1.D_ROPE} bf16 rope; this config has head_dim "
+                        f"{config.head_dim}, rope {config.qk_rope_head_dim}")
+            return None
         if kv_codec != "none":
-            return f"reference-v4 stores the KV vectors in the cache dtype; kv_codec {kv_codec!r} is not supported"
+            return (f"reference-v4 stores the KV vectors in the cache dtype or as MODEL1 FP8 rows "
+                    f"({model1.NAME}); kv_codec {kv_codec!r} is not supported")
         return None
 
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
-        return V4Cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device)
+        return V4Cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device,
+                       kv_codec=kv_codec)
 
     # ------------------------------------------------------------------ pieces
     @staticmethod
@@ -138,7 +189,7 @@ class ReferenceV4:
             entry = self._rms((kv_w * sc_w.softmax(0)).sum(0), cfg.rms_norm_eps, norm)
             entry = self._rope(entry[None], torch.tensor([self._entry_position(j, m)]),
                                self._entry_freqs(cfg, freqs))[0]
-            cache._t[out_name][b, j] = entry.to(cache.dtype)
+            cache.put(out_name, b, j, entry[None])
         # the state after the call: the last closed window (slots 0..m-1) and the open one (slots m..)
         new_open = (end // m) * m
         keep_from = new_open - m - (open_from - m)           # index in seq_* of the window before the open one
@@ -216,15 +267,14 @@ class ReferenceV4:
             q = self._rms(lin(qr, "q_b_proj.weight").to(wd).view(n, H, D), eps)
             q = self._rope(q, pos, freqs)
             kv = self._rope(self._rms(lin(xb, "kv_proj.weight").to(wd), eps, weights["kv_norm.weight"]), pos, freqs)
-            kv = kv.to(cache.dtype)
-            # window keys: the ring's stored tokens still in some query's window, then the new ones
+            # window keys: the ring's stored tokens still in some query's window, then the new ones (as stored)
             old_lo = max(0, start - W + 1)
             old_pos = torch.arange(old_lo, start, device=x.device)
-            old = cache._t["window"][b, old_pos % W] if len(old_pos) else kv[:0]
-            win_keys = torch.cat([old, kv], 0).to(wd)
-            win_pos = torch.cat([old_pos, pos])
+            old = cache.get("window", b, old_pos % W, wd)
             keep = pos[-min(n, W):]
-            cache._t["window"][b, keep % W] = kv[-min(n, W):]
+            cache.put("window", b, keep % W, kv[-min(n, W):])
+            win_keys = torch.cat([old, stored_as(cache, kv, wd)], 0)
+            win_pos = torch.cat([old_pos, pos])
             visible = self._window_visible(win_pos, pos, W)
             keys = win_keys
             if m:
@@ -235,7 +285,7 @@ class ReferenceV4:
                                weights[pre + "position_bias"].to(wd), weights[pre + "kv_norm.weight"].to(wd),
                                cfg.overlap, start, n, "compressed", freqs, wd)
                 N = (start + n) // m
-                entries = cache._t["compressed"][b, :N].to(wd)
+                entries = cache.get("compressed", b, slice(0, N), wd)
                 closed = self._entry_visible(torch.arange(N, device=x.device), pos, m)
                 attended = closed
                 if cfg.layer_type == CSA:
@@ -245,7 +295,7 @@ class ReferenceV4:
                                    weights[ip + "position_bias"].to(wd), weights[ip + "kv_norm.weight"].to(wd), True,
                                    start, n, "indexer", freqs, wd)
                 if cfg.layer_type == CSA and N:
-                    ikeys = cache._t["indexer"][b, :N].to(wd)
+                    ikeys = cache.get("indexer", b, slice(0, N), wd)
                     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
                     qi = self._rope(lin(qr, ip + "q_b_proj.weight").to(wd).view(n, Hi, Di), pos, freqs)
                     wts = lin(xb, ip + "scorer.weights_proj.weight").to(wd) * (Di ** -0.5 * Hi ** -0.5)

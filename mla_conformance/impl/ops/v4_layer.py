@@ -87,6 +87,9 @@ class _Staged:
         if "compressed" in cache._t:
             self._t["compressed"] = cache.row_view("compressed")
 
+    def put(self, name, b, slots, rows):
+        self._t[name][b, slots] = rows.to(self._t[name].dtype)
+
 
 class V4OpPath:
     """The V4 half of an OpBackend (``backend.op``, ``backend.page_block_sizes``)."""
