@@ -33,6 +33,31 @@ ROOT = Path(__file__).resolve().parent
 
 
 def pytest_configure(config):
+    _expect_installed_transformers(config)
+    _loadgroup(config)
+
+
+#: transformers releases whose known failures of hf-transformers are listed (suites/expectations/)
+EXPECTATIONS = ROOT / "suites" / "expectations"
+
+
+def _expect_installed_transformers(config) -> None:
+    """The repository's own run holds hf-transformers to the expectation file of the installed transformers
+    release (suites/expectations/transformers-<major>.<minor>.txt: its known defects, xfail with their evidence),
+    where one exists and no --mla-expect was given; CI's release matrix passes its files itself."""
+    if config.getoption("--mla-expect", None) or not runs_suites(config):
+        return
+    try:
+        from importlib.metadata import version
+        major_minor = ".".join(version("transformers").split(".")[:2])
+    except Exception:  # transformers not installed: nothing to expect
+        return
+    path = EXPECTATIONS / f"transformers-{major_minor}.txt"
+    if path.is_file():
+        config.option.mla_expect = [str(path)]
+
+
+def _loadgroup(config):
     """Under xdist (``-n N``), tests marked ``xdist_group`` go to one worker (``--dist loadgroup`` is ``load``
     for every unmarked test), so the tests of a meta module's run of the suite do not wait on the worker making
     it (the run is made once either way: tests/meta/harness.py SuiteRuns). The controller schedules by group;
@@ -48,6 +73,18 @@ def pytest_configure(config):
         config.option.dist = "loadgroup"
     if getattr(config, "workerinput", {}).get("loadgroup"):
         config.option.loadgroup = True
+
+
+def runs_suites(config) -> bool:
+    """The session's paths include this checkout's suites/ (or a directory above it: the default run)."""
+    suites = ROOT / "suites"
+    if not config.args:
+        return True
+    for arg in config.args:
+        path = (Path(config.invocation_params.dir) / arg.split("::")[0]).resolve()
+        if path == suites or suites in path.parents or path in suites.parents:
+            return True
+    return False
 
 
 def runs_own_tests(config) -> bool:

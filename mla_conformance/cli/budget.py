@@ -56,6 +56,7 @@ def _smem_capability(text: str) -> str:
 
 def run(args) -> int:
     if args.v4:
+        # the V4 tables (and V4Config's presets) load only when asked for
         from mla_conformance.kv import v4_budget
 
         report = v4_budget.v4_report()

@@ -89,6 +89,30 @@ def decode(cache: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     return row.to(dtype).unsqueeze(2)
 
 
+def encode_rows(rows: torch.Tensor) -> torch.Tensor:
+    """KV rows [n, 512] -> unpaged MODEL1 rows uint8 [n, 584]: the token's 576-byte part, its 7 scale bytes and
+    one zero padding byte (a V4 cache's window rows and compressed entries, one row per slot)."""
+    payload, s = encode(rows[:, :D_NOPE], rows[:, D_NOPE:])
+    return torch.cat([payload, s, s.new_zeros(s.shape[0], 1)], -1)
+
+
+def decode_rows(rows: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Unpaged MODEL1 rows uint8 [n, 584] -> values [n, 512] (e4m3 x e8m0 scale in bfloat16, exact; the bf16
+    rope), in ``dtype``."""
+    nope = rows[:, :D_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.bfloat16)
+    s = rows[:, PART_BYTES:PART_BYTES + TILES].contiguous().view(torch.float8_e8m0fnu).to(torch.bfloat16)
+    nope = (nope.unflatten(-1, (TILES, TILE)) * s[..., None]).flatten(-2)
+    rope = rows[:, D_NOPE:PART_BYTES].contiguous().view(torch.bfloat16)
+    return torch.cat([nope, rope], -1).to(dtype)
+
+
+def stored_f64(rows: torch.Tensor) -> torch.Tensor:
+    """KV rows [n, 512] as MODEL1 stores them, read back in float64 (the float64 V4 oracle's ``store``)."""
+    if rows.shape[0] == 0:
+        return rows
+    return decode_rows(encode_rows(rows), torch.float64)
+
+
 def bytes_per_token() -> dict[str, int]:
     """payload (448 e4m3 + 64 bf16) + metadata (7 scales + 1 padding byte) = 584."""
     return {"payload": D_NOPE + 2 * D_ROPE, "metadata": SCALE_BYTES, "total": TOKEN_BYTES}

@@ -21,6 +21,8 @@ from typing import Any, Iterator
 import torch
 
 from mla_conformance.errors import CheckpointError, MLAInputError
+from mla_conformance.model.checkpoint import SafetensorsCheckpoint
+from mla_conformance.model.weights import same_bits
 from mla_conformance.resources import read_json
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -393,7 +395,6 @@ class V4Weights(Mapping):
         return V4Weights(self.config, {k: v.detach().clone() for k, v in self._tensors.items()}, source=self.source)
 
     def changed_from(self, other: "V4Weights") -> list[str]:
-        from mla_conformance.model.weights import same_bits
         return [k for k, v in self._tensors.items() if not same_bits(v, other[k])]
 
     @classmethod
@@ -424,7 +425,6 @@ class V4Weights(Mapping):
                         dtype: torch.dtype | None = None) -> "V4Weights":
         """One layer's attention tensors from a safetensors checkpoint, under Hugging Face names
         (``model.layers.{L}.self_attn.*``) or DeepSeek's (``layers.{L}.attn.*``, V4_REFERENCE_NAMES)."""
-        from mla_conformance.model.checkpoint import SafetensorsCheckpoint
         directory = Path(directory)
         ckpt = SafetensorsCheckpoint(directory)
         config = (config or V4Config.from_hf(directory)).for_layer(layer)

@@ -58,7 +58,6 @@ class Variant:
     entry_rope: str = "first"         # "last": entry j rotated at j*m + m - 1; "main-theta": rope_theta, no YaRN
     indexer_relu: bool = True         # False: the indexer sums w * (q.k) without the ReLU
     indexer_weights: bool = True      # False: the indexer sums ReLU(q.k) without its per-head weights
-    kv_format: str = "exact"          # "fp8-e4m3-model1": the window rows and entries as MODEL1 FP8 stores them
 
 
 EXACT = Variant()
@@ -133,23 +132,6 @@ def compress(x: torch.Tensor, w_kv: torch.Tensor, w_gate: torch.Tensor, ape: tor
     return rms((kv * score.softmax(dim=1)).sum(dim=1), eps, norm)
 
 
-def stored(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """KV rows as a cache format stores them, read back in float64: unchanged ("exact"), or FlashMLA's MODEL1 FP8
-    row (448 e4m3 in tiles of 64 with UE8M0 scales, the 64 rope dims in bf16: mla_conformance.kv.model1), the
-    rounding DeepSeek's V4 code simulates with act_quant(kv[..., :-rd], 64, "ue8m0") on the window and entries."""
-    if kv_format == "exact" or rows.shape[0] == 0:
-        return rows
-    from mla_conformance.kv import model1
-    if kv_format != model1.NAME:
-        raise ValueError(f"unknown kv_format {kv_format!r} (exact, {model1.NAME})")
-    payload, scales = model1.encode(rows[:, :model1.D_NOPE], rows[:, model1.D_NOPE:])
-    nope = payload[:, :model1.D_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.float64)
-    s = scales.contiguous().view(torch.float8_e8m0fnu).to(torch.float64)
-    nope = (nope.unflatten(-1, (model1.TILES, model1.TILE)) * s[..., None]).flatten(-2)
-    rope_part = payload[:, model1.D_NOPE:].contiguous().view(torch.bfloat16).to(torch.float64)
-    return torch.cat([nope, rope_part], -1)
-
-
 @dataclasses.dataclass
 class RowTrace:
     """What the oracle computed for one row: the indexer's scores [L, N] (-inf where an entry is not yet visible;
@@ -162,8 +144,11 @@ class RowTrace:
 
 # --------------------------------------------------------------------------- the oracle
 
-def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT) -> tuple[torch.Tensor, RowTrace]:
-    """One row's outputs [L, hidden] (float64) for its tokens x [L, hidden] at positions 0..L-1."""
+def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=None) -> tuple[torch.Tensor, RowTrace]:
+    """One row's outputs [L, hidden] (float64) for its tokens x [L, hidden] at positions 0..L-1. ``store``: how a
+    cache format stores KV rows (rows [n, head_dim] -> the values read back), applied to the window rows and the
+    entries (e.g. FlashMLA's MODEL1 FP8 rows: mla_conformance.kv.model1.stored_f64); None = exact."""
+    store = store or (lambda rows: rows)
     cfg: V4Config = w.config
     f = {k: v.to(torch.float64) for k, v in w.items()}
     x = x.to(torch.float64)
@@ -178,7 +163,7 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT) -> tuple
     q = rms((qr @ f["q_b_proj.weight"].T).view(L, H, D), eps)                            # unweighted, per head
     q = rope(q, pos, freqs, leading=lead)
     kv = rope(rms(x @ f["kv_proj.weight"].T, eps, f["kv_norm.weight"]), pos, freqs, leading=lead)   # [L, D]
-    kv = stored(kv, variant.kv_format)
+    kv = store(kv)
 
     s, t = pos[:, None], pos[None, :]
     visible_win = (t <= s) & (t > s - win)                                               # [L, L]
@@ -191,7 +176,7 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT) -> tuple
         N = entries.shape[0]
         at = torch.arange(N) * m + (m - 1 if variant.entry_rope == "last" else 0)
         efreqs = inv_freq(rd, float(cfg.rope_theta), None) if variant.entry_rope == "main-theta" else freqs
-        entries = stored(rope(entries, at, efreqs, leading=lead), variant.kv_format)
+        entries = store(rope(entries, at, efreqs, leading=lead)) if N else entries
         j = torch.arange(N)[None, :]
         closed = (j + 1) * m <= s + 1                                                    # [L, N]
         if variant.entry_early:
@@ -260,7 +245,7 @@ def indexer_scores(w: V4Weights, x: torch.Tensor, qr: torch.Tensor, closed: torc
 
 
 def v4_attention_f64(weights: V4Weights, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                     variant: Variant = EXACT) -> tuple[torch.Tensor, list[RowTrace]]:
+                     variant: Variant = EXACT, store=None) -> tuple[torch.Tensor, list[RowTrace]]:
     """The oracle over a batch: x [B, T, hidden] (row b's first lengths[b] tokens at positions 0..); returns the
     outputs [B, T, hidden] float64 (zeros past each row's length) and each row's trace."""
     B, T, _ = x.shape
@@ -269,7 +254,7 @@ def v4_attention_f64(weights: V4Weights, x: torch.Tensor, lengths: torch.Tensor 
     traces = []
     for b in range(B):
         n = int(lengths[b])
-        o, tr = v4_row_f64(weights, x[b, :n], variant)
+        o, tr = v4_row_f64(weights, x[b, :n], variant, store)
         out[b, :n] = o
         traces.append(tr)
     return out, traces

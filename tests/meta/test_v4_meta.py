@@ -35,6 +35,15 @@ FAILS = {
                         "a key copy and a value copy"),
 }
 FAIL_IDS = {f"{S}::{test.format(name)}": cause for name, test, cause in FAILS.values()}
+#: every other V4 test, failed by one broken backend (test_deepseek_v4.py's tests each have a cell here; the kill
+#: matrix leaves the file to this module: kill_matrix.ELSEWHERE)
+FAIL_IDS.update({
+    f"{S}::test_v4_decode_equals_prefill[broken-v4-entry-early-float32-hca]": "decode steps against one",
+    f"{S}::test_v4_low_precision[broken-v4-no-rotate-back-bfloat16-swa]": "not rotated back",
+    f"{S}::test_v4_model1_fp8[broken-v4-rope-leading-sliding_attention]": "differs from the float64 reference",
+    f"{S}::test_v4_cache_bytes_model1_fp8[broken-v4-key-and-value-copy-sliding_attention]":
+        "a key copy and a value copy",
+})
 #: the V4 layer through an op (mla_conformance.impl.ops.v4_layer): a broken op fails naming the cause, the
 #: reference op passes one case per layer type and the decode == prefill check
 SINK_IGNORED = f"op:{harness.ROOT / 'tests/meta/impls/broken/ops.py'}:SinkIgnored"
@@ -82,7 +91,8 @@ def test_v4_layer_through_the_reference_op_passes(broken_outcomes, nodeid):
 def test_reference_and_independent_v4_pass(outcomes, backend):
     mine = {k: v for k, v in outcomes.items() if f"[{backend}-" in k}
     assert len(mine) >= 33, f"{backend}: only {len(mine)} V4 tests ran"
-    bad = {k: f"{v['outcome']}: {v.get('reason', '')[:300]}" for k, v in mine.items() if v["outcome"] != "passed"}
+    bad = {k: f"{v['outcome']}: {v.get('reason', '')[:300]}" for k, v in mine.items() if v["outcome"] != "passed"
+           and not (v["outcome"] == "skipped" and "kv_codec 'fp8-e4m3-model1'" in v.get("reason", ""))}
     assert not bad, bad
 
 

@@ -208,16 +208,30 @@ class HFCache:
 class HFTransformers:
     """transformers.models.deepseek_v2.DeepseekV2Attention with transformers' DynamicCache; for DeepSeek
     Sparse Attention configs transformers.models.deepseek_v32.DeepseekV32Attention (its indexer keys in the
-    same DynamicCache, on a DynamicIndexedLayer)."""
+    same DynamicCache, on a DynamicIndexedLayer); for DeepSeek-V4 layer configs (V4Config) transformers'
+    DeepseekV4Attention with its own V4 cache layers (mla_conformance.impl.backends.hf_v4)."""
 
     name = "hf-transformers"
     #: opts in to the DSA tests; on a transformers release without DeepseekV32Attention unsupported_reason says so
     sparse_attention = "dsa"
+    #: opts in to the DeepSeek-V4 tests: V4Config layers go to transformers' DeepseekV4Attention (hf_v4)
+    deepseek_v4 = True
 
     def __init__(self):
         self._modules: dict = {}
+        self._v4 = None
+
+    def _v4_driver(self):
+        if self._v4 is None:
+            # transformers' V4 modules (and their import) only for V4 configs
+            from mla_conformance.impl.backends.hf_v4 import HFV4
+
+            self._v4 = HFV4()
+        return self._v4
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
+        if getattr(config, "attention_kind", None) == "deepseek-v4":
+            return self._v4_driver().unsupported_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
         if config.dsa:
             reason = v32_unavailable_reason()
             if reason:
@@ -272,15 +286,22 @@ class HFTransformers:
 
     def diagnose(self, weights) -> str | None:
         """Optional extension: a known cause for a numerics failure, appended to the failure message."""
+        if getattr(weights.config, "attention_kind", None) == "deepseek-v4":
+            return self._v4_driver().diagnose(weights)
         attn, _, _ = self._module(weights)
         return yarn_scale_diagnosis(attn, weights.config.softmax_scale)
 
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
+        if getattr(config, "attention_kind", None) == "deepseek-v4":
+            return self._v4_driver().new_cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype,
+                                               device=device, kv_codec=kv_codec)
         hf_config = _hf_v32_config(config) if config.dsa else _hf_config(config)
         return HFCache(hf_config, config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device)
 
     @torch.no_grad()
     def attend(self, weights, hidden_states, positions, cache: HFCache, lengths=None):
+        if getattr(weights.config, "attention_kind", None) == "deepseek-v4":
+            return self._v4_driver().attend(weights, hidden_states, positions, cache, lengths)
         attn, rotary, _ = self._module(weights)
         B, S, _ = hidden_states.shape
         dev = hidden_states.device

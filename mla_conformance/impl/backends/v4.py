@@ -27,26 +27,10 @@ from mla_conformance.kv import model1
 from mla_conformance.model.v4_config import CSA, V4Config
 from mla_conformance.model.v4_reference import inv_freq
 
-def model1_rows(rows: torch.Tensor) -> torch.Tensor:
-    """KV rows [n, 512] -> MODEL1 rows uint8 [n, 584]: 448 e4m3 (tiles of 64, UE8M0 scales) + 64 bf16 rope,
-    the 7 scale bytes, one zero padding byte (mla_conformance.kv.model1's token layout, unpaged)."""
-    payload, scales = model1.encode(rows[:, :model1.D_NOPE], rows[:, model1.D_NOPE:])
-    return torch.cat([payload, scales, scales.new_zeros(scales.shape[0], 1)], -1)
-
-
-def model1_values(rows: torch.Tensor) -> torch.Tensor:
-    """MODEL1 rows uint8 [n, 584] -> values [n, 512] in bfloat16 (e4m3 x e8m0 scale, exact; the bf16 rope)."""
-    nope = rows[:, :model1.D_NOPE].contiguous().view(torch.float8_e4m3fn).to(torch.bfloat16)
-    s = rows[:, model1.PART_BYTES:model1.PART_BYTES + model1.TILES].contiguous().view(torch.float8_e8m0fnu)
-    nope = (nope.unflatten(-1, (model1.TILES, model1.TILE)) * s.to(torch.bfloat16)[..., None]).flatten(-2)
-    rope = rows[:, model1.D_NOPE:model1.PART_BYTES].contiguous().view(torch.bfloat16)
-    return torch.cat([nope, rope], -1)
-
-
 def stored_as(cache, rows: torch.Tensor, dtype) -> torch.Tensor:
     """KV rows as the cache's window holds them, read back in ``dtype`` (rounded to the cache dtype, or MODEL1)."""
     if cache.kv_codec == model1.NAME:
-        return model1_values(model1_rows(rows)).to(dtype)
+        return model1.decode_rows(model1.encode_rows(rows), dtype)
     return rows.to(cache.dtype).to(dtype)
 
 
@@ -85,7 +69,7 @@ class V4Cache:
     def put(self, name: str, b: int, slots, rows: torch.Tensor) -> None:
         """Store KV rows [n, head_dim] (window / compressed: MODEL1-encoded under its codec) or indexer keys."""
         if self.kv_codec == model1.NAME and name in ("window", "compressed"):
-            self._t[name][b, slots] = model1_rows(rows)
+            self._t[name][b, slots] = model1.encode_rows(rows)
         else:
             self._t[name][b, slots] = rows.to(self._t[name].dtype)
 
@@ -93,7 +77,7 @@ class V4Cache:
         """Stored rows back as values [n, dim] in ``dtype`` (MODEL1 rows decoded: e4m3 x 2^k in bf16, bf16 rope)."""
         t = self._t[name][b, slots]
         if self.kv_codec == model1.NAME and name in ("window", "compressed"):
-            return model1_values(t).to(dtype)
+            return model1.decode_rows(t, dtype)
         return t.to(dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -166,6 +166,7 @@ class OpBackend:
         return cases
 
     def _v4(self):
+        # the V4 path (it imports reference-v4's torch pieces) loads only for V4 configs
         from mla_conformance.impl.ops.v4_layer import V4OpPath
         return V4OpPath(self)
 
