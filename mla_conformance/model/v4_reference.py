@@ -58,6 +58,12 @@ class Variant:
     entry_rope: str = "first"         # "last": entry j rotated at j*m + m - 1; "main-theta": rope_theta, no YaRN
     indexer_relu: bool = True         # False: the indexer sums w * (q.k) without the ReLU
     indexer_weights: bool = True      # False: the indexer sums ReLU(q.k) without its per-head weights
+    rope_mscale: bool = False         # True: cos / sin of the YaRN layers multiplied by mscale = 0.1 ln(factor) + 1
+    scale_mscale: bool = False        # True: the softmax scale multiplied by mscale^2 (DeepSeek-V3's rule)
+    q_head_norm: bool = True          # False: the query's per-head RMSNorm left out
+    groups_interleaved: bool = False  # True: group i of the output projection takes heads i, i + g, i + 2g, ...
+    ape: bool = True                  # False: the compressor's position bias (ape) left out
+    csa_overlap: bool = True          # False: CSA entries without the previous window's half (no overlap)
 
 
 EXACT = Variant()
@@ -88,14 +94,14 @@ def inv_freq(dim: int, theta: float, yarn: dict | None) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, inverse: bool = False,
-         leading: bool = False) -> torch.Tensor:
+         leading: bool = False, scale: float = 1.0) -> torch.Tensor:
     """Interleaved-pair RoPE of the trailing ``2 * len(freqs)`` dims of x [..., L, (heads,) dim] at positions [L]
     (the leading dims when ``leading``, a bug's variant); the conjugate rotation when ``inverse``."""
     rd = 2 * freqs.numel()
     angles = positions.to(torch.float64)[:, None] * freqs[None, :]                 # [L, rd/2]
     if x.ndim == 3:                                                                # [L, heads, dim]
         angles = angles[:, None, :]
-    cos, sin = angles.cos(), angles.sin() * (-1 if inverse else 1)
+    cos, sin = angles.cos() * scale, angles.sin() * (-scale if inverse else scale)
     part = x[..., :rd] if leading else x[..., -rd:]
     a, b = part[..., 0::2], part[..., 1::2]
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
@@ -108,7 +114,7 @@ def rms(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torc
 
 
 def compress(x: torch.Tensor, w_kv: torch.Tensor, w_gate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
-             ratio: int, overlap: bool, eps: float, *, swapped: bool = False) -> torch.Tensor:
+             ratio: int, overlap: bool, eps: float, *, swapped: bool = False, previous: bool = True) -> torch.Tensor:
     """The entries of a row's closed windows [N = L // ratio, d], before RoPE (DeepSeek's ``Compressor``).
 
     Each output channel is a softmax-gated sum over its window's slots. Without overlap (HCA) the slots are the m
@@ -127,7 +133,8 @@ def compress(x: torch.Tensor, w_kv: torch.Tensor, w_gate: torch.Tensor, ape: tor
         kv2 = kv.new_zeros(N, 2 * ratio, d)
         sc2 = score.new_full((N, 2 * ratio, d), -math.inf)
         kv2[:, ratio:], sc2[:, ratio:] = kv[..., second], score[..., second]
-        kv2[1:, :ratio], sc2[1:, :ratio] = kv[:-1, :, first], score[:-1, :, first]
+        if previous:
+            kv2[1:, :ratio], sc2[1:, :ratio] = kv[:-1, :, first], score[:-1, :, first]
         kv, score = kv2, sc2
     return rms((kv * score.softmax(dim=1)).sum(dim=1), eps, norm)
 
@@ -158,11 +165,14 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=No
     theta, yarn = cfg.rope()
     freqs = inv_freq(rd, theta, yarn)
     lead = variant.rope_slice == "leading"
+    ms = (0.1 * math.log(float(yarn["factor"])) + 1.0) if yarn else 1.0                   # YaRN's mscale
+    rs = ms if variant.rope_mscale else 1.0
 
     qr = rms(x @ f["q_a_proj.weight"].T, eps, f["q_a_norm.weight"])                       # [L, q_lora]
-    q = rms((qr @ f["q_b_proj.weight"].T).view(L, H, D), eps)                            # unweighted, per head
-    q = rope(q, pos, freqs, leading=lead)
-    kv = rope(rms(x @ f["kv_proj.weight"].T, eps, f["kv_norm.weight"]), pos, freqs, leading=lead)   # [L, D]
+    q = (qr @ f["q_b_proj.weight"].T).view(L, H, D)
+    q = rms(q, eps) if variant.q_head_norm else q                                        # unweighted, per head
+    q = rope(q, pos, freqs, leading=lead, scale=rs)
+    kv = rope(rms(x @ f["kv_proj.weight"].T, eps, f["kv_norm.weight"]), pos, freqs, leading=lead, scale=rs)
     kv = store(kv)
 
     s, t = pos[:, None], pos[None, :]
@@ -170,13 +180,14 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=No
     keys, visible = kv, visible_win
     trace = RowTrace(None, torch.zeros(L, 0, dtype=torch.bool), None)
     if m:
-        entries = compress(x, f["compressor.kv_proj.weight"], f["compressor.gate_proj.weight"],
-                           f["compressor.position_bias"], f["compressor.kv_norm.weight"], m, cfg.overlap, eps,
-                           swapped=variant.overlap_swapped)                              # [N, D]
+        ape = f["compressor.position_bias"] * (1.0 if variant.ape else 0.0)
+        entries = compress(x, f["compressor.kv_proj.weight"], f["compressor.gate_proj.weight"], ape,
+                           f["compressor.kv_norm.weight"], m, cfg.overlap, eps, swapped=variant.overlap_swapped,
+                           previous=variant.csa_overlap)                                 # [N, D]
         N = entries.shape[0]
         at = torch.arange(N) * m + (m - 1 if variant.entry_rope == "last" else 0)
         efreqs = inv_freq(rd, float(cfg.rope_theta), None) if variant.entry_rope == "main-theta" else freqs
-        entries = store(rope(entries, at, efreqs, leading=lead)) if N else entries
+        entries = store(rope(entries, at, efreqs, leading=lead, scale=rs)) if N else entries
         j = torch.arange(N)[None, :]
         closed = (j + 1) * m <= s + 1                                                    # [L, N]
         if variant.entry_early:
@@ -193,7 +204,7 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=No
         keys = torch.cat([kv, entries], 0)
         visible = torch.cat([visible_win, attended], 1)
 
-    z = torch.einsum("shd,td->hst", q, keys) * cfg.softmax_scale                         # [H, L, L + N]
+    z = torch.einsum("shd,td->hst", q, keys) * cfg.softmax_scale * (ms ** 2 if variant.scale_mscale else 1.0)
     z = z.masked_fill(~visible[None], -math.inf)
     zmax = z.amax(-1, keepdim=True)
     sink = f["sinks"].view(H, 1, 1)
@@ -203,10 +214,11 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=No
     denom = e.sum(-1, keepdim=True) + ((sink - zmax).exp() if variant.sink else 0.0)
     o = torch.einsum("hst,td->shd", e / denom, keys)                                     # [L, H, D]
     if variant.rotate_back:
-        o = rope(o, pos, freqs, inverse=True, leading=lead)
+        o = rope(o, pos, freqs, inverse=True, leading=lead, scale=rs)
     g = cfg.o_groups
     w_oa = f["o_a_proj.weight"].view(g, cfg.o_lora_rank, -1)
-    y = torch.einsum("sgd,grd->sgr", o.reshape(L, g, -1), w_oa)                           # [L, g, o_lora]
+    grouped = (o.view(L, H // g, g, D).transpose(1, 2) if variant.groups_interleaved else o).reshape(L, g, -1)
+    y = torch.einsum("sgd,grd->sgr", grouped, w_oa)                                      # [L, g, o_lora]
     return y.flatten(1) @ f["o_b_proj.weight"].T, trace
 
 
@@ -222,8 +234,9 @@ def indexer_scores(w: V4Weights, x: torch.Tensor, qr: torch.Tensor, closed: torc
     theta, yarn = cfg.rope()
     freqs = inv_freq(cfg.qk_rope_head_dim, theta, yarn)
     lead = variant.rope_slice == "leading"
-    keys = compress(x, f[pre + "kv_proj.weight"], f[pre + "gate_proj.weight"], f[pre + "position_bias"],
-                    f[pre + "kv_norm.weight"], m, True, eps, swapped=variant.overlap_swapped)
+    keys = compress(x, f[pre + "kv_proj.weight"], f[pre + "gate_proj.weight"],
+                    f[pre + "position_bias"] * (1.0 if variant.ape else 0.0), f[pre + "kv_norm.weight"], m, True, eps,
+                    swapped=variant.overlap_swapped, previous=variant.csa_overlap)
     N = keys.shape[0]
     at = torch.arange(N) * m + (m - 1 if variant.entry_rope == "last" else 0)
     efreqs = inv_freq(cfg.qk_rope_head_dim, float(cfg.rope_theta), None) if variant.entry_rope == "main-theta" else freqs

@@ -33,6 +33,12 @@ FAILS = {
     "IndexerNoWeights": ("broken-v4-indexer-no-weights", "test_v4_float32[{}-prefill-csa]", "per-head weights"),
     "KeyAndValueCopy": ("broken-v4-key-and-value-copy", "test_v4_cache_bytes[{}-sliding_attention]",
                         "a key copy and a value copy"),
+    "RopeMscale": ("broken-v4-rope-mscale", "test_v4_float32[{}-prefill-hca]", "multiplied by YaRN's mscale"),
+    "ScaleMscale": ("broken-v4-scale-mscale", "test_v4_float32[{}-prefill-hca]", "softmax scale multiplied"),
+    "NoQHeadNorm": ("broken-v4-no-q-head-norm", "test_v4_float32[{}-prefill-swa]", "per-head RMSNorm"),
+    "GroupsInterleaved": ("broken-v4-groups-interleaved", "test_v4_float32[{}-prefill-swa]", "interleaved heads"),
+    "NoApe": ("broken-v4-no-ape", "test_v4_float32[{}-prefill-hca]", "position bias"),
+    "CsaNoOverlap": ("broken-v4-csa-no-overlap", "test_v4_float32[{}-prefill-csa]", "without the previous window"),
 }
 FAIL_IDS = {f"{S}::{test.format(name)}": cause for name, test, cause in FAILS.values()}
 #: every other V4 test, failed by one broken backend (test_deepseek_v4.py's tests each have a cell here; the kill

@@ -72,6 +72,20 @@ LIKELY_CAUSES: dict[str, tuple[Variant, str, tuple[str, ...]]] = {
     "entry-rope-main-theta": (Variant(entry_rope="main-theta"), "compressed entries rotated with the main "
                               "rope_theta without YaRN (V4's compressed path uses compress_rope_theta with YaRN)",
                               (CSA, HCA)),
+    "rope-mscale": (Variant(rope_mscale=True), "cos / sin of the compressed layers' YaRN RoPE multiplied by YaRN's "
+                    "mscale (0.1 ln(factor) + 1): V4 leaves them unscaled (transformers' DeepseekV4Config forces "
+                    "attention_factor 1.0 for that reason)", (CSA, HCA)),
+    "scale-mscale": (Variant(scale_mscale=True), "the softmax scale multiplied by YaRN's mscale^2 (DeepSeek-V3's "
+                     "rule): V4's is head_dim^-0.5", (CSA, HCA)),
+    "no-q-head-norm": (Variant(q_head_norm=False), "the query's per-head RMSNorm (unweighted, after q_b_proj) left "
+                       "out", (SLIDING, CSA, HCA)),
+    "groups-interleaved": (Variant(groups_interleaved=True), "the grouped output projection's groups taken as "
+                           "interleaved heads (i, i + g, ...): group i is the contiguous heads i*H/g .. (i+1)*H/g - 1",
+                           (SLIDING, CSA, HCA)),
+    "no-ape": (Variant(ape=False), "the compressor's position bias (position_bias / ape) left out of its gate",
+               (CSA, HCA)),
+    "csa-no-overlap": (Variant(csa_overlap=False), "CSA entries without the previous window's half: CSA's "
+                       "compressor windows overlap (2 x ratio slots, stride ratio)", (CSA,)),
     "indexer-no-relu": (Variant(indexer_relu=False), "the lightning indexer scores without the ReLU: "
                         "sum_h w_h ReLU(q_h . k)", (CSA,)),
     "indexer-no-weights": (Variant(indexer_weights=False), "the lightning indexer scores without its per-head "

@@ -152,6 +152,7 @@ class ReferenceV4:
         open_from = (start // m) * m                         # first token of the window open before this call
         r = start - open_from                                # its tokens already in the state
         seq_kv = torch.cat([kv_state[b, :m + r].to(wd), proj_kv], 0)          # positions open_from - m ..
+        ape = self._position_bias(ape)
         seq_sc = torch.cat([score_state[b, :m + r].to(wd), proj_score + ape[(torch.arange(n) + start) % m]], 0)
         end = start + n
         first_new_window = open_from // m
@@ -161,7 +162,7 @@ class ReferenceV4:
             cur_kv, cur_sc = seq_kv[lo:lo + m], seq_sc[lo:lo + m]
             if overlap:
                 first, second = self._overlap_halves(d)
-                if j == 0:
+                if not self._has_previous_window(j):
                     prev_kv = cur_kv.new_zeros(m, d)
                     prev_sc = cur_sc.new_full((m, d), -math.inf)
                 else:
@@ -223,6 +224,31 @@ class ReferenceV4:
         e = (z - zmax).exp()
         return e / (e.sum(-1, keepdim=True) + (sink - zmax).exp())
 
+    @staticmethod
+    def _q_head_norm(q, eps):
+        """The query's per-head RMSNorm, unweighted."""
+        return q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps)
+
+    @staticmethod
+    def _softmax_scale(cfg):
+        """head_dim^-0.5: no YaRN mscale^2 in V4."""
+        return cfg.softmax_scale
+
+    @staticmethod
+    def _groups(o, g):
+        """[S, H, D] -> [S, g, H/g x D]: group i holds heads i*H/g .. (i+1)*H/g - 1 (contiguous)."""
+        return o.reshape(o.shape[0], g, -1)
+
+    @staticmethod
+    def _has_previous_window(j):
+        """CSA: every entry but the first also takes the previous window's first halves."""
+        return j > 0
+
+    @staticmethod
+    def _position_bias(ape):
+        """The compressor's gate bias per slot of the window (ape)."""
+        return ape
+
     def _rotate_back(self, o, pos, freqs):
         """The conjugate rotation of the output's rope slice at the query's position."""
         return self._rope(o, pos, freqs, inverse=True)
@@ -248,7 +274,7 @@ class ReferenceV4:
             xb = x[b, :n]
             pos = torch.arange(start, start + n, device=x.device)
             qr = self._rms(lin(xb, "q_a_proj.weight").to(wd), eps, weights["q_a_norm.weight"])
-            q = self._rms(lin(qr, "q_b_proj.weight").to(wd).view(n, H, D), eps)
+            q = self._q_head_norm(lin(qr, "q_b_proj.weight").to(wd).view(n, H, D), eps)
             q = self._rope(q, pos, freqs)
             kv = self._rope(self._rms(lin(xb, "kv_proj.weight").to(wd), eps, weights["kv_norm.weight"]), pos, freqs)
             # window keys: the ring's stored tokens still in some query's window, then the new ones (as stored)
@@ -291,13 +317,13 @@ class ReferenceV4:
                     topk_all[b, :n, :k] = torch.where(closed.gather(1, top), top, -1).cpu()
                 keys = torch.cat([win_keys, entries], 0)
                 visible = torch.cat([visible, attended], 1)
-            z = torch.einsum("shd,td->hst", q, keys) * cfg.softmax_scale
+            z = torch.einsum("shd,td->hst", q, keys) * self._softmax_scale(cfg)
             z = z.masked_fill(~visible[None], -math.inf)
             p = self._probabilities(z, weights["sinks"].to(wd).view(H, 1, 1))
             o = self._rotate_back(torch.einsum("hst,td->shd", p, keys), pos, freqs)
             g = cfg.o_groups
             w_oa = weights["o_a_proj.weight"].view(g, cfg.o_lora_rank, -1)
-            y = torch.einsum("sgd,grd->sgr", o.reshape(n, g, -1).to(w_oa.dtype), w_oa)
+            y = torch.einsum("sgd,grd->sgr", self._groups(o, g).to(w_oa.dtype), w_oa)
             out[b, :n] = lin(y.flatten(1), "o_b_proj.weight").to(dt)
         cache.seq_lens += lengths.to(cache.seq_lens.device)
         cache.last_topk_indices = topk_all

@@ -3,6 +3,8 @@ failing its named test with its cause). Each overrides the one method of Referen
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mla_conformance.impl.backends.v4 import ReferenceV4, V4Cache
@@ -108,6 +110,69 @@ class IndexerNoWeights(ReferenceV4):
         return dots.clamp(min=0).sum(1)
 
 
+class RopeMscale(ReferenceV4):
+    """cos / sin of the YaRN layers times YaRN's mscale (transformers' yarn default attention_factor)."""
+
+    name = "broken-v4-rope-mscale"
+
+    def attend(self, weights, hidden_states, positions, cache, lengths=None):
+        yarn = weights.config.rope()[1]
+        self._scale = (0.1 * math.log(float(yarn["factor"])) + 1.0) if yarn else 1.0
+        return super().attend(weights, hidden_states, positions, cache, lengths)
+
+    def _rope(self, x, positions, freqs, inverse=False):
+        rd = 2 * freqs.numel()
+        ang = positions.to(freqs.dtype)[:, None] * freqs[None, :]
+        if x.ndim == 3:
+            ang = ang[:, None, :]
+        cos, sin = ang.cos() * self._scale, ang.sin() * (-self._scale if inverse else self._scale)
+        a, b = x[..., -rd:][..., 0::2], x[..., -rd:][..., 1::2]
+        return torch.cat([x[..., :-rd], torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)], -1)
+
+
+class ScaleMscale(ReferenceV4):
+    name = "broken-v4-scale-mscale"
+
+    @staticmethod
+    def _softmax_scale(cfg):
+        yarn = cfg.rope()[1]
+        ms = (0.1 * math.log(float(yarn["factor"])) + 1.0) if yarn else 1.0
+        return cfg.softmax_scale * ms ** 2
+
+
+class NoQHeadNorm(ReferenceV4):
+    name = "broken-v4-no-q-head-norm"
+
+    @staticmethod
+    def _q_head_norm(q, eps):
+        return q
+
+
+class GroupsInterleaved(ReferenceV4):
+    name = "broken-v4-groups-interleaved"
+
+    @staticmethod
+    def _groups(o, g):
+        S, H, D = o.shape
+        return o.view(S, H // g, g, D).transpose(1, 2).reshape(S, g, -1)
+
+
+class NoApe(ReferenceV4):
+    name = "broken-v4-no-ape"
+
+    @staticmethod
+    def _position_bias(ape):
+        return torch.zeros_like(ape)
+
+
+class CsaNoOverlap(ReferenceV4):
+    name = "broken-v4-csa-no-overlap"
+
+    @staticmethod
+    def _has_previous_window(j):
+        return False
+
+
 class _KeyAndValueCache(V4Cache):
     """The window kept twice: a key ring and a value ring of the same vectors."""
 
@@ -131,4 +196,5 @@ class KeyAndValueCopy(ReferenceV4):
 
 
 BROKEN = [RopeLeading, NoRotateBack, SinkInNumerator, WindowOffByOne, EntryEarly, OverlapSwapped, EntryRopeLast,
-          EntryRopeMainTheta, IndexerNoRelu, IndexerNoWeights, KeyAndValueCopy]
+          EntryRopeMainTheta, IndexerNoRelu, IndexerNoWeights, KeyAndValueCopy, RopeMscale, ScaleMscale, NoQHeadNorm,
+          GroupsInterleaved, NoApe, CsaNoOverlap]
