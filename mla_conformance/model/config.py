@@ -75,15 +75,7 @@ class MLAConfig:
         if self.qk_rope_head_dim % 2:
             raise MLAInputError(f"MLAConfig.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.rope_scaling is not None:
-            rs = dict(self.rope_scaling)
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind not in ("yarn", "default", None):
-                raise MLAInputError(f"MLAConfig.rope_scaling: only 'yarn' is supported, got rope_type={kind!r}")
-            if kind == "yarn":
-                for key in ("factor", "original_max_position_embeddings"):
-                    if key not in rs:
-                        raise MLAInputError(f"MLAConfig.rope_scaling (yarn) needs '{key}'")
-            object.__setattr__(self, "rope_scaling", rs if kind == "yarn" else None)
+            object.__setattr__(self, "rope_scaling", yarn_or_none(self.rope_scaling, "MLAConfig.rope_scaling"))
         dsa = {name: getattr(self, name) for name in DSA_FIELDS}
         if self.indexer_rope_interleave and all(v is None for v in dsa.values()):
             raise MLAInputError("MLAConfig.indexer_rope_interleave is a DeepSeek Sparse Attention field (the "
@@ -280,20 +272,37 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+def yarn_or_none(rope_scaling: Mapping[str, Any], where: str) -> dict[str, Any] | None:
+    """A config's ``rope_scaling`` as this package keeps it: the YaRN dict (checked for factor and
+    original_max_position_embeddings), None for "default"; any other rope type is an MLAInputError naming ``where``."""
+    rs = dict(rope_scaling)
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind not in ("yarn", "default", None):
+        raise MLAInputError(f"{where}: only 'yarn' is supported, got rope_type={kind!r}")
+    if kind == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if key not in rs:
+                raise MLAInputError(f"{where} (yarn) needs '{key}'")
+    return rs if kind == "yarn" else None
+
+
 def rope_inv_freq(config: MLAConfig, dtype=None):
-    """Inverse RoPE frequencies [qk_rope_head_dim / 2], with YaRN's ramp when configured.
+    """Inverse RoPE frequencies [qk_rope_head_dim / 2] of an MLA config (:func:`yarn_inv_freq`)."""
+    import torch  # the config module is torch-free until frequencies are asked for
 
-    Written from the YaRN paper / DeepSeek-V3 ``precompute_freqs_cis``: dimensions whose wavelength is
-    shorter than the original context rotate as trained (extrapolation), long ones are divided by
-    ``factor`` (interpolation), with a linear ramp between the beta_fast and beta_slow corrections.
+    return yarn_inv_freq(config.qk_rope_head_dim, config.rope_theta, config.yarn).to(dtype or torch.float64)
+
+
+def yarn_inv_freq(dim: int, base: float, y: Mapping[str, Any] | None):
+    """Inverse RoPE frequencies [dim / 2] in float64, with YaRN's ramp when ``y`` (a YaRN dict) is given.
+
+    Written from the YaRN paper / DeepSeek-V3 ``precompute_freqs_cis`` (DeepSeek-V4's is the same function):
+    dimensions whose wavelength is shorter than the original context rotate as trained (extrapolation), long ones
+    are divided by ``factor`` (interpolation), with a linear ramp between the beta_fast and beta_slow corrections.
     """
-    import torch
+    import torch  # the config module is torch-free until frequencies are asked for
 
-    dtype = dtype or torch.float64
-    dim = config.qk_rope_head_dim
-    base = config.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    y = config.yarn
     if y:
         factor = float(y["factor"])
         original = float(y["original_max_position_embeddings"])
@@ -310,7 +319,7 @@ def rope_inv_freq(config: MLAConfig, dtype=None):
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
         smooth = 1 - ramp  # 1 = keep the trained frequency, 0 = interpolate
         freqs = freqs / factor * (1 - smooth) + freqs * smooth
-    return freqs.to(dtype)
+    return freqs
 
 
 _V2_YARN = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,

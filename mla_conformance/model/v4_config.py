@@ -16,13 +16,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from mla_conformance.errors import CheckpointError, MLAInputError
+from mla_conformance.model.config import yarn_or_none
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
-from mla_conformance.model.weights import same_bits
+from mla_conformance.model.weights import LayerTensors
 from mla_conformance.resources import read_json
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -109,16 +110,9 @@ class V4Config:
             raise MLAInputError(f"V4Config.o_groups ({self.o_groups}) must divide num_attention_heads x head_dim "
                                 f"({self.num_attention_heads * self.head_dim})")
         if self.rope_scaling is not None:
-            rs = dict(self.rope_scaling)
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind not in ("yarn", "default", None):
-                raise MLAInputError(f"V4Config.rope_scaling: only 'yarn' is supported, got rope_type={kind!r}")
-            if kind == "yarn":
-                for key in ("factor", "original_max_position_embeddings"):
-                    if key not in rs:
-                        raise MLAInputError(f"V4Config.rope_scaling (yarn) needs '{key}'")
-                rs = {"rope_type": "yarn", **{k: rs[k] for k in _YARN_KEYS if k in rs}}
-            object.__setattr__(self, "rope_scaling", rs if kind == "yarn" else None)
+            rs = yarn_or_none(self.rope_scaling, "V4Config.rope_scaling")
+            object.__setattr__(self, "rope_scaling", rs and {"rope_type": "yarn",
+                                                             **{k: rs[k] for k in _YARN_KEYS if k in rs}})
 
     # ------------------------------------------------------------------ the judged layer
     @property
@@ -341,10 +335,12 @@ V4_REFERENCE_NAMES = {
 }
 
 
-class V4Weights(Mapping):
+class V4Weights(LayerTensors):
     """A read-only ``Mapping[str, Tensor]`` of one V4 attention layer's parameters (HF names), with ``.config``
     (a :class:`V4Config` whose ``layer`` is this layer). The same interface as :class:`MLAWeights`, so the layer
     driver runs a V4 backend as it runs an MLA one."""
+
+    DTYPE_OF = "q_b_proj.weight"
 
     def __init__(self, config: V4Config, tensors: Mapping[str, torch.Tensor], *, source: str = "weights"):
         self.config = config
@@ -362,25 +358,8 @@ class V4Weights(Mapping):
         self._tensors = {k: tensors[k] for k in shapes}
         self.source = source
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._tensors[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
     def __repr__(self) -> str:
         return f"V4Weights({self.source}, {self.dtype}, {self.device}, {self.config.describe()})"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._tensors["q_b_proj.weight"].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._tensors["q_b_proj.weight"].device
 
     def to(self, dtype: torch.dtype | None = None, device=None) -> "V4Weights":
         """A copy in ``dtype``; the sinks, position biases and norm weights stay float32 or wider, as DeepSeek keeps
@@ -393,9 +372,6 @@ class V4Weights(Mapping):
 
     def clone(self) -> "V4Weights":
         return V4Weights(self.config, {k: v.detach().clone() for k, v in self._tensors.items()}, source=self.source)
-
-    def changed_from(self, other: "V4Weights") -> list[str]:
-        return [k for k, v in self._tensors.items() if not same_bits(v, other[k])]
 
     @classmethod
     def random(cls, config: V4Config, *, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from mla_conformance.model.config import yarn_inv_freq
 from mla_conformance.model.v4_config import CSA, V4Config, V4Weights
 
 
@@ -72,25 +73,9 @@ EXACT = Variant()
 # --------------------------------------------------------------------------- pieces
 
 def inv_freq(dim: int, theta: float, yarn: dict | None) -> torch.Tensor:
-    """DeepSeek's ``precompute_freqs_cis`` frequencies in float64: theta^(-2i/dim), with YaRN's ramp when given
-    (divide by factor below the beta_slow correction, keep above beta_fast, linear between). No mscale: V4
-    multiplies neither cos/sin nor the softmax scale by it."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    if yarn:
-        factor, original = float(yarn["factor"]), float(yarn["original_max_position_embeddings"])
-        beta_fast, beta_slow = float(yarn.get("beta_fast", 32)), float(yarn.get("beta_slow", 1))
-
-        def correction_dim(rotations: float) -> float:
-            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-        smooth = 1 - ramp
-        freqs = freqs / factor * (1 - smooth) + freqs * smooth
-    return freqs
+    """DeepSeek's ``precompute_freqs_cis`` frequencies in float64 (mla_conformance.model.config.yarn_inv_freq: the
+    same function as V3's). No mscale: V4 multiplies neither cos/sin nor the softmax scale by it."""
+    return yarn_inv_freq(dim, theta, yarn)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, inverse: bool = False,

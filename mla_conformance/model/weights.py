@@ -47,8 +47,40 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-class MLAWeights(Mapping):
+class LayerTensors(Mapping):
+    """A read-only ``Mapping[str, Tensor]`` of one attention layer's parameters (``_tensors``), with ``.config``:
+    what MLA's and DeepSeek-V4's layer weights share. ``DTYPE_OF`` names the tensor whose dtype and device are the
+    weights' own."""
+
+    DTYPE_OF = ""
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._tensors[self.DTYPE_OF].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._tensors[self.DTYPE_OF].device
+
+    def changed_from(self, other: "LayerTensors") -> list[str]:
+        """Names of the tensors whose bits differ from ``other``'s (same names, shapes and dtypes): a write, even of
+        an equal value (-0.0 for 0.0), is a change; a NaN left alone is not."""
+        return [k for k, v in self._tensors.items() if not same_bits(v, other[k])]
+
+
+class MLAWeights(LayerTensors):
     """A read-only ``Mapping[str, Tensor]`` of one attention layer's parameters, with ``.config``."""
+
+    DTYPE_OF = "kv_b_proj.weight"
 
     def __init__(self, config: MLAConfig, tensors: Mapping[str, torch.Tensor], *, source: str = "weights"):
         self.config = config
@@ -68,26 +100,9 @@ class MLAWeights(Mapping):
         self._tensors = {k: tensors[k] for k in shapes}
         self.source = source
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._tensors[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
     def __repr__(self) -> str:
         t = next(iter(self._tensors.values()))
         return f"MLAWeights({self.source}, {t.dtype}, {t.device}, {self.config.describe()})"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._tensors["kv_b_proj.weight"].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._tensors["kv_b_proj.weight"].device
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "MLAWeights":
         return MLAWeights(self.config, {k: v.to(device=device, dtype=dtype) for k, v in self._tensors.items()},
@@ -97,11 +112,6 @@ class MLAWeights(Mapping):
         """Own copies of every tensor: what a backend gets, so it cannot change anyone else's weights."""
         return MLAWeights(self.config, {k: v.detach().clone() for k, v in self._tensors.items()},
                           source=self.source)
-
-    def changed_from(self, other: "MLAWeights") -> list[str]:
-        """Names of the tensors whose bits differ from ``other``'s (same names, shapes and dtypes): a write, even of
-        an equal value (-0.0 for 0.0), is a change; a NaN left alone is not."""
-        return [k for k, v in self._tensors.items() if not same_bits(v, other[k])]
 
     # ------------------------------------------------------------------ constructors
     @classmethod

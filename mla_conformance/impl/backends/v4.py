@@ -87,18 +87,21 @@ class V4Cache:
         return sum(t.nbytes for t in self._t.values())
 
     def active_nbytes(self) -> int:
-        """The rows holding stored tokens: min(len, window) window rows, len // ratio entries (and indexer keys),
-        plus the compressor state of each started row."""
-        cfg, total = self.config, 0
-        row = lambda name: self._t[name][0, 0].nbytes  # MODEL1: 584 B
-        for n in self.seq_lens.tolist():
-            total += min(n, cfg.sliding_window) * row("window")
-            if cfg.compress_ratio and n:
-                total += (n // cfg.compress_ratio) * row("compressed")
-                total += sum(self._t[k][0].nbytes for k, v in self.v4_layout.items() if v == "state")
-                if "indexer" in self._t:
-                    total += (n // cfg.compress_ratio) * row("indexer")
-        return total
+        return v4_active_nbytes(self, self._t["window"][0, 0].nbytes)
+
+
+def v4_active_nbytes(cache, row_bytes: int) -> int:
+    """The bytes holding a V4 cache's stored tokens: per row of n tokens, min(n, window) KV rows, n // ratio entries
+    (and CSA indexer keys), plus the compressor state of each started row (``cache._t``, ``cache.v4_layout``)."""
+    cfg, total = cache.config, 0
+    for n in cache.seq_lens.tolist():
+        total += min(n, cfg.sliding_window) * row_bytes
+        if cfg.compress_ratio and n:
+            total += (n // cfg.compress_ratio) * row_bytes
+            total += sum(cache._t[k][0].nbytes for k, v in cache.v4_layout.items() if v == "state")
+            if "indexer" in cache._t:
+                total += (n // cfg.compress_ratio) * cache._t["indexer"][0, 0].nbytes
+    return total
 
 
 class ReferenceV4:

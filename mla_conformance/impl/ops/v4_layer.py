@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mla_conformance.contract.op import OpCase, declared, takes_head_dims
-from mla_conformance.impl.backends.v4 import ReferenceV4
+from mla_conformance.impl.backends.v4 import ReferenceV4, v4_active_nbytes
 from mla_conformance.model.v4_config import CSA, V4Config
 from mla_conformance.model.v4_reference import inv_freq
 
@@ -66,16 +66,7 @@ class V4OpCache:
         return sum(t.nbytes for t in self._t.values())
 
     def active_nbytes(self) -> int:
-        cfg, total = self.config, 0
-        row = self.config.head_dim * self._t["window"].element_size()
-        for n in self.seq_lens.tolist():
-            total += min(n, cfg.sliding_window) * row
-            if cfg.compress_ratio and n:
-                total += (n // cfg.compress_ratio) * row
-                total += sum(self._t[k][0].nbytes for k, v in self.v4_layout.items() if v == "state")
-                if "indexer" in self._t:
-                    total += (n // cfg.compress_ratio) * self._t["indexer"][0, 0].nbytes
-        return total
+        return v4_active_nbytes(self, self.config.head_dim * self._t["window"].element_size())
 
 
 class _Staged:
