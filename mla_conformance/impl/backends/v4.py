@@ -52,18 +52,10 @@ class V4Cache:
         self._t = {"window": torch.zeros(B, W, *row["size"], dtype=row["dtype"], device=device)}
         self.v4_layout = {"window": "window"}
         if m:
-            coff = 2 if config.overlap else 1
             self._t["compressed"] = torch.zeros(B, max(capacity // m, 1), *row["size"], dtype=row["dtype"],
                                                 device=device)
-            self._t["kv_state"] = torch.zeros(B, 2 * m, coff * D, dtype=torch.float32, device=device)
-            self._t["score_state"] = torch.zeros(B, 2 * m, coff * D, dtype=torch.float32, device=device)
-            self.v4_layout.update(compressed="compressed", kv_state="state", score_state="state")
-            if config.layer_type == CSA:
-                Di = config.index_head_dim
-                self._t["indexer"] = torch.zeros(B, max(capacity // m, 1), Di, dtype=dtype, device=device)
-                self._t["index_kv_state"] = torch.zeros(B, 2 * m, 2 * Di, dtype=torch.float32, device=device)
-                self._t["index_score_state"] = torch.zeros(B, 2 * m, 2 * Di, dtype=torch.float32, device=device)
-                self.v4_layout.update(indexer="indexer", index_kv_state="state", index_score_state="state")
+            self.v4_layout["compressed"] = "compressed"
+            add_compressor_buffers(self, config, capacity=capacity, dtype=dtype, device=device)
         self.last_topk_indices = None
 
     def put(self, name: str, b: int, slots, rows: torch.Tensor) -> None:
@@ -88,6 +80,22 @@ class V4Cache:
 
     def active_nbytes(self) -> int:
         return v4_active_nbytes(self, self._t["window"][0, 0].nbytes)
+
+
+def add_compressor_buffers(cache, config: V4Config, *, capacity: int, dtype, device) -> None:
+    """A compressed layer's compressor state (float32 kv_state / score_state [B, 2 ratio, coff x head_dim]: the
+    previous window, then the open one) and, for CSA, the indexer's keys [B, capacity // ratio, index_head_dim] in
+    the cache dtype and its compressor's state, added to ``cache._t`` / ``cache.v4_layout``."""
+    B, D, m = cache.batch_size, config.head_dim, config.compress_ratio
+    coff = 2 if config.overlap else 1
+    state = lambda width: torch.zeros(B, 2 * m, width, dtype=torch.float32, device=device)
+    cache._t.update(kv_state=state(coff * D), score_state=state(coff * D))
+    cache.v4_layout.update(kv_state="state", score_state="state")
+    if config.layer_type == CSA:
+        Di = config.index_head_dim
+        cache._t["indexer"] = torch.zeros(B, max(capacity // m, 1), Di, dtype=dtype, device=device)
+        cache._t.update(index_kv_state=state(2 * Di), index_score_state=state(2 * Di))
+        cache.v4_layout.update(indexer="indexer", index_kv_state="state", index_score_state="state")
 
 
 def v4_active_nbytes(cache, row_bytes: int) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mla_conformance.contract.op import OpCase, declared, takes_head_dims
-from mla_conformance.impl.backends.v4 import ReferenceV4, v4_active_nbytes
+from mla_conformance.impl.backends.v4 import ReferenceV4, add_compressor_buffers, v4_active_nbytes
 from mla_conformance.model.v4_config import CSA, V4Config
 from mla_conformance.model.v4_reference import inv_freq
 
@@ -41,18 +41,10 @@ class V4OpCache:
         self.v4_layout = {"window": "window"}
         self.entry_pages_per_row = 0
         if m:
-            coff = 2 if config.overlap else 1
             self.entry_pages_per_row = -(-max(capacity // m, 1) // page)
             self._t["compressed"] = torch.zeros(B * self.entry_pages_per_row, page, 1, D, dtype=dtype, device=device)
-            self._t["kv_state"] = torch.zeros(B, 2 * m, coff * D, dtype=torch.float32, device=device)
-            self._t["score_state"] = torch.zeros(B, 2 * m, coff * D, dtype=torch.float32, device=device)
-            self.v4_layout.update(compressed="compressed", kv_state="state", score_state="state")
-            if config.layer_type == CSA:
-                Di = config.index_head_dim
-                self._t["indexer"] = torch.zeros(B, max(capacity // m, 1), Di, dtype=dtype, device=device)
-                self._t["index_kv_state"] = torch.zeros(B, 2 * m, 2 * Di, dtype=torch.float32, device=device)
-                self._t["index_score_state"] = torch.zeros(B, 2 * m, 2 * Di, dtype=torch.float32, device=device)
-                self.v4_layout.update(indexer="indexer", index_kv_state="state", index_score_state="state")
+            self.v4_layout["compressed"] = "compressed"
+            add_compressor_buffers(self, config, capacity=capacity, dtype=dtype, device=device)
 
     def row_view(self, name: str) -> torch.Tensor:
         """[B, slots, D]: the pages of ``name`` by row (row b's pages are consecutive)."""
