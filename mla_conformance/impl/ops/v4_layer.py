@@ -134,7 +134,7 @@ class V4OpPath:
         staged = _Staged(cache)
         for i in range(int(lengths.max()) if B else 0):
             rows = [b for b in range(B) if int(lengths[b]) > i]
-            qs, idx, eidx = [], torch.full((B, 1, W), -1, dtype=torch.int32), None
+            idx, eidx = torch.full((B, 1, W), -1, dtype=torch.int32), None
             if m:
                 k_max = min(cfg.index_topk, max(1, cache.capacity // m)) if cfg.layer_type == CSA \
                     else max(1, cache.capacity // m)
