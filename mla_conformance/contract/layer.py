@@ -138,8 +138,8 @@ def declaration_reason(backend, config) -> str | None:
         if declares_v4(backend):
             return None
         return (f"{getattr(backend, 'name', backend)} does not declare DeepSeek-V4 attention; this config is a V4 "
-                f"layer ({config.layer_type}: shared-KV MQA with a sliding window, a sink and compressed entries). "
-                "A backend opts in with deepseek_v4 = True (docs/deepseek-v4.md)")
+                "layer (shared-KV MQA with a sliding window, a sink and compressed entries). A backend opts in with "
+                "deepseek_v4 = True (docs/deepseek-v4.md)")
     if getattr(config, "index_topk", None) is None or declares_dsa(backend):
         return None
     return (f"{getattr(backend, 'name', backend)} does not declare DeepSeek Sparse Attention; this config has "
