@@ -292,9 +292,11 @@ def check_cache_bytes(backend, layer_type: str, dtype: torch.dtype, device="cpu"
     # the window: DeepSeek's ring holds the last sliding_window rows, the query's own among them; a cache that
     # keeps sliding_window - 1 (transformers': the query's row comes with the call) holds all decode needs too
     lean = min(tokens, cfg.sliding_window - 1) * row
+    # MODEL1: FlashMLA's writer leaves each row's 8th scale byte (padding) unwritten: 583 written bytes per row
     for comp, want in expected.items():
         got = measured[comp]
-        if got == want or (comp == "window" and got == lean):
+        if got == want or (comp == "window" and got == lean) or (
+                kv_codec == model1.NAME and comp != "indexer" and got == want // row * (row - 1)):
             continue
         hint = ""
         if comp == "window" and got in (2 * want, 2 * lean):

@@ -22,34 +22,59 @@ from __future__ import annotations
 import torch
 
 from mla_conformance.contract.op import OpCase, declared, takes_head_dims
+from mla_conformance.kv import model1
 from mla_conformance.impl.backends.v4 import ReferenceV4, add_compressor_buffers, v4_active_nbytes
 from mla_conformance.model.v4_config import CSA, V4Config
 from mla_conformance.model.v4_reference import inv_freq
+
+
+#: the layer's kv_codec -> the op's kv format of the V4 pages
+FORMATS = {"none": "latent", model1.NAME: model1.NAME}
 
 
 class V4OpCache:
     """The V4 cache of the op path: the window ring and the compressed entries as op pages (views of them by
     row for writing), the indexer keys and the compressors' state as reference-v4 keeps them."""
 
-    def __init__(self, config: V4Config, *, batch_size, capacity, dtype, device, page_block_size: int):
+    def __init__(self, config: V4Config, *, batch_size, capacity, dtype, device, page_block_size: int,
+                 kv_codec: str = "none"):
         self.config, self.batch_size, self.capacity, self.dtype = config, batch_size, capacity, dtype
         self.page_block_size = page = page_block_size
-        B, D, W, m = batch_size, config.head_dim, config.sliding_window, config.compress_ratio
+        self.kv_codec = kv_codec
+        B, W, m = batch_size, config.sliding_window, config.compress_ratio
         self.seq_lens = torch.zeros(B, dtype=torch.int64, device=device)
         self.window_pages_per_row = -(-W // page)
-        self._t = {"window": torch.zeros(B * self.window_pages_per_row, page, 1, D, dtype=dtype, device=device)}
+        self._t = {"window": self._pages(B * self.window_pages_per_row, device)}
         self.v4_layout = {"window": "window"}
         self.entry_pages_per_row = 0
         if m:
             self.entry_pages_per_row = -(-max(capacity // m, 1) // page)
-            self._t["compressed"] = torch.zeros(B * self.entry_pages_per_row, page, 1, D, dtype=dtype, device=device)
+            self._t["compressed"] = self._pages(B * self.entry_pages_per_row, device)
             self.v4_layout["compressed"] = "compressed"
             add_compressor_buffers(self, config, capacity=capacity, dtype=dtype, device=device)
 
-    def row_view(self, name: str) -> torch.Tensor:
-        """[B, slots, D]: the pages of ``name`` by row (row b's pages are consecutive)."""
+    def _pages(self, blocks: int, device) -> torch.Tensor:
+        """Page blocks of KV rows: [blocks, page, 1, head_dim] in the cache dtype, or MODEL1's block memory
+        uint8 [blocks, block_bytes(page)] (mla_conformance.kv.model1)."""
+        if self.kv_codec == model1.NAME:
+            return torch.zeros(blocks, model1.block_bytes(self.page_block_size), dtype=torch.uint8, device=device)
+        return torch.zeros(blocks, self.page_block_size, 1, self.config.head_dim, dtype=self.dtype, device=device)
+
+    def op_view(self, name: str) -> torch.Tensor:
+        """The pages as the op reads them: [blocks, page, 1, head_dim], or MODEL1's [blocks, page, 1, 584] view."""
         t = self._t[name]
-        return t.view(self.batch_size, -1, t.shape[-1])
+        return model1.cache_view(t, self.page_block_size) if self.kv_codec == model1.NAME else t
+
+    def put_row(self, name: str, slot: int, row: torch.Tensor) -> None:
+        """KV row [head_dim] at flat slot (block * page + offset): in the cache dtype, or MODEL1's two spans (its
+        576-byte part and its 7 scale bytes; the padding byte is not written, as FlashMLA's writer leaves it)."""
+        block, offset = divmod(int(slot), self.page_block_size)
+        if self.kv_codec == model1.NAME:
+            parts = model1.encode(row[None, :model1.D_NOPE], row[None, model1.D_NOPE:])
+            for (start, length), part in zip(model1.spans(self.page_block_size, offset), parts):
+                self._t[name][block, start:start + length] = part[0]
+        else:
+            self._t[name][block, offset, 0] = row.to(self.dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(self._t)
@@ -58,20 +83,24 @@ class V4OpCache:
         return sum(t.nbytes for t in self._t.values())
 
     def active_nbytes(self) -> int:
-        return v4_active_nbytes(self, self.config.head_dim * self._t["window"].element_size())
+        row = model1.TOKEN_BYTES if self.kv_codec == model1.NAME else \
+            self.config.head_dim * self._t["window"].element_size()
+        return v4_active_nbytes(self, row)
 
 
 class _Staged:
-    """reference-v4's compressor over the op cache: its entries land in the compressed pages (by row)."""
+    """reference-v4's compressor over the op cache: its entries land in row b's compressed pages, its indexer keys
+    and state where reference-v4 keeps them."""
 
     def __init__(self, cache: V4OpCache):
-        self.config, self.dtype = cache.config, cache.dtype
-        self._t = dict(cache._t)
-        if "compressed" in cache._t:
-            self._t["compressed"] = cache.row_view("compressed")
+        self.cache, self.config, self.dtype, self._t = cache, cache.config, cache.dtype, cache._t
 
     def put(self, name, b, slots, rows):
-        self._t[name][b, slots] = rows.to(self._t[name].dtype)
+        if name == "compressed":
+            page = self.cache.page_block_size
+            self.cache.put_row(name, b * self.cache.entry_pages_per_row * page + int(slots), rows[0])
+        else:
+            self._t[name][b, slots] = rows.to(self._t[name].dtype)
 
 
 class V4OpPath:
@@ -87,9 +116,9 @@ class V4OpPath:
         fits = [p for p in self.backend.page_block_sizes if config.sliding_window % p == 0]
         return max(fits) if fits else 0
 
-    def case(self, config, dtype, device) -> OpCase:
+    def case(self, config, dtype, device, kv_format: str = "latent") -> OpCase:
         return OpCase(batch=1, s_q=1, h_q=int(config.num_attention_heads), page_block_size=self.page_for(config),
-                      dtype=dtype, kv_format="latent", topk=int(config.sliding_window), attn_sink=True,
+                      dtype=dtype, kv_format=kv_format, topk=int(config.sliding_window), attn_sink=True,
                       causal=False, device=str(device))
 
     def unsupported_reason(self, config: V4Config, *, dtype, device, kv_codec="none") -> str | None:
@@ -103,18 +132,23 @@ class V4OpPath:
         if not takes_head_dims(op, D, D):
             return (f"{name}: a V4 layer's query and KV vector are head_dim {D} wide and the value is the whole "
                     f"vector (d_qk = d_v = {D}); op {op.name} does not declare ({D}, {D}) in head_dims")
-        if kv_codec != "none":
-            return f"{name} hands the op V4 pages in the cache dtype (format 'latent'); kv_codec {kv_codec!r} is not"
-        if "latent" not in declared(op, "kv_formats"):
-            return f"op {op.name} does not read the 'latent' kv format the V4 pages are in"
+        fmt = FORMATS.get(kv_codec)
+        if fmt is None:
+            return (f"{name} hands the op V4 pages in the cache dtype ('latent') or as MODEL1 FP8 rows "
+                    f"({model1.NAME}); kv_codec {kv_codec!r} is neither")
+        if fmt == model1.NAME and (D, config.qk_rope_head_dim) != (model1.D_QK, model1.D_ROPE):
+            return (f"{name}: MODEL1 rows are head_dim {model1.D_QK} = {model1.D_NOPE} e4m3 + {model1.D_ROPE} bf16 "
+                    f"rope; this config has head_dim {D}, rope {config.qk_rope_head_dim}")
+        if fmt not in declared(op, "kv_formats"):
+            return f"op {op.name} does not read the {fmt!r} kv format the V4 pages are in (kv_codec {kv_codec!r})"
         if not self.page_for(config):
             return (f"op {op.name} reads pages of {', '.join(map(str, self.backend.page_block_sizes))} tokens, none "
                     f"of which divides the window ({config.sliding_window}): the ring is whole pages")
-        return op.unsupported_reason(self.case(config, dtype, device))
+        return op.unsupported_reason(self.case(config, dtype, device, fmt))
 
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
         return V4OpCache(config, batch_size=batch_size, capacity=capacity, dtype=dtype, device=device,
-                         page_block_size=self.page_for(config))
+                         page_block_size=self.page_for(config), kv_codec=kv_codec)
 
     # ------------------------------------------------------------------ attend
     def attend(self, weights, hidden_states, positions, cache: V4OpCache, lengths=None):
@@ -130,7 +164,6 @@ class V4OpPath:
         r = self._torch
         lin = lambda t, name: t.to(weights[name].dtype) @ weights[name].T
         out = torch.zeros(B, S, cfg.hidden_size, dtype=dt, device=dev)
-        window = cache.row_view("window")
         staged = _Staged(cache)
         for i in range(int(lengths.max()) if B else 0):
             rows = [b for b in range(B) if int(lengths[b]) > i]
@@ -147,7 +180,7 @@ class V4OpPath:
                 qr = r._rms(lin(xb, "q_a_proj.weight").to(wd), eps, weights["q_a_norm.weight"])
                 q = r._rope(r._rms(lin(qr, "q_b_proj.weight").to(wd).view(1, H, D), eps), pos, freqs)
                 kv = r._rope(r._rms(lin(xb, "kv_proj.weight").to(wd), eps, weights["kv_norm.weight"]), pos, freqs)
-                window[b, p % W] = kv[0].to(cache.dtype)
+                cache.put_row("window", b * cache.window_pages_per_row * page + p % W, kv[0])
                 t = torch.arange(max(0, p - W + 1), p + 1)
                 idx[b, 0, :len(t)] = (b * cache.window_pages_per_row * page + t % W).to(torch.int32)
                 if m:
@@ -176,12 +209,12 @@ class V4OpPath:
             kw = dict(softmax_scale=cfg.softmax_scale, causal=False, indices=idx.to(dev),
                       attn_sink=weights["sinks"].to(device=dev, dtype=torch.float32), head_dim_v=D)
             if m:
-                kw.update(extra_k_cache=cache._t["compressed"], extra_indices=eidx.to(dev))
+                kw.update(extra_k_cache=cache.op_view("compressed"), extra_indices=eidx.to(dev))
             seqlens = torch.tensor([min(int(cache.seq_lens[b]) + 1, W) if b in rows else 0 for b in range(B)],
                                    dtype=torch.int32, device=dev)
             table = (torch.arange(B)[:, None] * cache.window_pages_per_row
                      + torch.arange(cache.window_pages_per_row)[None, :]).to(torch.int32).to(dev)
-            res = self.op.decode(q_all, cache._t["window"], table, seqlens, **kw)
+            res = self.op.decode(q_all, cache.op_view("window"), table, seqlens, **kw)
             if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.Tensor)
                     and tuple(res[0].shape) == (B, 1, H, D)):
                 raise ValueError(f"op {self.op.name}: decode() returned {type(res).__name__}, not (out [{B}, 1, {H}, "
