@@ -132,14 +132,18 @@ class RowTrace:
     scores: torch.Tensor | None
     attended: torch.Tensor
     margin: torch.Tensor | None  # per query: the gap between the k-th and (k+1)-th visible score, over M
+    scale: torch.Tensor | None = None  # per query: M, the scale of the scores' rounding errors
 
 
 # --------------------------------------------------------------------------- the oracle
 
-def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=None) -> tuple[torch.Tensor, RowTrace]:
+def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=None,
+               selection: torch.Tensor | None = None) -> tuple[torch.Tensor, RowTrace]:
     """One row's outputs [L, hidden] (float64) for its tokens x [L, hidden] at positions 0..L-1. ``store``: how a
     cache format stores KV rows (rows [n, head_dim] -> the values read back), applied to the window rows and the
-    entries (e.g. FlashMLA's MODEL1 FP8 rows: mla_conformance.kv.model1.stored_f64); None = exact."""
+    entries (e.g. FlashMLA's MODEL1 FP8 rows: mla_conformance.kv.model1.stored_f64); None = exact. ``selection``
+    (bool [L, N], CSA): the entries each query attends instead of the indexer's top-k (a backend's own choice
+    among near ties), still limited to the closed entries."""
     store = store or (lambda rows: rows)
     cfg: V4Config = w.config
     f = {k: v.to(torch.float64) for k, v in w.items()}
@@ -179,11 +183,13 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=No
             closed = j * m <= s
         attended = closed
         if cfg.layer_type == CSA and N:
-            scores, margin = indexer_scores(w, x, qr, closed, variant)
+            scores, margin, scale = indexer_scores(w, x, qr, closed, variant)
             k = min(cfg.index_topk, N)
             top = scores.topk(k, dim=-1).indices
             attended = torch.zeros_like(closed).scatter_(1, top, True) & closed
-            trace = RowTrace(scores, attended, margin)
+            if selection is not None:
+                attended = selection[:, :N] & closed
+            trace = RowTrace(scores, attended, margin, scale)
         else:
             trace = RowTrace(None, attended, None)
         keys = torch.cat([kv, entries], 0)
@@ -208,10 +214,10 @@ def v4_row_f64(w: V4Weights, x: torch.Tensor, variant: Variant = EXACT, store=No
 
 
 def indexer_scores(w: V4Weights, x: torch.Tensor, qr: torch.Tensor, closed: torch.Tensor,
-                   variant: Variant = EXACT) -> tuple[torch.Tensor, torch.Tensor]:
+                   variant: Variant = EXACT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CSA lightning indexer's scores [L, N] (-inf where the entry's window has not closed) and, per query,
     its selection margin: (k-th - (k+1)-th visible score) / M, M = max_j sum_i |w_i| sum_c |qi_ic k_jc| (the
-    scale the scores' rounding errors are relative to); +inf where every visible entry is selected."""
+    scale the scores' rounding errors are relative to; returned too); +inf where every visible entry is selected."""
     cfg = w.config
     f = {k: v.to(torch.float64) for k, v in w.items() if k.startswith("compressor.indexer.")}
     L, Hi, Di, m, eps = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.compress_ratio, cfg.rms_norm_eps
@@ -239,11 +245,12 @@ def indexer_scores(w: V4Weights, x: torch.Tensor, qr: torch.Tensor, closed: torc
         top = scores.topk(k + 1, dim=-1).values
         cut = torch.isfinite(top[:, k])                                                   # more visible than k
         margin[cut] = ((top[:, k - 1] - top[:, k]) / scale.clamp(min=1e-300))[cut]
-    return scores, margin
+    return scores, margin, scale
 
 
 def v4_attention_f64(weights: V4Weights, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                     variant: Variant = EXACT, store=None) -> tuple[torch.Tensor, list[RowTrace]]:
+                     variant: Variant = EXACT, store=None,
+                     selections: list | None = None) -> tuple[torch.Tensor, list[RowTrace]]:
     """The oracle over a batch: x [B, T, hidden] (row b's first lengths[b] tokens at positions 0..); returns the
     outputs [B, T, hidden] float64 (zeros past each row's length) and each row's trace."""
     B, T, _ = x.shape
@@ -252,7 +259,7 @@ def v4_attention_f64(weights: V4Weights, x: torch.Tensor, lengths: torch.Tensor 
     traces = []
     for b in range(B):
         n = int(lengths[b])
-        o, tr = v4_row_f64(weights, x[b, :n], variant, store)
+        o, tr = v4_row_f64(weights, x[b, :n], variant, store, None if selections is None else selections[b])
         out[b, :n] = o
         traces.append(tr)
     return out, traces

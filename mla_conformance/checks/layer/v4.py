@@ -116,6 +116,72 @@ def oracle(preset: str, layer_type: str, scenario_name: str, dtype: torch.dtype,
     return v4_attention_f64(w, x, scenario_lengths(sc), variant)
 
 
+def selection_watch(backend, batch: int):
+    """(picks, watch): ``watch`` for run_scenario, collecting each call's CSA selection where the cache (or the
+    backend) exposes ``last_topk_indices`` (int64 [B, S, k] entry indices of each query of the last call, -1
+    unused) into ``picks[(row, position)]`` (the indices)."""
+    picks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def watch(cache, lengths, where):
+        start = cache.seq_lens.detach().to("cpu").clone()
+        n = lengths.detach().to("cpu").clone()
+
+        def after():
+            sel = getattr(cache, "last_topk_indices", None)
+            sel = getattr(backend, "last_topk_indices", None) if sel is None else sel
+            if not isinstance(sel, torch.Tensor):
+                return
+            sel = sel.detach().to("cpu").long()
+            for b in range(batch):
+                for i in range(int(n[b])):
+                    picks[(b, int(start[b]) + i)] = sel[b, i][sel[b, i] >= 0]
+        return after
+    return picks, watch
+
+
+def own_selection_oracle(w64, x64, lengths, traces, picks, dtype, store=None):
+    """Where the backend exposed its selection: the oracle over *its* selection for each query that chose
+    otherwise among near ties (every entry it kept that the oracle dropped scores within 2 x SELECTION_MARGIN x M
+    of every entry the oracle kept that it dropped), and the queries whose choice is beyond that bound (a wrong
+    selection: (row, position, kept, dropped)). None when nothing differs or nothing was exposed."""
+    if not picks or all(tr.scores is None for tr in traces):
+        return None, []
+    bound_rel = 2 * SELECTION_MARGIN[dtype_name(dtype)]
+    selections, wrong, differs = [], [], False
+    for b, tr in enumerate(traces):
+        if tr.scores is None:
+            selections.append(None)
+            continue
+        sel = tr.attended.clone()
+        L, N = sel.shape
+        for p in range(L):
+            own = picks.get((b, p))
+            if own is None:
+                continue
+            mask = torch.zeros(N, dtype=torch.bool)
+            mask[own[own < N]] = True
+            if torch.equal(mask, tr.attended[p]):
+                continue
+            kept, dropped = mask & ~tr.attended[p], tr.attended[p] & ~mask
+            s = tr.scores[p]
+            gap = (s[dropped].max() if dropped.any() else -torch.inf) - (s[kept].min() if kept.any() else torch.inf)
+            if (kept & ~torch.isfinite(s)).any() or gap > bound_rel * float(tr.scale[p]):
+                wrong.append((b, p, kept.nonzero().flatten().tolist(), dropped.nonzero().flatten().tolist()))
+            sel[p] = mask
+            differs = True
+        selections.append(sel)
+    if not differs:
+        return None, []
+    return v4_attention_f64(w64, x64, lengths, store=store, selections=selections)[0], wrong
+
+
+def _selection_failure(where, wrong) -> str:
+    b, p, kept, dropped = wrong[0]
+    return (f"{where}: the lightning indexer's selection differs from the oracle's beyond the tie bound at row {b}, "
+            f"position {p}: it attends entries {kept} where the oracle's top-k has {dropped}"
+            f"{f' (and {len(wrong) - 1} more queries)' if len(wrong) > 1 else ''}")
+
+
 def _certain(traces, lengths, T: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, T]: the queries whose outputs are compared (not a near tie of the indexer's top-k)."""
     keep = torch.zeros(len(traces), T, dtype=torch.bool)
@@ -139,18 +205,41 @@ def judge(backend, layer: str, scenario_name: str, dtype: torch.dtype, device="c
     require_support(backend, w.config, dtype=dtype, device=device)
     sc = V4_SCENARIOS[scenario_name]
     x = inputs_for(w.config, sc)
-    out, _ = run_scenario(backend, w, x, sc, device=device)
+    picks, watch = selection_watch(backend, sc.batch)
+    out, _ = run_scenario(backend, w, x, sc, device=device, watch=watch)
     lengths = scenario_lengths(sc)
     ref, traces = oracle(preset, layer_type, scenario_name, dtype)
-    keep = _certain(traces, lengths, x.shape[1], dtype)
-    figures["tied_queries_not_compared"] = int((~keep).sum() - (x.shape[1] * len(lengths) - int(lengths.sum())))
+    where = f"{backend.name} DeepSeek-V4 {SHORT[layer_type]} layer ({preset}) {scenario_name} {dtype_name(dtype)}"
+    valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
+    ref, keep = _judged_reference(
+        master_weights(preset, layer_type), x, dtype, lengths, ref, traces, picks, where, figures,
+        cause=lambda: likely_cause(out, valid, preset, layer_type, scenario_name, dtype, figures=figures,
+                                   correct=error_metrics(out[valid], ref[valid])["rel_fro"], tol=0.0))
     judged = torch.where(keep[..., None], ref, out)     # a near tie: the backend's own output, not compared
     figures.update(error_metrics(out[keep], ref[keep]))
-    where = f"{backend.name} DeepSeek-V4 {SHORT[layer_type]} layer ({preset}) {scenario_name} {dtype_name(dtype)}"
     check_rows(out, judged, lengths, dtype, where=where, figures=figures,
                cause=lambda tol: likely_cause(out, keep, preset, layer_type, scenario_name, dtype,
                                               correct=figures["rel_fro"], tol=tol.rel_fro, figures=figures))
     return figures
+
+
+def _judged_reference(w64, x, dtype, lengths, ref, traces, picks, where, figures, store=None, cause=lambda: ""):
+    """(the reference each query is held to, the queries compared): over the backend's own selection where it
+    exposes one (``last_topk_indices``; a choice beyond the tie bound fails here), else the oracle's, leaving out
+    the queries at a near tie of the indexer's top-k (counted: tied_queries_not_compared)."""
+    __tracebackhide__ = True
+    T = x.shape[1]
+    valid = torch.arange(T)[None, :] < lengths[:, None]
+    if picks:
+        own, wrong = own_selection_oracle(w64, x.to(dtype).to(torch.float64), lengths, traces, picks, dtype, store)
+        if wrong:
+            raise AssertionError(_selection_failure(where, wrong) + cause())
+        figures["own_selection_queries"] = len(picks)
+        figures["tied_queries_not_compared"] = 0
+        return (ref if own is None else own), valid
+    keep = _certain(traces, lengths, T, dtype)
+    figures["tied_queries_not_compared"] = int((valid & ~keep).sum())
+    return ref, keep
 
 
 def likely_cause(out, keep, preset, layer_type, scenario_name, dtype, *, correct: float, tol: float,
@@ -343,13 +432,13 @@ def judge_fp8(backend, layer_type: str, dtype: torch.dtype, device="cpu", figure
     w = weights_for("v4-mini", layer_type, dtype, str(device))
     require_support(backend, w.config, dtype=dtype, device=device, kv_codec=model1.NAME)
     x = inputs_for(w.config, FP8_SCENARIO)
-    out, _ = run_scenario(backend, w, x, FP8_SCENARIO, device=device, kv_codec=model1.NAME)
+    picks, watch = selection_watch(backend, FP8_SCENARIO.batch)
+    out, _ = run_scenario(backend, w, x, FP8_SCENARIO, device=device, kv_codec=model1.NAME, watch=watch)
     lengths = scenario_lengths(FP8_SCENARIO)
     ref, traces = _fp8_oracle(layer_type, dtype)
-    keep = _certain(traces, lengths, x.shape[1], dtype)
-    figures["tied_queries_not_compared"] = int((~keep).sum())
+    where = f"{backend.name} DeepSeek-V4 {SHORT[layer_type]} layer (v4-mini) {model1.NAME} {dtype_name(dtype)}"
+    ref, keep = _judged_reference(master_weights("v4-mini", layer_type), x, dtype, lengths, ref, traces, picks,
+                                  where, figures, store=model1.stored_f64)
     figures.update(error_metrics(out[keep], ref[keep]))
-    check_rows(out, torch.where(keep[..., None], ref, out), lengths, dtype, figures=figures,
-               where=f"{backend.name} DeepSeek-V4 {SHORT[layer_type]} layer (v4-mini) {model1.NAME} "
-                     f"{dtype_name(dtype)}")
+    check_rows(out, torch.where(keep[..., None], ref, out), lengths, dtype, figures=figures, where=where)
     return figures
