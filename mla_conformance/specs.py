@@ -14,7 +14,7 @@ from mla_conformance.contract.layer import BUILTINS, REQUIRED_METHODS
 from mla_conformance.contract.op import BUILTIN_OPS, DECLARATIONS as OP_DECLARATIONS
 from mla_conformance.contract.op import METHODS as OP_METHODS, REQUIRED_METHODS as OP_REQUIRED
 from mla_conformance.contract.op import declared as op_declared, methods_of
-from mla_conformance.errors import BackendSpecError
+from mla_conformance.errors import BackendSpecError, environment_line
 
 #: ``op:SPEC``: an op (mla_conformance.contract.op) behind the layer contract
 OP_PREFIX = "op:"
@@ -51,7 +51,7 @@ def _import_attr(spec: str, target: str, attr: str, kind: str = "backend") -> An
             except Exception as exc:
                 del sys.modules[mod_name]
                 raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: "
-                                       f"{type(exc).__name__}: {exc}") from None
+                                       f"{environment_line(exc)}") from None
     else:
         cwd = str(Path.cwd())
         if cwd not in sys.path and "" not in sys.path:  # module:attr resolves from where it is typed (as uvicorn's)
@@ -61,10 +61,11 @@ def _import_attr(spec: str, target: str, attr: str, kind: str = "backend") -> An
         except ModuleNotFoundError as exc:
             if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
                 raise BackendSpecError(f"{kind} spec {spec!r}: no module named {exc.name!r}") from None
-            raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: {exc}") from None
+            raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: "
+                                   f"{environment_line(exc)}") from None
         except Exception as exc:
             raise BackendSpecError(f"{kind} spec {spec!r}: importing {target!r} failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
+                                   f"{environment_line(exc)}") from None
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -100,7 +101,7 @@ def resolve_spec(spec: str, *, kind: str, builtins: dict[str, str], required: tu
             obj = obj()
         except Exception as exc:
             raise BackendSpecError(f"{kind} spec {spec!r}: instantiating {attr} without arguments failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
+                                   f"{environment_line(exc)}") from None
     missing = [m for m in required if not callable(getattr(obj, m, None))]
     if missing:
         contract = "the contract" if kind == "backend" else f"the {kind} contract"

@@ -1,6 +1,8 @@
 """Op contract (mla_conformance.contract.op): out and lse against the float64 oracle, the split-KV merge, determinism and
 batch invariance. Every test runs once per op (--mla-op; the test id carries its name); inputs are poisoned
 paged caches behind shuffled block tables with canaries after every buffer (mla_conformance.checks.op).
+A test built at s_q 2 whose rule is not about multi-token decode runs at s_q 1 for an op that declines s_q > 1 (a
+decode-only op: oc.make_case's variants); an op that takes s_q 2 gets the s_q 2 case.
 Tolerances: mla_conformance.checks.OP_TOLERANCES."""
 
 import pytest
@@ -15,7 +17,8 @@ LENS = (37, 100, 5, 64)
 @pytest.mark.mla_section("op-numerics")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
 def test_out_lse_vs_oracle(mla_op, dtype, mla_device, mla_figures):
-    """out and lse (converted from the declared lse_base) of a 4-row batch, 2 queries each, non-causal."""
+    """out and lse (converted from the declared lse_base) of a 4-row batch, 2 queries each (1 where the op decodes
+    one query per row), non-causal."""
     case = oc.make_case(mla_op, lens=LENS, s_q=2, h_q=8, dtypes=(dtype,), device=mla_device)
     oc.check_against_oracle(mla_op, oc.Spec(case, LENS), check="out/lse vs float64 oracle", figures=mla_figures)
 
@@ -42,10 +45,10 @@ def test_split_kv_merge(mla_op, s_q, mla_device, mla_figures):
     with_empty, without = (100, 37, 5, 64), (100, 70, 130, 66)  # one-page rows (empty first parts), or none
     try:
         case, lens = oc.make_case(mla_op, lens=with_empty, s_q=s_q, h_q=8, device=mla_device,
-                                  zero_length_rows=True), with_empty
+                                  zero_length_rows=True, multi_token=True), with_empty
     except pytest.skip.Exception:
         case, lens = oc.make_case(mla_op, lens=without, s_q=s_q, h_q=8, device=mla_device,
-                                  rows_without_keys=False), without
+                                  rows_without_keys=False, multi_token=True), without
     if max(lens) <= case.page_block_size:
         pytest.skip(f"{mla_op.name}: page size {case.page_block_size} leaves every row one page: nothing to split")
     spec = oc.Spec(case, lens)

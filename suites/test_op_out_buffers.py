@@ -13,9 +13,10 @@ from mla_conformance.checks import op as oc
 LENS = (3, 40, 17)
 
 
-def _case(op, s_q, device):
+def _case(op, s_q, device, multi_token=True):
     oc.require_declared(op, "out_buffers", "decode into caller-owned out= / lse= buffers")
-    return oc.make_case_and_lens(op, [LENS, (max(3, s_q), 40, 17)], s_q=s_q, h_q=4, causal=True, device=device)
+    return oc.make_case_and_lens(op, [LENS, (max(3, s_q), 40, 17)], s_q=s_q, h_q=4, causal=True, device=device,
+                                 multi_token=multi_token)
 
 
 @pytest.mark.mla_section("op-out-buffers")
@@ -32,7 +33,8 @@ def test_out_buffers(mla_op, s_q, mla_device, mla_figures):
 @pytest.mark.parametrize("layout", ["capacity", "tokens-first", "heads-first"])
 def test_out_buffers_strided(mla_op, layout, mla_device, mla_figures):
     """Strided buffers at s_q 3 (oc.LAYOUTS): the first B rows of a captured batch's buffers, out with gaps between
-    heads and lse tokens-first (FlashInfer), out and lse heads-first (vLLM); the gaps and the rows past B untouched."""
-    case, lens = _case(mla_op, 3, mla_device)
+    heads and lse tokens-first (FlashInfer), out and lse heads-first (vLLM); the gaps and the rows past B untouched.
+    An op that decodes one query per row gets them at s_q 1 (the layouts are the rule, not the query count)."""
+    case, lens = _case(mla_op, 3, mla_device, multi_token=False)
     oc.check_out_buffers(mla_op, oc.Spec(case, lens, seed=2), layout, check=f"out= / lse= buffers, {layout}",
                          figures=mla_figures)

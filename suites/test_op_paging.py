@@ -1,5 +1,6 @@
 """Op contract: poisoned paged caches, page sizes, multi-token decode alignment, head counts, rows without keys
-or with one key, non-contiguous q. Every test runs once per op (--mla-op); see mla_conformance.checks.op."""
+or with one key, non-contiguous q. Every test runs once per op (--mla-op); see mla_conformance.checks.op. The
+tests of rows without keys and of non-contiguous q run at s_q 1 for an op that decodes one query per row."""
 
 import pytest
 
@@ -25,7 +26,7 @@ def test_multi_token_decode(mla_op, s_q, causal, mla_device, mla_figures):
     # a row of 3 keys: causal s_q 4 and 8 leave its first queries without keys; an op that declines rows without
     # keys gets the same test over rows of at least s_q keys
     case, lens = oc.make_case_and_lens(mla_op, [(3, 40, 17), (max(3, s_q), 40, 17)], s_q=s_q, h_q=4, causal=causal,
-                                       device=mla_device)
+                                       device=mla_device, multi_token=True)
     oc.check_against_oracle(mla_op, oc.Spec(case, lens, seed=2),
                             check=f"multi-token decode s_q={s_q} {'causal (bottom-right)' if causal else 'non-causal'}",
                             figures=mla_figures)

@@ -2,7 +2,7 @@
 (-1; one past the cache and INT_MAX where the op declares invalid_index "out-of-range"), topk_length, rows with
 every index invalid, attn_sink (with +-inf), sparse equal to dense over the selected keys, and the selection split
 over two caches (where declared). Every test runs once per op (--mla-op) that accepts a sparse case
-(latent cache first, else the FP8 one)."""
+(latent cache first, else the FP8 one; 2 queries per row, else 1 where the op decodes one query per row)."""
 
 import pytest
 

@@ -74,15 +74,22 @@ def test_bad_op_specs_say_what_is_wrong(spec, needles):
 
 
 class _SingleTokenOp(ReferenceOp):
-    """An op that decodes one query per row only (XQA-like) and has no prefill: the wrapper needs multi-token
-    causal decode."""
+    """An op that decodes one query per row only (XQA-like) and has no prefill: its multi-token rows go through the
+    suite's reference prefill over its cache, every one-token step through its decode (recorded)."""
 
     name = "single-token"
     prefill = None
 
+    def __init__(self):
+        self.calls = []
+
     def unsupported_reason(self, case):
         s_q = getattr(case, "s_q", 1)
         return f"{self.name} decodes one query per row, not s_q {s_q}" if s_q > 1 else None
+
+    def decode(self, q, *args, **kwargs):
+        self.calls.append(tuple(q.shape[:2]))
+        return super().decode(q, *args, **kwargs)
 
 
 class _DefaultDimsOp(ReferenceOp):
@@ -109,8 +116,10 @@ def test_what_the_wrapper_declines(config, kwargs, needle):
 
 
 def test_the_ops_own_sentences_pass_through():
-    reason = OpBackend(_SingleTokenOp()).unsupported_reason(V3_MINI, dtype=BF16, device="cpu", kv_codec="none")
-    assert reason == "single-token decodes one query per row, not s_q 2"
+    no_bf16 = type("NoBf16", (ReferenceOp,), {"name": "no-bf16", "unsupported_reason": lambda self, case: (
+        "no-bf16 takes float32 only" if case.dtype == BF16 else None)})()
+    reason = OpBackend(no_bf16).unsupported_reason(V3_MINI, dtype=BF16, device="cpu", kv_codec="none")
+    assert reason == "no-bf16 takes float32 only"
     latent_only = type("LatentOnly", (ReferenceOp,), {"name": "latent-only", "kv_formats": ("latent",)})()
     reason = OpBackend(latent_only).unsupported_reason(V3_MINI, dtype=BF16, device="cpu",
                                                        kv_codec="fp8-e4m3-flashmla")
@@ -119,6 +128,31 @@ def test_the_ops_own_sentences_pass_through():
     expected = arch.why_not("flashmla/dense_decode", arch.detect("cpu"))
     if expected is not None:
         assert flashmla.unsupported_reason(V3_MINI, dtype=BF16, device="cpu", kv_codec="none") == expected
+
+
+@pytest.mark.parametrize("kv_codec,dtype", [("none", torch.float32), ("fp8-e4m3-flashmla", BF16)])
+def test_a_decode_only_op_runs_the_layer(kv_codec, dtype):
+    """An op that declines s_q > 1 and has no prefill is not refused: the prefill rows (23 / 16 / 7 tokens) are the
+    suite's reference prefill over the op's cache (routes() says so, with the op's sentence), and every one of the 4
+    decode steps is one op.decode call of one query per row; the layer output against the float64 oracle."""
+    from mla_conformance.impl.ops.layer import REFERENCE_PREFILL
+
+    op = _SingleTokenOp()
+    backend = OpBackend(op, page_block_size=16)
+    assert backend.unsupported_reason(V3_MINI, dtype=dtype, device="cpu", kv_codec=kv_codec) is None
+    route = backend.routes(V3_MINI, dtype=dtype, device="cpu", kv_codec=kv_codec)["prefill"]
+    assert route.startswith(REFERENCE_PREFILL) and route.endswith("single-token decodes one query per row, not s_q 2")
+    assert backend.multi_token_route(V3_MINI, dtype=dtype, device="cpu", kv_codec=kv_codec) == "reference"
+    if kv_codec == "none":
+        checks.numerics(backend, "v3-mini", "varlen_batch", dtype)
+        assert op.calls == [(3, 1)] * 4, op.calls
+    w = checks.weights_for("v3-mini", dtype)
+    cache = backend.new_cache(w.config, batch_size=2, capacity=8, dtype=dtype, device="cpu", kv_codec=kv_codec)
+    x = torch.randn(2, 5, w.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    op.calls.clear()
+    backend.attend(w, x[:, :4], torch.arange(4).expand(2, 4), cache, torch.tensor([4, 1]))  # a prefill and a step
+    backend.attend(w, x[:, 4:], torch.tensor([[4], [1]]), cache, torch.tensor([1, 1]))
+    assert op.calls == [(1, 1), (2, 1)], op.calls  # the 4-token row through the reference, the steps through the op
 
 
 def test_a_bad_op_output_is_named():

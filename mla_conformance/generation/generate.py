@@ -29,7 +29,7 @@ from mla_conformance.model import reference as ref
 from mla_conformance.model import dsa_reference as dsa_ref
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.config import MLAConfig
-from mla_conformance.errors import CheckpointError, MLAInputError
+from mla_conformance.errors import CheckpointError, MLAInputError, PackageImportError, environment_line
 from mla_conformance.resources import fixtures_dir, prompts_file, read_json, tiny_model_dir
 from mla_conformance.model.config import expected_shapes
 from mla_conformance.model.weights import MLAWeights
@@ -50,8 +50,12 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
         raise CheckpointError(f"{directory}: not a model directory (no config.json)")
     SafetensorsCheckpoint(directory)  # validates every safetensors header and size, naming a bad file
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import DeepseekV2ForCausalLM
-    from transformers.utils import logging as hf_logging
+    try:  # transformers imports its model lazily: a package of the environment that does not load surfaces here
+        from transformers import DeepseekV2ForCausalLM
+        from transformers.utils import logging as hf_logging
+    except Exception as exc:
+        raise PackageImportError(f"transformers' DeepseekV2ForCausalLM does not import in this environment: "
+                                 f"{environment_line(exc)}") from None
 
     hf_logging.disable_progress_bar()
     # a DSA model's indexer tensors are not DeepseekV2 parameters (layer_weights reads them from the files):

@@ -71,13 +71,15 @@ def check_golden_generation(backend, request, snapshot, *, prompt_set: str, devi
 def check_golden_generation_per_codec(backend, kv_codec: str, floor: float | None, tiny_model, request, snapshot,
                                       device, figures: dict) -> None:
     """Generation under a quantized latent cache: accuracy at least ``floor`` (None: a negative control, recorded
-    only) and the tokens pinned per codec."""
+    only) and the tokens pinned per codec. ``tiny_model``: the model, or a callable returning it, called only once
+    the backend has said it takes the codec (the config is read from the model's directory first: a backend that
+    declines the codec skips without the model, or transformers, loaded)."""
     __tracebackhide__ = True
     dtype = model_dtype(device)
-    require_support(backend, MLAConfig.from_hf(tiny_model.config.to_dict()), dtype=dtype, device=device,
-                    kv_codec=kv_codec)
+    require_support(backend, MLAConfig.from_hf(DEFAULT_MODEL), dtype=dtype, device=device, kv_codec=kv_codec)
+    model = tiny_model if isinstance(tiny_model, torch.nn.Module) else tiny_model()
     result = run_generation(DEFAULT_MODEL, backend, kv_codec=kv_codec, prompt_sets=PROMPT_SETS, dtype=dtype,
-                            device=device, model=tiny_model)
+                            device=device, model=model)
     figures.update(kv_codec=kv_codec, accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
     if floor is not None:
         assert result["accuracy"] >= floor, f"{backend.name} kv_codec {kv_codec}: accuracy {result['accuracy']:.4f}"

@@ -32,8 +32,8 @@ from mla_conformance.checks.op.compare import (as_reference, bitwise_equal, boun
 from mla_conformance.checks.op.inputs import (CANARY_BYTE, CANARY_BYTES, INT_MAX, INVALID_BLOCK, INVALID_KINDS,
                                               KNOWN_PAGE_SIZES, SOFTMAX_SCALE, Buffer, OpInputs, Spec, build,
                                               check_fp8_probe_scales, declared_spec, dense_of_selection, two_caches,
-                                              first_supported, has_rows_without_keys, kinds_of_rows_without_keys, make_case, make_case_and_lens,
-                                              page_sizes, pick_page, require, require_declared, require_invalid_kind,
+                                              first_supported, has_rows_without_keys, variant_label, kinds_of_rows_without_keys, make_case, make_case_and_lens,
+                                              page_order, page_sizes, pick_page, require, require_declared, require_invalid_kind,
                                               selected_slots, single_row, split_at_pages, unsupported, where)
 from mla_conformance.checks.op.run import run_op, validate
 from mla_conformance.checks.op.calls import LAYOUTS, check_out_buffers, check_speculative, engine_tables
@@ -43,7 +43,7 @@ from mla_conformance.model.attention_oracles import lse_to_natural, merge_by_lse
 __all__ = ["KNOWN_PAGE_SIZES", "INVALID_BLOCK", "INT_MAX", "INVALID_KINDS", "SOFTMAX_SCALE", "CANARY_BYTES",
            "CANARY_BYTE", "NAN_HINT", "OP_TOLERANCES", "OpTolerance", "Spec", "OpInputs", "Buffer", "build",
            "oracle_of", "run_op", "validate", "compare", "check_against_oracle", "bitwise_equal", "make_case",
-           "make_case_and_lens", "has_rows_without_keys", "kinds_of_rows_without_keys", "bounds", "top_left_oracle_of", "pick_page", "page_sizes",
+           "make_case_and_lens", "has_rows_without_keys", "kinds_of_rows_without_keys", "bounds", "top_left_oracle_of", "pick_page", "page_order", "page_sizes", "variant_label",
            "require", "require_declared", "first_supported", "unsupported", "tolerance_for", "merge_by_lse",
            "lse_to_natural", "where", "dtype_name", "split_at_pages", "single_row", "selected_slots",
            "dense_of_selection", "two_caches", "as_reference", "declared_spec", "check_fp8_probe_scales", "require_invalid_kind",

@@ -78,8 +78,9 @@ class OutBuffer(Buffer):
 
     def unwritten(self) -> torch.Tensor:
         """bool [view's shape]: elements still holding the fill (every byte FILL_BYTE)."""
-        v = self.view.detach().contiguous()
-        return (v.view(torch.uint8).view(*v.shape, v.element_size()) == FILL_BYTE).all(-1).cpu()
+        v = self.view.detach()  # flattened: a size-1 dim (s_q 1) may keep any stride, even in a contiguous tensor
+        flat = v.contiguous().reshape(-1)
+        return (flat.view(torch.uint8).view(*v.shape, v.element_size()) == FILL_BYTE).all(-1).cpu()
 
 
 def out_buffers(case: OpCase, layout: str, *, with_lse: bool) -> dict[str, OutBuffer]:

@@ -51,10 +51,16 @@ def page_sizes(op) -> tuple[int, ...]:
 
 
 def pick_page(op, prefer=(16, 64, 1)) -> int:
+    return page_order(op, prefer)[0]
+
+
+def page_order(op, prefer=(16, 64, 1)) -> tuple[int, ...]:
+    """The page sizes the op declares that the suite builds, in the order of ``prefer`` (:func:`pick_page` takes the
+    first; :func:`make_case` tries the others when the op declines its case at the first); else skip."""
     sizes = page_sizes(op)
-    for p in prefer:
-        if p in sizes:
-            return p
+    order = tuple(p for p in prefer if p in sizes)
+    if order:
+        return order
     pytest.skip(f"{op.name}: declares page_block_sizes {declared(op, 'page_block_sizes')}, none of which the suite "
                 f"builds ({', '.join(map(str, KNOWN_PAGE_SIZES))})")
 
@@ -136,13 +142,42 @@ def kinds_of_rows_without_keys(lens, s_q: int, causal: bool, sparse: bool = Fals
 
 def make_case(op, *, lens, s_q=1, h_q=8, page=None, dtypes=("float32", "bfloat16", "float16"), kv_formats=("latent",),
               topk=None, attn_sink=False, causal=False, device="cpu", rows_without_keys=None,
-              zero_length_rows=False, padding_rows=0) -> OpCase:
+              zero_length_rows=False, padding_rows=0, multi_token=False) -> OpCase:
     """The first case the op accepts over ``kv_formats`` x ``dtypes`` (an FP8 cache takes a bfloat16 q).
     ``rows_without_keys`` and its kinds default to what the lengths say (:func:`kinds_of_rows_without_keys`);
     ``zero_length_rows``: the case holds a row without any key the lengths do not show (an empty part of a
-    split-KV call, a sparse row whose every index is invalid); ``padding_rows``: how many rows are padding."""
+    split-KV call, a sparse row whose every index is invalid); ``padding_rows``: how many rows are padding.
+
+    When the op declines every one of these cases, the variants it may take instead, before skipping
+    (:func:`_variant_case`): the other page sizes it declares (``page`` not given), then one query per row (s_q 1:
+    a decode-only op) unless the test's rule is about multi-token decode (``multi_token``; s_q 1 anyway).
+    A variant is taken only where the op declines the same case at the test's own s_q and page (the variant is
+    what it lacks): an op that takes both gets today's case, or today's skip. The skip sentence gives every
+    variant's reason."""
     __tracebackhide__ = True
-    page = pick_page(op) if page is None else page
+    pages = (page,) if page is not None else page_order(op)
+    spec = dict(lens=lens, h_q=h_q, dtypes=dtypes, kv_formats=kv_formats, topk=topk, attn_sink=attn_sink,
+                causal=causal, device=device, rows_without_keys=rows_without_keys,
+                zero_length_rows=zero_length_rows, padding_rows=padding_rows)
+    reasons: list[str] = []
+    for case in _cases(s_q=s_q, page=pages[0], **spec):
+        reason = unsupported(op, case)
+        if not reason:
+            return case
+        if reason not in reasons:
+            reasons.append(reason)
+    variants = [(s_q, p) for p in pages[1:]]
+    if s_q > 1 and not multi_token:
+        variants += [(1, p) for p in pages]
+    case = _variant_case(op, variants, s_q, pages[0], spec, reasons)
+    if case is not None:
+        return case
+    pytest.skip(f"{op.name}: {'; '.join(reasons)}")
+
+
+def _cases(*, lens, s_q, page, h_q, dtypes, kv_formats, topk, attn_sink, causal, device, rows_without_keys,
+           zero_length_rows, padding_rows) -> list[OpCase]:
+    """make_case's cases at one s_q and page size: ``kv_formats`` x ``dtypes`` (an FP8 cache: bfloat16 q)."""
     kinds = kinds_of_rows_without_keys(lens, s_q, causal, topk is not None)
     kinds["zero_length_rows"] |= bool(zero_length_rows)
     if rows_without_keys is None:
@@ -155,7 +190,35 @@ def make_case(op, *, lens, s_q=1, h_q=8, page=None, dtypes=("float32", "bfloat16
             cases.append(OpCase(batch=len(lens), s_q=s_q, h_q=h_q, page_block_size=page, dtype=getattr(torch, dt),
                                 kv_format=fmt, topk=topk, attn_sink=attn_sink, causal=causal, device=device,
                                 rows_without_keys=rows_without_keys, padding_rows=padding_rows, **kinds))
-    return first_supported(op, cases)
+    return cases
+
+
+def variant_label(s_q: int, page: int, own_s_q: int, own_page: int) -> str:
+    """How a skip sentence names a variant of a test's case: what differs from the test's own s_q and page."""
+    parts = ([f"s_q {s_q}"] if s_q != own_s_q else []) + ([f"pages of {page}"] if page != own_page else [])
+    return ", ".join(parts)
+
+
+def _variant_case(op, variants, own_s_q: int, own_page: int, spec: dict, reasons: list[str]) -> OpCase | None:
+    """The first case of ``variants`` ((s_q, page) pairs, each over make_case's formats x dtypes) the op accepts
+    where it declines the same case at the test's own s_q and page; the reasons of the declined ones are added to
+    ``reasons``, each named by its variant (one already there by the same words is not repeated)."""
+    __tracebackhide__ = True
+    said = set(reasons)
+    for s_q, page in variants:
+        for case in _cases(s_q=s_q, page=page, **spec):
+            reason = unsupported(op, case)
+            if reason:
+                if reason not in said:
+                    said.add(reason)
+                    reasons.append(f"{variant_label(s_q, page, own_s_q, own_page)}: {reason}")
+                continue
+            # the variant is what the op lacks: it declines this very case at the test's own s_q / page (an op
+            # that takes it there too declined today's cases for another reason, e.g. a causal query before a
+            # row's first key, which one query per row does not have: today's skip stands)
+            if unsupported(op, dataclasses.replace(case, s_q=own_s_q, page_block_size=own_page)):
+                return case
+    return None
 
 
 def make_case_and_lens(op, lens_options, **kw) -> tuple[OpCase, tuple[int, ...]]:
@@ -167,8 +230,9 @@ def make_case_and_lens(op, lens_options, **kw) -> tuple[OpCase, tuple[int, ...]]
         try:
             return make_case(op, lens=lens, **kw), tuple(lens)
         except pytest.skip.Exception as exc:
-            if str(exc) not in reasons:
-                reasons.append(str(exc).removeprefix(f"{op.name}: "))
+            reason = str(exc).removeprefix(f"{op.name}: ")
+            if reason not in reasons:
+                reasons.append(reason)
     pytest.skip(f"{op.name}: {'; '.join(reasons)}")
 
 def require_declared(op, key: str, what: str) -> None:

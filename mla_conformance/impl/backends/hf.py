@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from mla_conformance.errors import environment_line
 from mla_conformance.model.config import MLAConfig
 
 
@@ -248,8 +249,10 @@ class HFTransformers:
                     f"latent codec, so kv_codec {kv_codec!r} is not supported")
         try:
             from transformers.models.deepseek_v2 import modeling_deepseek_v2  # noqa: F401
-        except ImportError as exc:
-            return f"this transformers has no DeepseekV2 model ({exc}); transformers >= 4.57 is needed"
+        except Exception as exc:  # noqa: BLE001 - the environment's sentence, not a crash
+            if isinstance(exc, ImportError) and exc.__cause__ is None and exc.__context__ is None:
+                return f"this transformers has no DeepseekV2 model ({exc}); transformers >= 4.57 is needed"
+            return f"transformers' DeepseekV2 model does not import in this environment: {environment_line(exc)}"
         try:  # transformers validates its config (e.g. hidden_size divisible by the heads): a decline, not a crash
             _hf_v32_config(config) if config.dsa else _hf_config(config)
         except Exception as exc:

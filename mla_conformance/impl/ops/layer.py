@@ -26,15 +26,21 @@ multi-token decode aligns the S queries with the *last* S keys of the row (query
 tokens. Rows of a padded batch appended fewer tokens, so rows are grouped by how many they appended and
 each group is one ``decode`` call with that many queries; rows that appended nothing are left out.
 
+A decode-only op (one that declines causal multi-token decode, s_q > 1, and has no prefill route: most decode
+kernels) is not refused: its rows of more than one new token (prefill, multi-token steps) are attended by the
+suite's reference (reference-op's causal decode, :data:`REFERENCE_PREFILL`) over the op's own cache -- filled by
+``op.write`` where it has one, else by the suite -- and every one-token decode step goes through ``op.decode``. So
+the layer numerics, bytes, paging and goldens run through the op's decode kernel; ``routes()`` says so.
+
 What the wrapper declines (``unsupported_reason``), in this order, each with a sentence: DeepSeek Sparse
 Attention configs (the wrapper drives dense decode); head dims other than kv_lora_rank 512 + qk_rope_head_dim
 64 (the op contract's 576 / 512) unless the op declares them in ``head_dims`` (reference-op takes any: the
 embedded tiny model's golden generations then run through it, with ``head_dim_v`` passed); a kv_codec that is not ``"none"`` (the op's ``"latent"`` format) or
 ``"fp8-e4m3-flashmla"`` (the op's 656-byte format, when the op lists it in ``kv_formats``); then whatever
-the op itself declines for the cases the layer hands it (s_q 1, and s_q > 1 unless prefill goes through the
-op's prefill; causal, the layer's head count, the page size, the dtype), asked through
-``op.unsupported_reason(OpCase(...))``. What the op declines for prefill, merge or write
-(``MethodCase``) is not a refusal: that part then runs the decode path, or the suite's cache fill.
+the op itself declines for the one-token decode case the layer hands it (s_q 1, causal, the layer's head count,
+the page size, the dtype), asked through ``op.unsupported_reason(OpCase(...))``. What the op declines for
+multi-token decode (s_q > 1), prefill, merge or write is not a refusal: the multi-token rows then run the op's
+multi-token decode or the suite's reference prefill, the cache the suite's fill.
 
 The cache is always paged (``supports_paging``; the op's ``page_block_sizes``). ``paged_bit_exact`` is False:
 another page size is another call of the op, which may split its reductions differently; paged runs are
@@ -51,12 +57,15 @@ from mla_conformance.model import reference as ref
 from mla_conformance.kv.caches import PagedLatentCache, to_flashmla_layout
 from mla_conformance.contract.op import D_QK, D_ROPE, D_V, OpCase, declared, takes_head_dims
 from mla_conformance.impl.ops import chunked_prefill as cp
+from mla_conformance.impl.ops.reference import ReferenceOp
 
 FP8_CODEC = "fp8-e4m3-flashmla"
 #: layer kv_codec -> the op's kv format
 CODEC_FORMATS = {"none": "latent", FP8_CODEC: "fp8-e4m3-flashmla"}
 #: how many queries the multi-token (prefill, MTP) case asks the op about
 MULTI_TOKEN_S_Q = 2
+#: what attends the multi-token rows of an op that has neither a prefill route nor causal multi-token decode
+REFERENCE_PREFILL = "the suite's reference prefill (reference-op's causal decode over the op's cache)"
 
 
 def head_dims_of(config) -> tuple[int, int]:
@@ -145,24 +154,50 @@ class OpBackend:
         return cp.write_reason(self.op, config, dtype=dtype, device=device,
                                kv_format=CODEC_FORMATS.get(kv_codec, kv_codec), page_block_size=page)
 
+    def multi_token_decode_reason(self, config, *, dtype, device, kv_codec="none") -> str | None:
+        """Why multi-token rows cannot go through ``op.decode`` (the op's sentence for causal s_q
+        :data:`MULTI_TOKEN_S_Q`; None: they can)."""
+        return self.op.unsupported_reason(self._case(config, MULTI_TOKEN_S_Q, dtype=dtype, device=device,
+                                                     kv_codec=kv_codec))
+
+    def multi_token_route(self, config, *, dtype, device, kv_codec="none") -> str:
+        """What attends the rows of more than one new token: ``"prefill"`` (the op's prefill and merge),
+        ``"decode"`` (the op's causal multi-token decode) or ``"reference"`` (:data:`REFERENCE_PREFILL`, for an op
+        that has neither but takes one-token decode: a decode-only op)."""
+        if self.prefill_route_reason(config, dtype=dtype, device=device) is None:
+            return "prefill"
+        if self.multi_token_decode_reason(config, dtype=dtype, device=device, kv_codec=kv_codec) is None:
+            return "decode"
+        if self.op.unsupported_reason(self._case(config, 1, dtype=dtype, device=device, kv_codec=kv_codec)):
+            return "decode"  # the op declines this config altogether (unsupported_reason says so): nothing to route
+        return "reference"
+
     def routes(self, config, *, dtype, device, kv_codec="none", page_block_size=None) -> dict[str, str]:
         """Which of the op's kernels run the layer's prefill and cache fill for this config, and why not."""
         p = self.prefill_route_reason(config, dtype=dtype, device=device)
         w = self.write_route_reason(config, dtype=dtype, device=device, kv_codec=kv_codec,
                                     page_block_size=page_block_size)
-        return {"prefill": (f"op.prefill + op.merge (MHA mode, context chunks of {self.context_chunk} tokens)"
-                            if p is None else f"op.decode (causal multi-token): {p}"),
-                "write": "op.write" if w is None else f"the suite: {w}"}
+        route = self.multi_token_route(config, dtype=dtype, device=device, kv_codec=kv_codec)
+        if route == "prefill":
+            prefill = f"op.prefill + op.merge (MHA mode, context chunks of {self.context_chunk} tokens)"
+        elif route == "decode":
+            prefill = f"op.decode (causal multi-token): {p}"
+        else:
+            m = self.multi_token_decode_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
+            prefill = f"{REFERENCE_PREFILL}, every one-token decode step through op.decode: {p}; {m}"
+        return {"prefill": prefill, "write": "op.write" if w is None else f"the suite: {w}"}
+
+    def _case(self, config, s_q: int, *, dtype, device, kv_codec="none") -> OpCase:
+        return OpCase(batch=1, s_q=s_q, h_q=int(config.num_attention_heads), page_block_size=self.page_block_size,
+                      dtype=dtype, kv_format=CODEC_FORMATS.get(kv_codec, kv_codec), causal=True, device=str(device))
 
     def op_cases(self, config, *, dtype, device, kv_codec="none") -> list[OpCase]:
-        """The decode cases a layer run hands the op: one-token decode, and multi-token causal decode unless
-        prefill rows go through the op's prefill."""
-        fmt = CODEC_FORMATS.get(kv_codec, kv_codec)
-        common = dict(h_q=int(config.num_attention_heads), page_block_size=self.page_block_size, dtype=dtype,
-                      kv_format=fmt, causal=True, device=str(device))
-        cases = [OpCase(batch=1, s_q=1, **common)]
-        if self.prefill_route_reason(config, dtype=dtype, device=device) is not None:
-            cases.append(OpCase(batch=1, s_q=MULTI_TOKEN_S_Q, **common))
+        """The decode cases a layer run hands the op: one-token decode, and multi-token causal decode where the
+        multi-token rows go through ``op.decode`` (no prefill route, and the op takes it; an op that declines it
+        gets its multi-token rows from the suite's reference prefill instead, :data:`REFERENCE_PREFILL`)."""
+        cases = [self._case(config, 1, dtype=dtype, device=device, kv_codec=kv_codec)]
+        if self.multi_token_route(config, dtype=dtype, device=device, kv_codec=kv_codec) == "decode":
+            cases.append(self._case(config, MULTI_TOKEN_S_Q, dtype=dtype, device=device, kv_codec=kv_codec))
         return cases
 
     def _v4(self):
@@ -212,6 +247,13 @@ class OpBackend:
             raise ValueError(f"op {self.op.name}: decode() returned out {got}, expected {expected}")
         return o
 
+    @staticmethod
+    def reference_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale: float, head_dim_v: int = D_V):
+        """:data:`REFERENCE_PREFILL`: the rows of more than one new token of a decode-only op, attended causally by
+        reference-op over the op's cache (latent or FP8 656-byte: as the op reads it)."""
+        return ReferenceOp().decode(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
+                                    causal=True, head_dim_v=head_dim_v)[0]
+
     def attend(self, weights, hidden_states, positions, cache, lengths=None):
         if getattr(weights.config, "attention_kind", None) == "deepseek-v4":
             return self._v4().attend(weights, hidden_states, positions, cache, lengths)
@@ -229,8 +271,8 @@ class OpBackend:
             cp.write_latent(self.op, cache, c, k_pe, lengths, CODEC_FORMATS[cache.kv_codec])
         else:
             cache.write_latent(c, k_pe, lengths)
-        via_prefill = self.prefill_route_reason(cfg, dtype=dt, device=dev) is None
-        multi = (lengths > 1) if via_prefill else torch.zeros_like(lengths, dtype=torch.bool)
+        route = self.multi_token_route(cfg, dtype=dt, device=dev, kv_codec=cache.kv_codec)
+        multi = (lengths > 1) if route == "prefill" else torch.zeros_like(lengths, dtype=torch.bool)
         w_uk, w_uv = ref.split_kv_b(weights)
         q = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_pe], dim=-1)  # [B, S, H, 576]
         kv_cache, block_table, cache_seqlens = to_flashmla_layout(cache, new_lens)
@@ -240,9 +282,10 @@ class OpBackend:
         decode_lens = torch.where(multi, torch.zeros_like(lengths), lengths)
         for n in sorted({int(v) for v in decode_lens.tolist()} - {0}):
             rows = (decode_lens == n).nonzero().flatten().to(q.device)
-            o_lat[rows, :n] = self.decode(q[rows, :n].contiguous(), kv_cache, block_table[rows].contiguous(),
-                                          cache_seqlens[rows].contiguous(), cfg.softmax_scale,
-                                          cfg.kv_lora_rank).to(q.dtype)
+            decode = self.decode if n == 1 or route == "decode" else self.reference_decode
+            o_lat[rows, :n] = decode(q[rows, :n].contiguous(), kv_cache, block_table[rows].contiguous(),
+                                     cache_seqlens[rows].contiguous(), cfg.softmax_scale,
+                                     cfg.kv_lora_rank).to(q.dtype)
         o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)
         if bool(multi.any()):
             o = self._prefill_rows(weights, cache, o, q_nope, q_pe, c, k_pe, lengths, context_lens, multi)
