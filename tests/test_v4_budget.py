@@ -206,3 +206,12 @@ def test_docs_verdict_is_the_commands(report):
     text = " ".join((ROOT / "docs" / "cache-bytes.md").read_text(encoding="utf-8").split())
     assert "in the lines above it does not, for either model in any pairing" in text
     assert not any(r["agrees"] for p in report["claim"]["pairings"] for r in p["ratios"].values())
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v4-flash", "deepseek-v4-pro"])
+def test_v4_preset_names_print_the_v4_tables(capsys, printed, preset):
+    """``budget --preset deepseek-v4-pro`` (a V4 preset name) prints what ``budget --v4`` prints."""
+    from mla_conformance.cli import main
+
+    assert main(["budget", "--preset", preset]) == 0
+    assert capsys.readouterr().out == printed

@@ -54,8 +54,12 @@ def _smem_capability(text: str) -> str:
     return cap
 
 
+#: presets that name a DeepSeek-V4 model: budget --preset NAME prints the V4 tables (as --v4)
+V4_PRESET_NAMES = ("deepseek-v4-flash", "deepseek-v4-pro")
+
+
 def run(args) -> int:
-    if args.v4:
+    if args.v4 or args.preset in V4_PRESET_NAMES:
         # the V4 tables (and V4Config's presets) load only when asked for
         from mla_conformance.kv import v4_budget
 
