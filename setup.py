@@ -4,7 +4,7 @@ The repository keeps the suites, fixtures and goldens at the top level; the buil
 package, so a wheel or sdist carries everything the suite needs:
 
     suites/    -> mla_conformance.suites    (wholesale: every subpackage and data file under it)
-    fixtures/  -> mla_conformance.fixtures  (the tiny model, prompts.json, MANIFEST.sha256; not train_tiny.py)
+    fixtures/  -> mla_conformance.fixtures  (the tiny models, prompts, MANIFEST.sha256; not the train_tiny*.py)
     golden/    -> mla_conformance.goldens   (the goldens, read-only package data outside a checkout)
 
 An editable install (``pip install -e .``) maps the same package names to these directories, so the
@@ -16,7 +16,8 @@ from setuptools.command.build_py import build_py
 
 MAPPED = {"mla_conformance.suites": "suites", "mla_conformance.fixtures": "fixtures",
           "mla_conformance.goldens": "golden"}
-NOT_SHIPPED = {("mla_conformance.fixtures", "train_tiny")}  # the training script stays in the repository
+NOT_SHIPPED = {("mla_conformance.fixtures", "train_tiny"),  # the training scripts stay in the repository
+               ("mla_conformance.fixtures", "train_tiny_v4")}
 
 
 class BuildPy(build_py):
