@@ -137,6 +137,7 @@ EXEMPT = {
 #: properties (their broken backends and ops are shapes nobody listed) and the op methods beyond decode
 ELSEWHERE = {
     "suites/test_deepseek_v4.py": f"{HERE}/test_v4_meta.py",
+    "suites/test_v4_golden.py": f"{HERE}/test_v4_meta.py",
     "suites/test_layer_generated.py": f"{HERE}/generated_cells.py",
     "suites/test_op_generated.py": f"{HERE}/generated_cells.py",
     **{f"suites/{name}": f"{HERE}/method_cells.py" for name in METHOD_SUITES},

@@ -51,6 +51,9 @@ FAIL_IDS.update({
     f"{S}::test_v4_cache_bytes_model1_fp8[broken-v4-key-and-value-copy-sliding_attention]":
         "a key copy and a value copy",
 })
+#: the tiny V4 model's goldens (suites/test_v4_golden.py): the output's rope slice left rotated drops the far
+#: recalls' accuracy (0.896 measured)
+FAIL_IDS["suites/test_v4_golden.py::test_v4_golden_generation[broken-v4-no-rotate-back-tiny-v4-far]"] = "accuracy"
 #: the V4 layer through an op (mla_conformance.impl.ops.v4_layer): a broken op fails naming the cause, the
 #: reference op passes one case per layer type and the decode == prefill check
 SINK_IGNORED = f"op:{harness.ROOT / 'tests/meta/impls/broken/ops.py'}:SinkIgnored"
