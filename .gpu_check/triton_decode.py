@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""The built-in ``triton`` op on a GPU host: its verdict, then its decode time and achieved bandwidth at
-DeepSeek-V3 dims, beside the device's measured copy bandwidth and beside FlashMLA where the host runs it.
+"""The built-in ``triton`` op on a GPU host: its verdict, how the GPU's arithmetic compares with the faithful
+interpreter tier's, then its decode time and achieved bandwidth at DeepSeek-V3 dims, beside the device's measured
+copy bandwidth and beside FlashMLA where the host runs it.
 
 For a session lent a GPU (nothing here has run on one yet). Installs nothing; needs torch with CUDA and triton.
 Run from the repository root, unset TRITON_INTERPRET (the interpreter runs CPU tensors only)::
@@ -8,6 +9,7 @@ Run from the repository root, unset TRITON_INTERPRET (the interpreter runs CPU t
     python .gpu_check/triton_decode.py                 # verdict, then timings (bf16 and FP8)
     python .gpu_check/triton_decode.py --verdict-only
     python .gpu_check/triton_decode.py --batch 64 --keys 32768 --iters 20
+    python .gpu_check/triton_decode.py --faithful-only     # the TF32 probe and the GPU / faithful-tier errors
 
 1. ``pytest suites --mla-op triton --mla-device cuda`` (the whole op suite) and, unless ``--ops-only``,
    ``pytest suites/test_numerics.py suites/test_paged_cache.py --mla-backend op:triton --mla-device cuda``.
@@ -17,6 +19,16 @@ Run from the repository root, unset TRITON_INTERPRET (the interpreter runs CPU t
    row's cache rows, q) and write (out, lse), over the median time; beside it the device's copy bandwidth
    (a 2 GiB device-to-device copy: read + write bytes over its time) and FlashMLA's time on the same inputs when
    ``flash_mla`` imports (bfloat16 only: its dense decode reads no FP8 cache).
+
+Before the timings (unless ``--verdict-only``), the faithful interpreter tier
+(mla_conformance/impl/ops/triton_faithful.py, docs/triton.md) beside the GPU:
+
+* the TF32 probe: ``tl.dot`` of a float32 matrix by the identity at triton's default input_precision, on the GPU:
+  which TF32 conversion its outputs are (truncate / rna / rne / ieee), against ``triton_faithful.DEFAULT_TF32``;
+* the op's error on the GPU and under the interpreter (a subprocess with TRITON_INTERPRET=1, CPU) with the faithful
+  tier on and off, same inputs (float32, bfloat16, float16 latent; FP8 656-byte with a bfloat16 q; B=2 rows of
+  300 keys, h_q 16, pages of 64, s_q 2 causal): max |out - oracle| / max |oracle|, max |lse - oracle|, and the
+  largest |GPU - interpreter| of out (the faithful tier should be the one near the GPU).
 
 Exit status 0 when nothing failed or errored.
 """
@@ -34,6 +46,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+try:  # the TF32 probe's kernel (module level: triton resolves a kernel's names in its module's globals)
+    import triton
+    import triton.language as tl
+except ImportError:  # the verdict needs no triton in this process
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _identity_dot(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        a = tl.load(a_ptr + i[:, None] * N + i[None, :])
+        b = tl.load(b_ptr + i[:, None] * N + i[None, :])
+        tl.store(c_ptr + i[:, None] * N + i[None, :], tl.dot(a, b))
 
 
 def verdict(args_: list[str]) -> dict:
@@ -93,6 +119,118 @@ def inputs(batch: int, keys: int, fp8: bool):
     return q, cache, block_table, lens
 
 
+# --------------------------------------------------------------------------- the faithful tier beside the GPU
+
+FAITHFUL_CONFIGS = ("float32", "bfloat16", "float16", "fp8")
+
+
+def faithful_inputs(config: str) -> dict:
+    """CPU inputs of one configuration (seeded): B=2 rows of 300 keys, h_q 16, pages of 64, s_q 2, causal."""
+    import torch
+
+    from mla_conformance.impl.ops.reference import encode_fp8_656
+
+    g = torch.Generator().manual_seed(7)
+    B, s_q, h, page, keys = 2, 2, 16, 64, 300
+    pages = -(-keys // page)
+    dtype = torch.bfloat16 if config == "fp8" else getattr(torch, config)
+    latent = torch.randn(B * pages, page, 1, 576, generator=g)
+    cache = encode_fp8_656(latent) if config == "fp8" else latent.to(dtype)
+    return {"q": torch.randn(B, s_q, h, 576, generator=g).to(dtype), "kv_cache": cache,
+            "block_table": torch.randperm(B * pages, generator=g).to(torch.int32).view(B, pages),
+            "cache_seqlens": torch.tensor([keys, keys - 77], dtype=torch.int32)}
+
+
+def decode(op, inp: dict, device: str):
+    import torch
+
+    moved = {k: v.to(device) for k, v in inp.items()}
+    out, lse = op.decode(moved["q"], moved["kv_cache"], moved["block_table"], moved["cache_seqlens"],
+                         softmax_scale=192 ** -0.5, causal=True)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return out.cpu(), lse.cpu()
+
+
+def interpreted(path: str, emulation: str) -> int:
+    """(Run with TRITON_INTERPRET=1.) The op on CPU under the interpreter, the faithful tier ``emulation`` on or
+    off, on each configuration's inputs in ``path`` (a torch file written by :func:`faithful_table`); outputs
+    saved beside them."""
+    import torch
+
+    from mla_conformance.impl.ops import triton_faithful
+    from mla_conformance.impl.ops.triton_mla import TritonMLAOp
+
+    if emulation == "on":
+        triton_faithful.install()
+    inputs = torch.load(path)
+    torch.save({c: decode(TritonMLAOp(), inp, "cpu") for c, inp in inputs.items()}, f"{path}.{emulation}")
+    return 0
+
+
+def tf32_probe() -> str:
+    """Which TF32 conversion the GPU's default float32 ``tl.dot`` does: A @ I (one product per output, exact sums)
+    gives the conversion of A's elements."""
+    import numpy as np
+    import torch
+
+    from mla_conformance.impl.ops import triton_faithful
+
+    n = 64
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
+    a[0, :4] = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, -(1 + 2 ** -11), 1024.5])  # ties
+    c = torch.empty(n, n, device="cuda")
+    _identity_dot[(1,)](a.cuda(), torch.eye(n, device="cuda"), c, n)
+    got = c.cpu().numpy()
+    modes = {m: triton_faithful.tf32_round(a.numpy(), m) for m in triton_faithful.TF32_MODES}
+    modes["ieee"] = a.numpy()
+    same = [m for m, v in modes.items() if np.array_equal(v, got)]
+    near = {m: int((v != got).sum()) for m, v in modes.items()}
+    return (f"TF32 probe (default tl.dot of float32 x identity, {n}x{n}): the GPU's conversion is "
+            f"{' / '.join(same) or 'none of ' + str(list(modes))} (values differing per mode: {near}); the faithful "
+            f"tier's default: {triton_faithful.DEFAULT_TF32}")
+
+
+def faithful_table() -> None:
+    """The op's error on the GPU and under the interpreter (faithful tier on and off), same inputs."""
+    import torch
+
+    from mla_conformance.impl.ops.reference import oracle
+    from mla_conformance.impl.ops.triton_mla import TritonMLAOp
+
+    print(tf32_probe())
+    inputs = {c: faithful_inputs(c) for c in FAITHFUL_CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "inputs.pt")
+        torch.save(inputs, path)
+        runs = {}
+        for emulation in ("on", "off"):
+            proc = subprocess.run([sys.executable, __file__, "--interpreted", path, "--emulation", emulation],
+                                  cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "TRITON_INTERPRET": "1"})
+            if proc.returncode != 0:
+                print(f"interpreter run (emulation {emulation}) failed:\n{proc.stderr[-2000:]}")
+                runs[emulation] = None
+            else:
+                runs[emulation] = torch.load(f"{path}.{emulation}")
+    print(f"{'config':<10} {'where':<26} {'out err / max|ref|':>18} {'lse max err':>12} {'max |gpu - it|':>15}")
+    for c, inp in inputs.items():
+        ref_out, ref_lse = oracle(inp["q"].double(), inp["kv_cache"], inp["block_table"], inp["cache_seqlens"],
+                                  softmax_scale=192 ** -0.5, causal=True)
+        scale = float(ref_out.abs().max())
+        gpu = decode(TritonMLAOp(), inp, "cuda")
+        rows = [("GPU", gpu), ("interpreter, faithful tier", (runs["on"] or {}).get(c)),
+                ("interpreter as shipped", (runs["off"] or {}).get(c))]
+        for where, got in rows:
+            if got is None:
+                print(f"{c:<10} {where:<26} {'-':>18}")
+                continue
+            out, lse = got[0].double(), got[1].double()
+            vs_gpu = "" if where == "GPU" else f"{float((out - gpu[0].double()).abs().max()):>15.3e}"
+            print(f"{c:<10} {where:<26} {float((out - ref_out).abs().max()) / scale:>18.3e} "
+                  f"{float((lse - ref_lse).abs().nan_to_num(nan=float('inf')).max()):>12.3e} {vs_gpu}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verdict-only", action="store_true")
@@ -100,7 +238,13 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--keys", type=int, default=32768)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--faithful-only", action="store_true", help="the TF32 probe and the GPU / faithful-tier "
+                        "errors only")
+    parser.add_argument("--interpreted", metavar="INPUTS", help=argparse.SUPPRESS)  # the interpreter subprocess
+    parser.add_argument("--emulation", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.interpreted:
+        return interpreted(args.interpreted, args.emulation)
     import torch
 
     if not torch.cuda.is_available():
@@ -111,6 +255,9 @@ def main() -> int:
         return 2
     print(f"device: {torch.cuda.get_device_name()} (capability {'.'.join(map(str, torch.cuda.get_device_capability()))}), "
           f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+    if args.faithful_only:
+        faithful_table()
+        return 0
     runs = [verdict(["suites", "--mla-op", "triton", "--mla-device", "cuda"])]
     if not args.ops_only:
         runs.append(verdict(["suites/test_numerics.py", "suites/test_paged_cache.py", "--mla-backend", "op:triton",
@@ -124,6 +271,7 @@ def main() -> int:
         failed_ids += run["bad"]
     if args.verdict_only:
         return 0 if not failed_ids else 1
+    faithful_table()
     from mla_conformance.impl.ops.triton_mla import TritonMLAOp
 
     op = TritonMLAOp()

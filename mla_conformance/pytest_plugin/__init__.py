@@ -14,6 +14,9 @@ Options::
     --mla-expect FILE      known failures (node-id prefix and reason per line): xfail, XPASS reported
     --mla-timeout SECONDS  bound on each suite test (default 900 s; mla_conformance.pytest_plugin.isolation)
     --mla-threads N        torch CPU threads per process running suite tests (default 1)
+    --mla-triton-emulation on|off
+                           under TRITON_INTERPRET=1, Triton's interpreter given a GPU's tl.dot and casts (default
+                           on: mla_conformance.impl.ops.triton_faithful); off: as triton ships it, for comparison
 
 Any test that takes the ``mla_backend`` fixture runs once per backend, and the backend's name is the
 test id's parameter, e.g. ``test_cache_bytes.py::test_seed_table[reference-absorbed]``; any test that takes
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -93,6 +97,11 @@ def pytest_addoption(parser):
                     help="torch CPU threads in each process running suite tests (default: 1 in an xdist worker, "
                          "so -n N workers do not oversubscribe the cores; torch's own count in a serial run; "
                          "mla-conformance run passes 1, so a report's figures do not depend on -n)")
+    group.addoption("--mla-triton-emulation", choices=("on", "off"), default="on", metavar="on|off",
+                    help="under TRITON_INTERPRET=1, Triton's CPU interpreter computes tl.dot and casts as a GPU "
+                         "does: float32 operands cut to TF32 unless input_precision='ieee', bfloat16 / float16 "
+                         "operands widened with float32 sums, float32 -> bfloat16 rounded to nearest even "
+                         "(default on; docs/triton.md); off: the interpreter as triton ships it, for comparison")
 
 
 def pytest_load_initial_conftests(early_config, parser, args):
@@ -119,6 +128,11 @@ def pytest_configure(config):
     # nothing is imported or resolved here unless an --mla option asks for it: bad options are a usage error
     # before any test runs; everything else waits until a test of the suite is collected
     selection.check_options(config)
+    if os.environ.get("TRITON_INTERPRET") == "1" and config.getoption("--mla-triton-emulation") == "on" and \
+            selection.runs_suite(config):  # the faithful tier: only the suite's runs, only under the interpreter
+        # imports triton: only under the interpreter, never in a plain run
+        from mla_conformance.impl.ops import triton_faithful
+        triton_faithful.install()
     config.pluginmanager.register(_Recorder(ResultsSession.of(config)), "mla-conformance-recorder")
 
 

@@ -71,6 +71,20 @@ def oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return oracle_of_inputs(build(spec))
 
 
+@functools.lru_cache(maxsize=8)
+def tf32_oracle_of(spec: Spec, mode: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The oracle of a float32 latent spec whose q and cache are cut to TF32 (10 mantissa bits; ``mode``:
+    mla_conformance.impl.ops.triton_faithful.TF32_MODES): asked only once a float32 check has failed, to name
+    TF32 inputs as the likely cause."""
+    from mla_conformance.impl.ops.triton_faithful import tf32_round  # numpy only: no triton
+
+    inp = build(spec)
+    kw = _oracle_inputs(inp)
+    kw.update({k: torch.from_numpy(tf32_round(kw[k].numpy(), mode)) for k in ("q", "kv_cache")})
+    out, lse, mags = oracle(**kw, magnitudes=True)
+    return out, lse, mags if "keys" in mags else {**mags, **_key_counts(inp, "bottom-right")}
+
+
 @functools.lru_cache(maxsize=16)
 def top_left_oracle_of(spec: Spec) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The oracle of a causal spec aligned top-left (query i sees keys 0..i): asked only once a causal check
@@ -487,7 +501,8 @@ def check_against_oracle(op, spec: Spec, *, check: str, figures: dict, inp: OpIn
         compare(op, spec.case, out, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref)
     except AssertionError as exc:
         top_left = _top_left_hint(op, spec, out, lse)
-        for hint_of in (lambda o, l: top_left and ("top-left causal alignment", top_left), *hints):
+        for hint_of in (lambda o, l: top_left and ("top-left causal alignment", top_left), *hints,
+                        lambda o, l: _tf32_hint(op, spec, o, l)):
             found = hint_of(out, lse)
             if found:
                 figures["likely_cause"] = found[0]
@@ -510,6 +525,31 @@ def _top_left_hint(op, spec: Spec, out, lse) -> str:
     return ("; likely cause: top-left causal alignment -- the op matches the oracle in which query i sees keys 0..i; "
             "the contract aligns multi-token decode bottom-right (the s_q queries are the row's last s_q tokens: "
             "query i attends keys < cache_seqlens[b] - s_q + i + 1)")
+
+
+def _tf32_hint(op, spec: Spec, out, lse) -> tuple[str, str] | None:
+    """("TF32 inputs", '; likely cause: TF32 inputs ...') when a failing float32 latent case matches the oracle of
+    q and the cache cut to TF32 (truncated, as a GPU's tensor cores take a float32 register; or rounded to nearest)
+    within float16's bounds (TF32 keeps float16's 10 mantissa bits: exact products, P kept to 10 bits), else None.
+    Asked only after a float32 failure."""
+    case = spec.case
+    if case.dtype != torch.float32 or case.kv_format != "latent" or out.dtype != torch.float32:
+        return None
+    as_tf32 = dataclasses.replace(case, dtype=torch.float16)  # float16's bounds: 10 mantissa bits
+    for mode, how in (("truncate", "truncated, as a tensor core reads a float32 register"),
+                      ("rna", "rounded to nearest")):
+        ref = tf32_oracle_of(spec, mode)
+        try:
+            compare(op, as_tf32, out, lse, ref[0], ref[1], check="TF32 inputs", figures={}, oracle=ref)
+        except AssertionError:
+            continue
+        return ("TF32 inputs",
+                f"; likely cause: TF32 inputs -- the op matches, within float16's bounds, the oracle of q and the "
+                f"cache cut to TF32 (10 mantissa bits, {how}): float32 operands multiplied on TF32 tensor cores, as "
+                "triton's tl.dot does by default on NVIDIA GPUs (input_precision='tf32'); pass "
+                "input_precision='ieee' for float32 (or torch.backends.cuda.matmul.allow_tf32 = False for torch "
+                "matmuls)")
+    return None
 
 
 def bitwise_equal(op, case: OpCase, a, b, *, check: str, what: str, figures: dict) -> None:

@@ -9,10 +9,16 @@ paged latent cache in two launches, flash-decoding style.
    sink, and writes the float32 output and the natural-log lse (+inf and out 0 for a query with no key).
 
 Every load of a key is masked by its validity and every invalid key's slot is replaced by 0 before its address is
-formed, so a poisoned page, an unused block-table entry or an invalid index is never dereferenced. Loads are
-converted to float32 before ``tl.dot`` and the output is stored in float32 (the caller casts it): Triton's CPU
-interpreter (``TRITON_INTERPRET=1``) computes bfloat16 ``tl.dot`` and float32 -> bfloat16 stores unfaithfully, so
-the kernels use neither, and what runs on CPU CI is what runs on a GPU.
+formed, so a poisoned page, an unused block-table entry or an invalid index is never dereferenced.
+
+Numbers, as a production MLA decode computes them: q and the keys enter ``tl.dot`` in q's dtype -- bfloat16 /
+float16 operands on the tensor cores with float32 accumulation, the FP8 rows' e4m3 x float32 tile scale converted
+to q's dtype first (exact in bfloat16 for the power-of-two scales the op declares) -- and P is rounded to that dtype
+before P.V (``acc += tl.dot(p.to(v.dtype), v)``, as vLLM's and SGLang's Triton decode); a float32 q and cache dot
+with ``DOT_PRECISION`` = ``"ieee"`` (the op's ``float32_dot_precision``: no TF32). Softmax state, partials and
+the merge are float32; the merge kernel stores out in the out buffer's dtype (rounded to nearest even). On CPU
+CI these run under Triton's interpreter with the faithful tier (:mod:`mla_conformance.impl.ops.triton_faithful`),
+which gives its ``tl.dot`` and casts a GPU's arithmetic.
 
 This module imports triton; :mod:`~mla_conformance.impl.ops.triton_mla` imports it only when the op runs.
 """
@@ -50,7 +56,7 @@ def mla_decode_partial(
     o_ptr, lse_ptr,               # float32 [B * s_q, splits, h, d_v], [B * s_q, splits, h]
     sm_scale_log2, H, S_Q, N_SLOTS, SPLIT_LEN, N_SPLITS,
     PAGE: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPARSE: tl.constexpr, FP8: tl.constexpr,
+    SPARSE: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     bs = tl.program_id(0)
     hb = tl.program_id(1)
@@ -62,8 +68,8 @@ def mla_decode_partial(
     dv = tl.arange(0, D_V)
     dpe = tl.arange(0, D_PE)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + i * stride_qs + heads[:, None] * stride_qh
-    q_nope = tl.load(q_row + dv[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)          # [BH, D_V]
-    q_pe = tl.load(q_row + D_V + dpe[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)     # [BH, D_PE]
+    q_nope = tl.load(q_row + dv[None, :], mask=h_ok[:, None], other=0.0)                         # [BH, D_V] q's dtype
+    q_pe = tl.load(q_row + D_V + dpe[None, :], mask=h_ok[:, None], other=0.0)                    # [BH, D_PE]
 
     n_vis = tl.load(nvis_ptr + bs)
     start = split * SPLIT_LEN
@@ -87,21 +93,22 @@ def mla_decode_partial(
             raw = tl.load(kv_ptr + slot[:, None] * stride_kv + dv[None, :], mask=valid[:, None], other=0)
             tile_scale = tl.load(scale_ptr + slot[:, None] * stride_scale + 128 + dv[None, :] // 128,
                                  mask=valid[:, None], other=0.0)
-            k_nope = _e4m3_to_float(raw) * tile_scale                                            # [BN, D_V]
+            k_nope = (_e4m3_to_float(raw) * tile_scale).to(q_nope.dtype)                          # [BN, D_V]
             k_pe = tl.load(rope_ptr + slot[:, None] * stride_rope + 264 + dpe[None, :], mask=valid[:, None],
-                           other=0.0).to(tl.float32)
-        else:
+                           other=0.0).to(q_nope.dtype)
+        else:  # the cache holds q's dtype (the conversion is then none)
             row = kv_ptr + slot[:, None] * stride_kv
-            k_nope = tl.load(row + dv[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            k_pe = tl.load(row + D_V + dpe[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))                    # [BH, BN]
+            k_nope = tl.load(row + dv[None, :], mask=valid[:, None], other=0.0).to(q_nope.dtype)
+            k_pe = tl.load(row + D_V + dpe[None, :], mask=valid[:, None], other=0.0).to(q_nope.dtype)
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PRECISION)                    # [BH, BN] float32
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a head that has seen no key yet: nothing to scale
         alpha = tl.exp2(m - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, k_nope)
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m = m_new
     has = l > 0.0
     out = acc / tl.where(has, l, 1.0)[:, None]
@@ -115,7 +122,7 @@ def mla_decode_partial(
 def mla_decode_combine(
     o_part_ptr, lse_part_ptr,     # float32 [B * s_q, splits, h, d_v], [B * s_q, splits, h] (natural log)
     sink_ptr,                     # float32 [h] (HAS_SINK)
-    o_ptr, lse_ptr,               # float32 [B, s_q, h, d_v] contiguous; float32 [B, h, s_q] contiguous
+    o_ptr, lse_ptr,               # [B, s_q, h, d_v] contiguous in out's dtype; float32 [B, h, s_q] contiguous
     H, S_Q, N_SPLITS,
     D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr,
 ):

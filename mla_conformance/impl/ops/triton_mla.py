@@ -7,6 +7,10 @@ decode aligned bottom-right (MTP / speculative verify), sparse decode over flat 
 every index outside the cache ignored), the attention sink, and the 656-byte FP8 layout
 (``fp8-e4m3-flashmla``: e4m3 values times their float32 tile scale, decoded in the kernel), split-KV over the
 block table's capacity merged by lse. lse is float32, natural log, +inf for a query with no key (out 0).
+Numbers as a production kernel's: bfloat16 / float16 q and cache into ``tl.dot`` as they are (tensor cores,
+float32 accumulation; P rounded to the cache dtype before P.V; the FP8 rows dequantized to q's dtype), float32 q
+and cache with ``input_precision="ieee"`` (:attr:`TritonMLAOp.float32_dot_precision`: a GPU's default TF32 would
+keep 10 mantissa bits of each operand, 2^-11 relative per product, past the float32 bounds).
 The kernels are :mod:`mla_conformance.impl.ops.triton_kernels`; this module prepares their metadata:
 
 * how many keys each query sees (:meth:`TritonMLAOp.visible_keys`: the row's length, causal bottom-right
@@ -82,6 +86,11 @@ class TritonMLAOp:
     deterministic = True
     batch_invariant = True
     head_dims = HEAD_DIMS
+    #: ``tl.dot``'s input_precision for a float32 q and cache: "ieee" (float32 products and sums); None would be
+    #: triton's default, "tf32" on NVIDIA GPUs (operands cut to 10 mantissa bits), which the float32 bounds do
+    #: not allow (tests/meta/impls/broken/triton_ops.py:DefaultTF32Dot). bfloat16 / float16 dots take triton's
+    #: default (the precision applies to float32 operands only)
+    float32_dot_precision: str | None = "ieee"
 
     def unsupported_reason(self, case):
         if getattr(case, "method", "decode") != "decode":
@@ -128,10 +137,11 @@ class TritonMLAOp:
         264..327): three views of one memory."""
         return rows, rows.view(torch.float32), rows.view(torch.bfloat16)
 
-    def combine(self, o_part, lse_part, attn_sink, shape):
-        """The splits merged by lse (the second kernel): (out float32 [B, s_q, h, d_v], lse float32 [B, h, s_q])."""
+    def combine(self, o_part, lse_part, attn_sink, shape, out_dtype=torch.float32):
+        """The splits merged by lse (the second kernel): (out [B, s_q, h, d_v] in ``out_dtype``, rounded once from
+        float32 by the kernel's store, lse float32 [B, h, s_q])."""
         B, s_q, H, d_v = shape
-        out = torch.empty(B, s_q, H, d_v, dtype=torch.float32, device=o_part.device)
+        out = torch.empty(B, s_q, H, d_v, dtype=out_dtype, device=o_part.device)
         lse = torch.empty(B, H, s_q, dtype=torch.float32, device=o_part.device)
         n_splits = o_part.shape[1]
         sink = attn_sink.to(torch.float32).contiguous() if attn_sink is not None else lse_part
@@ -184,6 +194,7 @@ class TritonMLAOp:
             idx, idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
             n_vis, o_part, lse_part,
             softmax_scale * math.log2(math.e), H, s_q, n_slots, per, n_splits,
-            PAGE=page, D_V=d_v, D_PE=d_qk - d_v, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SPARSE=sparse, FP8=fp8)
-        out, lse = self.combine(o_part, lse_part, attn_sink, (B, s_q, H, d_v))
+            PAGE=page, D_V=d_v, D_PE=d_qk - d_v, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SPARSE=sparse, FP8=fp8,
+            DOT_PRECISION=self.float32_dot_precision if q.dtype == torch.float32 else None)
+        out, lse = self.combine(o_part, lse_part, attn_sink, (B, s_q, H, d_v), q.dtype)
         return out.to(q.dtype), lse
