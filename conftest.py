@@ -43,21 +43,40 @@ EXPECTATIONS = ROOT / "suites" / "expectations"
 
 def _expect_installed_transformers(config) -> None:
     """The repository's own run holds hf-transformers to the expectation file of the installed transformers
-    release (suites/expectations/transformers-<major>.<minor>.txt: its known defects, xfail with their evidence),
-    where one exists and no --mla-expect was given; CI's release matrix passes its files itself. Applied to the
-    collected tests by :func:`pytest_collection_modifyitems`, silently where a line matches none (a partial run)."""
+    release (suites/expectations/transformers-<major>.<minor>.txt: its known defects, xfail with their evidence; for
+    a release not listed, the newest listed one below it: :func:`expectation_file`), where no --mla-expect was given;
+    CI's release matrix passes its files itself. Applied to the collected tests by
+    :func:`pytest_collection_modifyitems`, silently where a line matches none (a partial run)."""
     backends = config.getoption("--mla-backend", None)
     if config.getoption("--mla-expect", None) or not runs_suites(config) or (
             backends and "hf-transformers" not in backends):
         return
     try:
         from importlib.metadata import version
-        major_minor = ".".join(version("transformers").split(".")[:2])
-    except Exception:  # transformers not installed: nothing to expect
+        installed = _release(version("transformers"))
+    except Exception:  # transformers not installed (or an unreadable version): nothing to expect
         return
-    path = EXPECTATIONS / f"transformers-{major_minor}.txt"
-    if path.is_file():
+    path = expectation_file(installed)
+    if path is not None:
         config.stash[_EXPECTED] = path
+
+
+def _release(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def expectation_file(installed: tuple[int, int]) -> Path | None:
+    """The expectation file of the newest listed release at or below ``installed``: a release's defects stand
+    until a later release is listed (one that fixed them shows XPASS, never a failure); None below the oldest."""
+    listed = {}
+    for path in EXPECTATIONS.glob("transformers-*.txt"):
+        try:
+            listed[_release(path.stem.removeprefix("transformers-"))] = path
+        except ValueError:
+            continue
+    at_or_below = [v for v in listed if v <= installed]
+    return listed[max(at_or_below)] if at_or_below else None
 
 
 _EXPECTED = pytest.StashKey[Path]()
