@@ -86,12 +86,9 @@ def pytest_collection_modifyitems(config, items):
     path = config.stash.get(_EXPECTED, None)
     if path is None:
         return
-    from mla_conformance.pytest_plugin.selection import read_expectations  # the plugin's reader, once collected
+    from mla_conformance.pytest_plugin.selection import apply_expectations  # the plugin's own, as --mla-expect
 
-    for prefix, reason, n in read_expectations(str(path)):
-        for item in items:
-            if item.nodeid.startswith(prefix):
-                item.add_marker(pytest.mark.xfail(reason=f"expected ({path.name}:{n}): {reason}", strict=False))
+    apply_expectations(path, items, warn_unmatched=False)
 
 
 def _loadgroup(config):

@@ -124,6 +124,11 @@ def declares_dsa(backend) -> bool:
     return kind == "dsa" or getattr(backend, "cache_format", None) == "latent+indexer"
 
 
+def is_v4(config) -> bool:
+    """Whether ``config`` is a DeepSeek-V4 layer (a V4Config: ``attention_kind == "deepseek-v4"``)."""
+    return getattr(config, "attention_kind", None) == "deepseek-v4"
+
+
 def declares_v4(backend) -> bool:
     """Whether the backend declares DeepSeek-V4 attention: ``deepseek_v4 = True`` on the backend."""
     return getattr(backend, "deepseek_v4", False) is True
@@ -134,7 +139,7 @@ def declaration_reason(backend, config) -> str | None:
     attention, a :class:`mla_conformance.model.v4_config.V4Config`, without ``deepseek_v4 = True``; DeepSeek
     Sparse Attention, ``index_topk`` set, without ``sparse_attention = "dsa"``); None when the backend may be
     asked (its own ``unsupported_reason`` decides next)."""
-    if getattr(config, "attention_kind", None) == "deepseek-v4":
+    if is_v4(config):
         if declares_v4(backend):
             return None
         return (f"{getattr(backend, 'name', backend)} does not declare DeepSeek-V4 attention; this config is a V4 "

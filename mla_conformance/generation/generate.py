@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -74,17 +75,22 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, device
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    check_loading_info(directory, info, unused_ok=".indexer.")
+    return model.to(device).eval()
+
+
+def check_loading_info(directory, info: dict, unused_ok: str | None = None) -> None:
+    """transformers' ``output_loading_info``: a tensor the model needs and the files lack is a CheckpointError
+    (transformers would initialise it at random: never generate with that); a tensor the files hold and the model
+    does not use is a warning (except names containing ``unused_ok``)."""
     missing = sorted(info.get("missing_keys") or [])
-    if missing:  # transformers would initialise them at random: never generate with that
+    if missing:
         raise CheckpointError(f"{directory}: the model files lack {len(missing)} tensor(s) the model needs: "
                               f"{', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}")
-    unexpected = sorted(k for k in info.get("unexpected_keys") or [] if ".indexer." not in k)
+    unexpected = sorted(k for k in info.get("unexpected_keys") or [] if not unused_ok or unused_ok not in k)
     if unexpected:
-        import warnings
-
         warnings.warn(f"{directory}: tensors the model does not use: {', '.join(unexpected[:4])}"
-                      f"{' …' if len(unexpected) > 4 else ''}", stacklevel=2)
-    return model.to(device).eval()
+                      f"{' …' if len(unexpected) > 4 else ''}", stacklevel=3)
 
 
 def layer_weights(model, config: MLAConfig, model_dir: str | Path | None = None) -> list[MLAWeights]:
@@ -205,6 +211,13 @@ def run_generation(model_dir, backend, *, kv_codec="none", prompt_sets=None, max
     eps = episodes(load_prompts(prompts_file), prompt_sets)
     new = [max_new_tokens or ep.get("max_new_tokens") or len(ep["expected"]["token_ids"]) for ep in eps]
     gen = greedy_generate(model, backend, [ep["token_ids"] for ep in eps], new, kv_codec=kv_codec, device=device)
+    return generation_result(model_dir, backend, eps, gen, kv_codec=kv_codec, dtype=dtype, device=device)
+
+
+def generation_result(model_dir, backend, eps: list[dict[str, Any]], gen: Generation, *, kv_codec, dtype,
+                      device) -> dict[str, Any]:
+    """The result dict of a generation run (what golden_payload reads): each episode's tokens against its
+    expected ones, the accuracy, the caches' bytes."""
     tok = _tokenizer(model_dir)
     outputs = []
     for ep, toks in zip(eps, gen.tokens):

@@ -19,9 +19,7 @@ entries hidden the recalled values fall to chance; hiding the HCA layer's change
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +28,9 @@ from torch import nn
 
 from mla_conformance.contract.calls import call_backend, check_output
 from mla_conformance.contract.layer import support_reason
-from mla_conformance.dtypes import dtype_name
 from mla_conformance.errors import CheckpointError, MLAInputError
-from mla_conformance.generation.generate import _tokenizer, accuracy, episodes, load_prompts
+from mla_conformance.generation.generate import (Generation, check_loading_info, episodes, generation_result,
+                                                 load_prompts)
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.v4_config import V4Config, V4Weights, expected_shapes
 from mla_conformance.resources import fixtures_dir
@@ -105,25 +103,10 @@ def load_v4_model(directory: str | Path = V4_MODEL, dtype: torch.dtype = torch.f
     except Exception as exc:
         raise CheckpointError(f"{directory}: transformers could not load the model: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    missing = sorted(info.get("missing_keys") or [])
-    if missing:  # transformers would initialise them at random: never generate with that
-        raise CheckpointError(f"{directory}: the model files lack {len(missing)} tensor(s) the model needs: "
-                              f"{', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}")
-    unexpected = sorted(info.get("unexpected_keys") or [])
-    if unexpected:
-        warnings.warn(f"{directory}: tensors the model does not use: {', '.join(unexpected[:4])}"
-                      f"{' …' if len(unexpected) > 4 else ''}", stacklevel=2)
+    check_loading_info(directory, info)
     model = model.to(device).eval()
     attach_backend_attention(model)
     return model
-
-
-@dataclasses.dataclass
-class Generation:
-    tokens: list[list[int]]
-    layers: int
-    cache_active_nbytes: int
-    cache_allocated_nbytes: int
 
 
 def unsupported_layers(backend, config: V4Config, *, dtype, device, kv_codec="none") -> str | None:
@@ -192,15 +175,4 @@ def run_generation(model_dir=V4_MODEL, backend=None, *, kv_codec="none", prompt_
     eps = episodes(load_prompts(prompts_file), prompt_sets)
     new = [max_new_tokens or ep.get("max_new_tokens") or len(ep["expected"]["token_ids"]) for ep in eps]
     gen = greedy_generate(model, backend, [ep["token_ids"] for ep in eps], new, kv_codec=kv_codec, device=device)
-    tok = _tokenizer(model_dir)
-    outputs = []
-    for ep, toks in zip(eps, gen.tokens):
-        item = {"id": ep["id"], "set": ep["set"], "tokens": toks, "expected": ep["expected"]["token_ids"],
-                "correct": sum(int(a == b) for a, b in zip(toks, ep["expected"]["token_ids"]))}
-        if tok is not None:
-            item["text"] = tok.decode(toks)
-        outputs.append(item)
-    return {"model": str(model_dir), "backend": backend.name, "kv_codec": kv_codec, "dtype": dtype_name(dtype),
-            "device": device, "accuracy": accuracy(gen.tokens, [ep["expected"]["token_ids"] for ep in eps]),
-            "cache_active_nbytes": gen.cache_active_nbytes, "cache_allocated_nbytes": gen.cache_allocated_nbytes,
-            "outputs": outputs}
+    return generation_result(model_dir, backend, eps, gen, kv_codec=kv_codec, dtype=dtype, device=device)

@@ -163,17 +163,7 @@ class MLAConfig:
 
         Accepts the old ``rope_scaling`` + ``rope_theta`` form and the new ``rope_parameters`` form.
         """
-        source = "config dict"
-        if isinstance(config, (str, Path)):
-            path = Path(config)
-            if path.is_dir():
-                path = path / "config.json"
-            source = str(path)
-            config = read_json(path, missing="no such file (expected a Hugging Face config.json)", error=CheckpointError)
-        else:
-            config = dict(config)
-        if hasattr(config, "to_dict") and not isinstance(config, dict):
-            config = config.to_dict()
+        config, source = hf_config_dict(config)
         # DeepSeek-V3 reference names (inference/model.py ModelArgs) map onto the HF ones.
         aliases = {"dim": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
                    "original_seq_len": None}
@@ -270,6 +260,20 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def hf_config_dict(config: Mapping[str, Any] | str | Path) -> tuple[dict[str, Any], str]:
+    """(a Hugging Face config as a dict, where it came from): a dict or a config object (``to_dict``), a config.json
+    path or a checkpoint directory (a missing or unreadable file is a CheckpointError naming it)."""
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        return read_json(path, missing="no such file (expected a Hugging Face config.json)",
+                         error=CheckpointError), str(path)
+    if hasattr(config, "to_dict") and not isinstance(config, Mapping):
+        config = config.to_dict()
+    return dict(config), "config dict"
 
 
 def yarn_or_none(rope_scaling: Mapping[str, Any], where: str) -> dict[str, Any] | None:

@@ -21,10 +21,9 @@ from typing import Any
 import torch
 
 from mla_conformance.errors import CheckpointError, MLAInputError
-from mla_conformance.model.config import yarn_or_none
+from mla_conformance.model.config import hf_config_dict, yarn_or_none
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.weights import LayerTensors
-from mla_conformance.resources import read_json
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -181,16 +180,7 @@ class V4Config:
         ``layer_types`` or DeepSeek's per-layer ``compress_ratios`` (0/1 window only, 4 CSA, 128 HCA; an entry past
         num_hidden_layers, the MTP layer's, is dropped), ``compress_rates``, the nested ``rope_parameters``
         ({"main", "compress"}) or the flat ``rope_theta`` / ``compress_rope_theta`` / ``rope_scaling`` form."""
-        source = "config dict"
-        if isinstance(config, (str, Path)):
-            path = Path(config)
-            if path.is_dir():
-                path = path / "config.json"
-            source = str(path)
-            config = read_json(path, missing="no such file (expected a Hugging Face config.json)", error=CheckpointError)
-        elif hasattr(config, "to_dict"):
-            config = config.to_dict()
-        config = dict(config)
+        config, source = hf_config_dict(config)
         try:
             n = int(config["num_hidden_layers"])
             rates = dict(config.get("compress_rates") or {CSA: 4, HCA: 128})

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from mla_conformance.contract.layer import is_v4
 from mla_conformance.errors import environment_line
 from mla_conformance.model.config import MLAConfig
 
@@ -231,7 +232,7 @@ class HFTransformers:
         return self._v4
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
-        if getattr(config, "attention_kind", None) == "deepseek-v4":
+        if is_v4(config):
             return self._v4_driver().unsupported_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
         if config.dsa:
             reason = v32_unavailable_reason()
@@ -289,13 +290,13 @@ class HFTransformers:
 
     def diagnose(self, weights) -> str | None:
         """Optional extension: a known cause for a numerics failure, appended to the failure message."""
-        if getattr(weights.config, "attention_kind", None) == "deepseek-v4":
+        if is_v4(weights.config):
             return self._v4_driver().diagnose(weights)
         attn, _, _ = self._module(weights)
         return yarn_scale_diagnosis(attn, weights.config.softmax_scale)
 
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none"):
-        if getattr(config, "attention_kind", None) == "deepseek-v4":
+        if is_v4(config):
             return self._v4_driver().new_cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype,
                                                device=device, kv_codec=kv_codec)
         hf_config = _hf_v32_config(config) if config.dsa else _hf_config(config)
@@ -303,7 +304,7 @@ class HFTransformers:
 
     @torch.no_grad()
     def attend(self, weights, hidden_states, positions, cache: HFCache, lengths=None):
-        if getattr(weights.config, "attention_kind", None) == "deepseek-v4":
+        if is_v4(weights.config):
             return self._v4_driver().attend(weights, hidden_states, positions, cache, lengths)
         attn, rotary, _ = self._module(weights)
         B, S, _ = hidden_states.shape

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from mla_conformance.contract.layer import is_v4
 from mla_conformance.kv import model1
 from mla_conformance.model.v4_config import CSA, V4Config
 from mla_conformance.model.v4_reference import inv_freq
@@ -119,7 +120,7 @@ class ReferenceV4:
     deepseek_v4 = True
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
-        if getattr(config, "attention_kind", None) != "deepseek-v4":
+        if not is_v4(config):
             return NOT_V4
         if kv_codec == model1.NAME:
             if (config.head_dim, config.qk_rope_head_dim) != (model1.D_QK, model1.D_ROPE):

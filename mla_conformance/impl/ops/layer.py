@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_conformance.contract.layer import dense_only_reason
+from mla_conformance.contract.layer import dense_only_reason, is_v4
 from mla_conformance.kv.codecs import get_codec
 from mla_conformance.model import reference as ref
 from mla_conformance.kv.caches import PagedLatentCache, to_flashmla_layout
@@ -206,7 +206,7 @@ class OpBackend:
         return V4OpPath(self)
 
     def unsupported_reason(self, config, *, dtype, device, kv_codec="none"):
-        if getattr(config, "attention_kind", None) == "deepseek-v4":
+        if is_v4(config):
             return self._v4().unsupported_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
         reason = self.request_reason(config, dtype=dtype, device=device, kv_codec=kv_codec)
         if reason:
@@ -219,7 +219,7 @@ class OpBackend:
 
     # ------------------------------------------------------------------ cache
     def new_cache(self, config, *, batch_size, capacity, dtype, device, kv_codec="none", page_block_size=None):
-        if getattr(config, "attention_kind", None) == "deepseek-v4":
+        if is_v4(config):
             return self._v4().new_cache(config, batch_size=batch_size, capacity=capacity, dtype=dtype,
                                         device=device, kv_codec=kv_codec)
         page_block_size = self.page_block_size if page_block_size is None else page_block_size
@@ -255,7 +255,7 @@ class OpBackend:
                                     causal=True, head_dim_v=head_dim_v)[0]
 
     def attend(self, weights, hidden_states, positions, cache, lengths=None):
-        if getattr(weights.config, "attention_kind", None) == "deepseek-v4":
+        if is_v4(weights.config):
             return self._v4().attend(weights, hidden_states, positions, cache, lengths)
         if hidden_states.dtype != weights.dtype:
             raise ValueError(f"hidden_states are {hidden_states.dtype} but weights are {weights.dtype}")
