@@ -66,6 +66,19 @@ def worker_pid(node) -> int | None:
     return getattr(worker_popen(node), "pid", None)
 
 
+def message_lines(msg: str) -> str:
+    """A failure's reason: its message's first line (the headline: what failed, where, by how much) and the
+    indented lines after it (the likely cause, got / expected, the bound's key:
+    :mod:`mla_conformance.checks.messages`); pytest's own ``assert ...`` explanation after them is left out."""
+    lines = msg.strip().splitlines() or [""]
+    kept = [lines[0].rstrip()]
+    for line in lines[1:]:
+        if not line.startswith(" "):
+            break
+        kept.append(line.rstrip())
+    return "\n".join(kept)
+
+
 class ResultsSession:
     """This process's results and run state (see the module's docstring)."""
 
@@ -142,7 +155,7 @@ class ResultsSession:
             if fault is not None:
                 msg = fault.pop("reason")
                 entry["fault"] = fault
-            entry["reason"] = (msg.strip().splitlines() or [""])[0][:1000]
+            entry["reason"] = message_lines(msg)[:1000]
         figures = item.stash.get(_FIGURES_KEY, None)
         if figures:
             entry["figures"] = dict(figures)

@@ -10,6 +10,7 @@ import functools
 import torch
 
 from mla_conformance.checks.layer import diagnose
+from mla_conformance.checks.messages import bound_line, failure, over
 from mla_conformance.checks.layer.driver import (SCENARIOS, Scenario, diagnosis, inputs_for, master_weights, require_support,
                                            run_scenario, scenario_lengths, weights_for)
 from mla_conformance.checks.metrics import dtype_name, error_metrics, margin, row_metrics
@@ -79,12 +80,27 @@ def check_rows(out: torch.Tensor, ref: torch.Tensor, lengths: torch.Tensor, dtyp
         if not (mb["rel_fro"] <= tol.rel_fro and mb["max_rel"] <= tol.max_rel):
             _record(figures, tol)
             at = int((out[b, :n] - ref[b, :n]).abs().amax(-1).argmax())
-            raise AssertionError(
-                f"{where}: row {b} differs from the float64 reference beyond the {dtype_name(dtype)} tolerance: "
-                f"rel_fro {mb['rel_fro']:.3e} (tolerance {tol.rel_fro:.3g}), max_abs/rms {mb['max_rel']:.3e} "
-                f"(tolerance {tol.max_rel:.3g}); worst token at position {at} of {n}{detail(b)}{cause(tol)}")
+            raise AssertionError(rows_failure(f"{where}: row {b} differs from the float64 reference", mb, tol,
+                                              f"worst token at position {at} of {n}", detail(b).strip(),
+                                              cause=cause(tol), key=tolerance_key(dtype, tolerance)))
     if closest is not None:
         _record(figures, closest[1])
+
+
+def tolerance_key(dtype: torch.dtype, tolerance: Tolerance | None = None) -> str:
+    """The key a failure names its bound by in docs/tolerances.md: the dtype's row of TOLERANCES, grown per row."""
+    return "a caller's own tolerance" if tolerance is not None else \
+        f'TOLERANCES["{dtype_name(dtype)}"], grown per row (row_tolerance)'
+
+
+def rows_failure(what: str, m: dict, tol: Tolerance, where: str, *details: str, cause: str = "", key: str) -> str:
+    """A row's failure: ``what`` and the metric furthest over its bound (rel_fro or max_abs / rms) against it and
+    how many times, ``where`` its worst token is; the likely cause; the other metric and the bound's key."""
+    metrics = [("rel_fro", m["rel_fro"], tol.rel_fro), ("max_abs/rms", m["max_rel"], tol.max_rel)]
+    worst = max(metrics, key=lambda x: x[1] / x[2] if x[2] else float("inf"))
+    other = next(x for x in metrics if x is not worst)
+    return failure(f"{what}: {worst[0]} {over(worst[1], worst[2])} ({where})", *details,
+                   f"{other[0]} {over(other[1], other[2])}", bound_line(key), cause=cause)
 
 
 def _record(figures: dict, tol: Tolerance) -> None:
@@ -131,8 +147,7 @@ def incremental_equals_prefill(backend, preset: str, dtype: torch.dtype, device=
     figures.update(tolerance_figures(tol))
     if not (m["rel_fro"] <= tol.rel_fro and m["max_rel"] <= tol.max_rel):
         worst = int((out_inc[0] - out_one[0]).abs().amax(-1).argmax())
-        raise AssertionError(f"{backend.name} {preset} {dtype_name(dtype)}: prefill {prefill} + {decode} decode "
-                             f"steps differs from one {prefill + decode}-token prefill: rel_fro {m['rel_fro']:.3e} "
-                             f"(tolerance {tol.rel_fro:.3g}), max_abs/rms {m['max_rel']:.3e} (tolerance "
-                             f"{tol.max_rel:.3g}); worst at position {worst}")
+        raise AssertionError(rows_failure(
+            f"{backend.name} {preset} {dtype_name(dtype)}: prefill {prefill} + {decode} decode steps differs from one "
+            f"{prefill + decode}-token prefill", m, tol, f"worst at position {worst}", key=tolerance_key(dtype)))
     return m

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from mla_conformance.checks.messages import with_cause
 from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.checks.op.compare import bounds, check_against_oracle, compare, oracle_of, tolerance_for
 from mla_conformance.checks.op.inputs import (CANARY_BYTE, CANARY_BYTES, INVALID_BLOCK, Buffer, OpInputs, Spec, build,
@@ -189,7 +190,7 @@ def check_out_buffers(op, spec: Spec, layout: str, *, check: str, figures: dict)
         compare(op, case, views["out"], views.get("lse"), ref[0], ref[1], check=check, figures=figures, oracle=ref,
                 against="the float64 oracle (read from the out / lse buffers)")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}{_strides_ignored(op, case, views, ref, figures)}") from None
+        raise AssertionError(with_cause(str(exc), _strides_ignored(op, case, views, ref, figures))) from None
 
 
 def _strides_ignored(op, case: OpCase, views: dict, ref, figures: dict) -> str:

@@ -7,8 +7,11 @@ the declared empty-row infinity; NaN in a query with keys fails; every other ele
 (:class:`Bounds`), derived per element from the oracle's magnitudes (:func:`bounds`, :func:`attention_bounds`,
 :class:`~mla_conformance.checks.tolerances.OpTolerance`) or a method's own rule (a merge's).
 
-Every failure message names the op, the case (:meth:`OpCase.describe`), the check and the measured numbers;
-``figures`` (the test's ``mla_figures``) is filled before anything is raised."""
+Every failure message (:mod:`mla_conformance.checks.messages`) opens with one line: the op, the case
+(:meth:`OpCase.describe`), the check, what differs and where its worst element is, measured against its bound and
+how many times over; then the likely cause when one is found, got / expected and how many values are over, and
+the bound's key in docs/tolerances.md (its derivation is there, not in the message). ``figures`` (the test's
+``mla_figures``) is filled before anything is raised."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Callable
 import torch
 
 from mla_conformance.checks.metrics import OP_NAN_HINT as NAN_HINT
+from mla_conformance.checks.messages import bound_line, failure, over, split_cause, with_cause
 from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.checks.op.inputs import OpInputs, Spec, build, require, where
 from mla_conformance.checks.op.run import run_op
@@ -132,29 +136,27 @@ def bounds(tol, mags: dict, ref_out: torch.Tensor, ref_lse: torch.Tensor, out_dt
 @dataclasses.dataclass
 class Bounds:
     """Per-element bound on |out - ref| (out's shape), per-query bound on |lse - ref| (lse's shape; natural log),
-    the name of the rule (the ``tolerance`` figure) and what a failure message says of each bound at an index."""
+    the name of the rule (the ``tolerance`` figure; a failure message names it by :func:`bound_key`, its
+    derivation being docs/tolerances.md's) and what a failure message adds of the worst element's query (its key
+    count, both sides bounded): ``context_out`` at an out index, ``context_lse`` at an lse index."""
 
     out: torch.Tensor
     lse: torch.Tensor
     name: str
-    explain_out: Callable[[tuple], str]
-    explain_lse: Callable[[tuple], str]
+    context_out: Callable[[tuple], str]
+    context_lse: Callable[[tuple], str]
     terms: dict = dataclasses.field(default_factory=dict)   # figures: the rule's terms
+
+
+def bound_key(name: str) -> str:
+    """The key a failure message names a bound by in docs/tolerances.md: ``OP_TOLERANCES["bfloat16"]`` for a row
+    of the op table, the rule's own name (``merge float32``, ``composition of 3 parts, float32``) otherwise."""
+    return f'OP_TOLERANCES["{name}"]' if name in OP_TOLERANCES else name
 
 
 def _terms(tol, out_dtype) -> dict:
     return {"tolerance_p_round": tol.p_round, "tolerance_dot": tol.dot, "tolerance_acc": tol.acc,
             "tolerance_u_out": torch.finfo(out_dtype).eps / 2}
-
-
-def _explain_out(key: str, tol, u_out: float, acc: float, s: float, t: float, under: str = "", tail: str = "") -> str:
-    return (f"{key}: u_out {u_out:.3g} x |ref| + (p_round {tol.p_round:.3g} + acc {acc:.3g}) x S {s:.3g} + dot "
-            f"{tol.dot:.3g} x T {t:.3g}{under}; S = softmax @ |V|, T = sum_t p_t (A_t + A_max) |v_t| from the float64 "
-            f"oracle{tail}")
-
-
-def _explain_lse(key: str, tol, acc: float, score: float, tail: str = "") -> str:
-    return f"{key}: dot {tol.dot:.3g} x Abar {score:.3g} + ({acc:.3g} + 2^-24) x (1 + |lse|){tail}"
 
 
 def decode_bounds(key: str, tol, mags: dict, ref_out, ref_lse, out_dtype, *, merged: bool = False,
@@ -167,17 +169,15 @@ def decode_bounds(key: str, tol, mags: dict, ref_out, ref_lse, out_dtype, *, mer
         out_b, lse_b = out_b + ref_out_b, lse_b + ref_lse_b
     terms = _terms(tol, out_dtype)
 
-    def explain_out(at):
-        b, s = at[0], at[1]
-        return _explain_out(key, tol, terms["tolerance_u_out"], _acc_of(tol, mags, b, s), float(mags["abs_v"][at]),
-                            float(mags["score_v"][at]), f" + underflow {_underflow_of(tol, mags, at, out_dtype)}",
-                            f"{_keys_of(mags, b, s)}{'; both sides bounded' if ref_dtype is not None else ''}")
+    both = "both sides bounded (the reference is another result of the op)" if ref_dtype is not None else ""
 
-    def explain_lse(i):
-        b, _, s = i
-        return _explain_lse(key, tol, _acc_of(tol, mags, b, s), float(mags["score_abs"][i]), _keys_of(mags, b, s))
+    def context_out(at):
+        return "; ".join(x for x in (_keys_of(mags, at[0], at[1]), both) if x)
 
-    return Bounds(out_b, lse_b, key, explain_out, explain_lse, terms)
+    def context_lse(i):
+        return _keys_of(mags, i[0], i[2])
+
+    return Bounds(out_b, lse_b, key, context_out, context_lse, terms)
 
 
 def attention_bounds(case, mags: dict, ref_out, ref_lse, out_dtype) -> Bounds:
@@ -188,16 +188,7 @@ def attention_bounds(case, mags: dict, ref_out, ref_lse, out_dtype) -> Bounds:
     per_q = {k: mags[k].T[None] for k in ("score_abs", "score_max", "sink_rel")}
     m4 = {"abs_v": mags["abs_v"][None], "score_v": mags["score_v"][None], **per_q}
     out_b, lse_b = bounds(tol, m4, ref_out[None], ref_lse.T[None], out_dtype)
-    terms = _terms(tol, out_dtype)
-
-    def explain_out(i):
-        return _explain_out(key, tol, terms["tolerance_u_out"], tol.acc, float(mags["abs_v"][i]),
-                            float(mags["score_v"][i]))
-
-    def explain_lse(i):
-        return _explain_lse(key, tol, tol.acc, float(mags["score_abs"][i]))
-
-    return Bounds(out_b[0], lse_b[0].T, key, explain_out, explain_lse, terms)
+    return Bounds(out_b[0], lse_b[0].T, key, lambda i: "", lambda i: "", _terms(tol, out_dtype))
 
 
 def compare(op, case: OpCase, out, lse, ref_out, ref_lse, *, check: str, figures: dict, oracle, lse_base=None,
@@ -300,7 +291,11 @@ class Layout:
 
     def at(self, names: str, i: tuple) -> str:
         text = f"({names}) = ({', '.join(str(n) for n in i)})"
-        return text if self.locate is None else f"{text} ({self.locate(i[0])})"
+        return text if self.locate is None else f"{text} ({split_cause(self.locate(i[0]))[0]})"
+
+    def cause_at(self, i: tuple) -> str:
+        """The likely cause ``locate`` names at index ``i`` (a padding sequence's offset), '' for none."""
+        return "" if self.locate is None else split_cause(self.locate(i[0]))[1]
 
 
 #: out [B, s_q, h, d], lse [B, h, s_q] (:func:`compare`)
@@ -311,7 +306,8 @@ DECODE = Layout("b, s, h, d", "b, h, s", lambda i: f"(b={i[0]}, s={i[1]})", lamb
 
 def tokens(locate: Callable[[int], str]) -> Layout:
     """out [T, h, d], lse [T, h] (:func:`compare_attention`); ``locate(t)``: where token t is."""
-    return Layout("t, h, d", "t, h", lambda i: f"t={i[0]} ({locate(i[0])})", lambda i: f"t={i[0]} ({locate(i[0])})",
+    return Layout("t, h, d", "t, h", lambda i: f"t={i[0]} ({split_cause(locate(i[0]))[0]})",
+                  lambda i: f"t={i[0]} ({split_cause(locate(i[0]))[0]})",
                   lambda i: "", "NaN fills the padding of every strided input: an op that reads it, or whose softmax "
                   "overflows or divides 0 by 0, shows it here", "", "; worst against its bound at ",
                   names_base_key=True, mask_empty=True, locate=locate)
@@ -375,59 +371,62 @@ def _judge(op, w: str, lay: Layout, c: _Compared, figures: dict, *, late: dict, 
     if bool(bad.any()):
         i = _first(bad)
         kind = "NaN" if math.isnan(float(got[i])) else "inf"
-        raise AssertionError(f"{w}: out has {int(bad.sum())} non-finite value(s) in queries with keys: {kind} at "
-                             f"{lay.at(lay.out_names, i)}{lay.keys_exist(i)}; {lay.nan_out}")
+        raise AssertionError(failure(
+            f"{w}: out has {int(bad.sum())} non-finite value(s) in queries with keys: {kind} at "
+            f"{lay.at(lay.out_names, i)}", lay.keys_exist(i).strip(), cause=lay.cause_at(i) or lay.nan_out))
     figures.update(late)
     if raw is not None:
         bad = ~torch.isfinite(raw) & ~empty
         if bool(bad.any()):
             i = _first(bad)
-            raise AssertionError(f"{w}: lse has {int(bad.sum())} non-finite value(s) in queries with keys: "
-                                 f"{float(raw[i])} at {lay.at(lay.lse_names, i)}, expected "
-                                 f"{float(c.ref_lse[i]):.6g} (natural log){lay.nan_lse}")
+            raise AssertionError(failure(
+                f"{w}: lse has {int(bad.sum())} non-finite value(s) in queries with keys: {float(raw[i])} at "
+                f"{lay.at(lay.lse_names, i)}, expected {float(c.ref_lse[i]):.6g} (natural log)", cause=lay.nan_lse))
     if bool(empty.any()):
         nonzero = (got != 0) & ~valid
         if bool(nonzero.any()):
             i = _first(nonzero)
-            raise AssertionError(f"{w}: query {lay.query_out(i)} has no keys, so out must be exactly 0; got "
-                                 f"{float(got[i])} at head {i[-2]}, channel {i[-1]} ({int(nonzero.sum())} value(s) "
-                                 "not 0)")
+            raise AssertionError(failure(
+                f"{w}: query {lay.query_out(i)} has no keys, so out must be exactly 0; got {float(got[i])} at head "
+                f"{i[-2]}, channel {i[-1]}", f"{int(nonzero.sum()):,} value(s) not 0", cause=lay.cause_at(i)))
         wrong = (raw != empty_lse) & empty if raw is not None else torch.zeros_like(empty)
         if bool(wrong.any()):
             i = _first(wrong)
             value = float(raw[i])
             said, hint = (("the op contract's, as FlashMLA's ref.py", "") if empty_key is None else
                           empty_row_sentences(op, empty_key, value))
-            raise AssertionError(f"{w}: query {lay.query_lse(i)} has no keys: lse must be {empty_lse} ({said}), got "
-                                 f"{value} at head {i[1]} ({int(wrong.sum())} such value(s)){hint}")
+            raise AssertionError(failure(
+                f"{w}: query {lay.query_lse(i)} has no keys: lse must be {empty_lse}, got {value} at head {i[1]}",
+                f"{empty_lse} is {said}; {int(wrong.sum())} such value(s)", cause=hint))
     if raw is not None:
         lse_err, lse_b, nat = c.lse_err, c.bounds.lse, c.nat
-        over = lse_err > lse_b
+        over_b = lse_err > lse_b
         if lay.mask_empty:
-            over = over & ~empty
+            over_b = over_b & ~empty
             worst = torch.where(~empty, c.lse_ratio(), 0.0)
         else:
             worst = (lse_err / lse_b).nan_to_num(nan=math.inf)
-        if bool(over.any()):
+        if bool(over_b.any()):
             i = _unravel(int(worst.flatten().argmax()), lse_err.shape)
             exp = float(c.ref_lse[i])
-            hint = lse_base_hint(float(raw[i]), exp, base, base_key)
             by = f" by {base_key}" if lay.names_base_key else ""
-            raise AssertionError(
-                f"{w}: lse differs from {against}: max abs error {float(lse_err.max()):.3e} (natural log)"
-                f"{lay.lse_worst}{lay.at(lay.lse_names, i)}: got {float(nat[i]):.6g} (raw {float(raw[i]):.6g}, "
-                f"declared base {base}{by}), expected {exp:.6g}; bound {float(lse_b[i]):.3e} "
-                f"({c.bounds.explain_lse(i)}); {int(over.sum())} of {int((~empty).sum())} queries over{hint}")
+            raise AssertionError(failure(
+                f"{w}: lse differs from {against} at {lay.at(lay.lse_names, i)}: "
+                f"error {over(float(lse_err[i]), float(lse_b[i]))}",
+                f"got {float(nat[i]):.6g} (raw {float(raw[i]):.6g}, declared base {base}{by}), expected {exp:.6g} "
+                f"(natural log); {int(over_b.sum()):,} of {int((~empty).sum()):,} queries over, max abs error "
+                f"{float(lse_err.max()):.3e}",
+                bound_line(bound_key(c.bounds.name), c.bounds.context_lse(i)),
+                cause=lse_base_hint(float(raw[i]), exp, base, base_key) or lay.cause_at(i)))
     err, ratio, out_b = c.err, c.ratio, c.bounds.out
-    over = (err > out_b) & valid
-    if bool(over.any()):
+    over_b = (err > out_b) & valid
+    if bool(over_b.any()):
         i = _unravel(int(ratio.flatten().argmax()), err.shape)
-        raise AssertionError(
-            f"{w}: out differs from {against}: max abs error {float(err.max()):.3e}; worst against its bound at "
-            f"{lay.at(lay.out_names, i)}: got {float(got[i]):.6g}, expected {float(c.ref_out[i]):.6g}, error "
-            f"{float(err[i]):.3e} = {float(ratio[i]):.3g} x the bound {float(out_b[i]):.3e} "
-            f"({c.bounds.explain_out(i)}); {int(over.sum())} of {int(valid.sum())} values over, rel_fro "
-            f"{figures['out_rel_fro']:.3e}")
+        raise AssertionError(failure(
+            f"{w}: out differs from {against} at {lay.at(lay.out_names, i)}: error {over(float(err[i]), float(out_b[i]))}",
+            f"got {float(got[i]):.6g}, expected {float(c.ref_out[i]):.6g}; {int(over_b.sum()):,} of {int(valid.sum()):,} "
+            f"values over, max abs error {float(err.max()):.3e}, rel_fro {figures['out_rel_fro']:.3e}",
+            bound_line(bound_key(c.bounds.name), c.bounds.context_out(i)), cause=lay.cause_at(i)))
     return figures
 
 
@@ -439,9 +438,9 @@ def lse_base_hint(raw: float, expected: float, base: str, key: str) -> str:
     if not expected:
         return ""
     if base == "e" and close(raw * math.log(2.0)):
-        return f"; the lse matches base 2 (lse x ln 2 equals the oracle): declare {key} = '2'"
+        return f"the lse matches base 2 (lse x ln 2 equals the oracle): declare {key} = '2'"
     if base == "2" and close(raw):
-        return (f"; the lse matches the natural log (the raw lse equals the oracle; declared base 2, it was read "
+        return (f"the lse matches the natural log (the raw lse equals the oracle; declared base 2, it was read "
                 f"as raw x ln 2): declare {key} = 'e' (or return base 2)")
     return ""
 
@@ -452,29 +451,14 @@ def empty_row_sentences(op, key: str, got: float) -> tuple[str, str]:
     said = f"{key} = {declared(op, key)!r}, " + ("declared" if getattr(op, key, None) is not None else
                                                  "the default: not declared")
     other = {math.inf: "+inf", -math.inf: "-inf"}.get(got)
-    hint = (f"; if {other} is the op's convention for a query with no keys, declare {key} = {other!r}"
+    hint = (f"{other} is the op's convention for a query with no keys: declare {key} = {other!r}"
             if other and other != declared(op, key) else "")
     return said, hint
 
 
-def _acc_of(tol, mags: dict, b: int, s: int) -> float:
-    """The accumulation term of query (b, s): grown with its key count where the oracle counted them."""
-    keys = mags.get("keys")
-    return tol.acc if keys is None else float(tol.acc_at(keys[b, 0, s]))
-
-
 def _keys_of(mags: dict, b: int, s: int) -> str:
     keys = mags.get("keys")
-    return "" if keys is None else f"; the query has {int(keys[b, 0, s])} keys"
-
-
-def _underflow_of(tol, mags: dict, at: tuple, out_dtype) -> str:
-    """The absolute underflow terms at one element, for the message: out's (eta_out) and P's (p_under x V1)."""
-    text = f"{underflow(out_dtype):.3g}"
-    if "abs_v_sum" in mags:
-        b, s, _, d = at
-        text += f" + p_under {tol.p_under:.3g} x V1 {float(mags['abs_v_sum'][b, s, 0, d]):.3g} (sum_t |v_t|)"
-    return text
+    return "" if keys is None else f"the query has {int(keys[b, 0, s])} keys"
 
 
 def _unravel(flat: int, shape) -> tuple[int, ...]:
@@ -506,7 +490,7 @@ def check_against_oracle(op, spec: Spec, *, check: str, figures: dict, inp: OpIn
             found = hint_of(out, lse)
             if found:
                 figures["likely_cause"] = found[0]
-                raise AssertionError(f"{exc}{found[1]}") from None
+                raise AssertionError(with_cause(str(exc), found[1])) from None
         raise
     return out, lse
 

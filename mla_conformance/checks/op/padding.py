@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from mla_conformance.checks.messages import failure, with_cause
 from mla_conformance.checks.op.compare import as_reference, bitwise_equal, compare, empty_row_sentences, oracle_of
 from mla_conformance.checks.op.inputs import INVALID_BLOCK, Buffer, OpInputs, Spec, build, where
 from mla_conformance.checks.op.run import run_op
@@ -197,10 +198,11 @@ def check_padded(op, p: Padded, *, check: str, figures: dict) -> None:
     for b in pinp.real:
         bad = ~torch.isfinite(out[b].detach().cpu())
         if bool(bad.any()):
-            raise AssertionError(f"{w}: real row {b} (cache_seqlens {int(pinp.padded.tensor('cache_seqlens')[b])}) "
-                                 f"has {int(bad.sum())} non-finite out value(s) in a batch padded with rows "
-                                 f"{pinp.pads} (cache_seqlens 0): NaN leaked into a real row from the padding rows "
-                                 "(a reduction or workspace shared across rows?)")
+            raise AssertionError(failure(
+                f"{w}: real row {b} (cache_seqlens {int(pinp.padded.tensor('cache_seqlens')[b])}) has "
+                f"{int(bad.sum())} non-finite out value(s)",
+                f"the batch is padded with rows {pinp.pads} (cache_seqlens 0)",
+                cause="NaN leaked into a real row from the padding rows (a reduction or workspace shared across rows?)"))
     alone = run_op(op, pinp.unpadded, check + " (the real rows unpadded)")
     base = declared(op, "lse_base")
     oracle = padded_oracle(p, pinp)
@@ -214,13 +216,13 @@ def check_padded(op, p: Padded, *, check: str, figures: dict) -> None:
                 bitwise_equal(op, case, got, ref, check=check, what=f"declares batch_invariant = True but {what}",
                               figures=figures)
             except AssertionError as exc:
-                raise AssertionError(f"{exc}{_other_row_hint(pinp, out, alone[0], b)}") from None
+                raise AssertionError(with_cause(str(exc), _other_row_hint(pinp, out, alone[0], b))) from None
             continue
         try:
             compare(op, case, *got, *as_reference(*ref, base), check=f"{check}: {what}", figures=figures,
                     oracle=_rows(oracle, b), ref_dtype=alone[0].dtype, against="the same rows run unpadded")
         except AssertionError as exc:
-            raise AssertionError(f"{exc}{_other_row_hint(pinp, out, alone[0], b)}") from None
+            raise AssertionError(with_cause(str(exc), _other_row_hint(pinp, out, alone[0], b))) from None
     compare(op, case, *real_rows_only(op, out, lse, pinp.pads), oracle[0], oracle[1], check=check, figures=figures,
             oracle=oracle)
 
@@ -241,7 +243,7 @@ def real_rows_only(op, out, lse, pads: list[int]):
 def _other_row_hint(pinp: PaddedInputs, out, alone_out, b: int) -> str:
     for r, other in enumerate(pinp.real):
         if other != b and _close(out[b].detach().cpu(), alone_out[r].detach().cpu()):
-            return (f"; its out is real row {other}'s: the op computed row {b} with another row's metadata (a plan "
+            return (f"its out is real row {other}'s: the op computed row {b} with another row's metadata (a plan "
                     "or work list sized or indexed by the real rows, read past its end when the batch is padded: "
                     "xLLM #1939)")
     return ""
@@ -252,7 +254,7 @@ def _check_padding_rows(op, p: Padded, pinp: PaddedInputs, out, lse, check: str)
     case = pinp.padded.case
     w = where(op, case, check)
     empty = math.inf if declared(op, "empty_row") == "+inf" else -math.inf
-    tail = ("; a padding row (cache_seqlens 0) is a zero-length row of the base contract: out 0 and lse the declared "
+    tail = ("a padding row (cache_seqlens 0) is a zero-length row of the base contract: out 0 and lse the declared "
             "empty_row, whatever its block-table row holds (an op whose padding rows are garbage by design declares "
             "padding_rows = 'undefined')")
     for b in pinp.pads:
@@ -261,13 +263,13 @@ def _check_padding_rows(op, p: Padded, pinp: PaddedInputs, out, lse, check: str)
         bad = ~torch.isfinite(o)
         if bool(bad.any()):
             kind = "NaN" if bool(torch.isnan(o).any()) else "inf"
-            raise AssertionError(f"{w}: {row} and its out is {kind} ({int(bad.sum())} of {o.numel()} values); "
-                                 f"{_trailing_only(pinp, out, b)}{_nan_cause(op, p, pinp, check)}{tail}")
+            raise AssertionError(failure(f"{w}: {row} and its out is {kind} ({int(bad.sum())} of {o.numel()} values)",
+                                         tail, cause=f"{_trailing_only(pinp, out, b)}{_nan_cause(op, p, pinp, check)}"))
         if bool((o != 0).any()):
             s, h, d = (int(i) for i in (o != 0).nonzero()[0])
-            raise AssertionError(f"{w}: {row} but its out is not 0: {float(o[s, h, d]):.6g} at (s, h, d) = "
-                                 f"({s}, {h}, {d}), {int((o != 0).sum())} value(s) not 0"
-                                 f"{_nonzero_cause(op, pinp, out, b, check)}{tail}")
+            raise AssertionError(failure(f"{w}: {row} but its out is not 0: {float(o[s, h, d]):.6g} at (s, h, d) = "
+                                         f"({s}, {h}, {d})", f"{int((o != 0).sum())} value(s) not 0", tail,
+                                         cause=_nonzero_cause(op, pinp, out, b, check)))
         if lse is not None:
             l = lse[b].detach().cpu().to(torch.float64)
             wrong = l != empty
@@ -275,8 +277,8 @@ def _check_padding_rows(op, p: Padded, pinp: PaddedInputs, out, lse, check: str)
                 h, s = (int(i) for i in wrong.nonzero()[0])
                 got = float(l[h, s])
                 said, hint = empty_row_sentences(op, "empty_row", got)
-                raise AssertionError(f"{w}: {row} but its lse is {got} at head {h}, expected {empty} ({said}; "
-                                     f"{int(wrong.sum())} such value(s)){hint}{tail}")
+                raise AssertionError(failure(f"{w}: {row} but its lse is {got} at head {h}, expected {empty}",
+                                             f"{empty} is {said}; {int(wrong.sum())} such value(s)", tail, cause=hint))
 
 
 def _trailing_only(pinp: PaddedInputs, out, b: int) -> str:
@@ -296,11 +298,11 @@ def _nonzero_cause(op, pinp: PaddedInputs, out, b: int, check: str) -> str:
     mine = out[b].detach().cpu()
     for r, real in enumerate(pinp.real):
         if _close(mine, out[real].detach().cpu()) or _close(mine, alone[r]):
-            return (f"; it is real row {real}'s out: the op gave the padding row another row's work (a plan or "
+            return (f"it is real row {real}'s out: the op gave the padding row another row's work (a plan or "
                     "per-row metadata sized to the real rows and read past its end: xLLM #1939, 112 captured rows "
                     "for 100 real ones)")
     if b in pinp.live:
-        return (f"; its stale block-table entries point at real row {pinp.live[b]}'s pages: the op attended them "
+        return (f"its stale block-table entries point at real row {pinp.live[b]}'s pages: the op attended them "
                 "although the row has no keys")
     return ""
 

@@ -17,6 +17,7 @@ import functools
 import pytest
 import torch
 
+from mla_conformance.checks.messages import with_cause
 from mla_conformance.checks.op import methods as om
 from mla_conformance.checks.op.compare import compare_attention
 from mla_conformance.contract.op import MethodCase, declared
@@ -167,10 +168,10 @@ def check_against_oracle(op, spec: PrefillSpec, *, check: str, figures: dict):
             except AssertionError:
                 raise exc from None
             figures["likely_cause"] = "top-left causal alignment"
-            raise AssertionError(
-                f"{exc}; likely cause: top-left causal alignment -- the op matches the oracle in which query i sees "
-                "keys 0..i; the contract aligns causal prefill bottom-right (query i of a row of m queries and n keys "
-                "sees keys j <= n - m + i: the queries are the row's last m tokens)") from None
+            raise AssertionError(with_cause(
+                str(exc), "top-left causal alignment -- the op matches the oracle in which query i sees keys 0..i; the "
+                "contract aligns causal prefill bottom-right (query i of a row of m queries and n keys sees keys "
+                "j <= n - m + i: the queries are the row's last m tokens)")) from None
         raise
     return out, lse
 

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from mla_conformance.checks.messages import with_cause
 from mla_conformance.checks.op.compare import bitwise_equal, compare, oracle_of_inputs
 from mla_conformance.checks.op.inputs import (INVALID_BLOCK, SOFTMAX_SCALE, Buffer, OpInputs, Spec,
                                               kinds_of_rows_without_keys)
@@ -141,7 +142,7 @@ def check_replay(op, r: Replay, *, check: str, figures: dict) -> None:
                     oracle=ref)
         except AssertionError as exc:
             fresh = _fresh(op, inp, label, keep)
-            raise AssertionError(f"{exc}{_kept_state(op, bufs, inp, k, (out, lse), fresh, ref)}") from None
+            raise AssertionError(with_cause(str(exc), _kept_state(op, bufs, inp, k, (out, lse), fresh, ref))) from None
         if deterministic:
             fresh = _fresh(op, inp, label, keep)
             bitwise_equal(op, inp.case, (out, lse), fresh, check=label,
