@@ -286,9 +286,10 @@ DECODE = MethodSpec(
     ),
     parts=_decode_parts,
     suites=("test_op_numerics.py", "test_op_paging.py", "test_op_sparse.py", "test_op_fp8.py", "test_op_padding.py",
-            "test_op_replay.py", "test_op_speculative.py", "test_op_out_buffers.py", "test_op_generated.py"),
+            "test_op_replay.py", "test_op_speculative.py", "test_op_out_buffers.py", "test_op_generated.py",
+            "test_op_dcp.py"),
     sections=("op-numerics", "op-split-kv", "op-determinism", "op-poison", "op-shapes", "op-sparse", "op-fp8",
-              "op-padding", "op-replay", "op-speculative", "op-out-buffers", "op_generated"),
+              "op-padding", "op-replay", "op-speculative", "op-out-buffers", "op_generated", "op-dcp"),
     base=True,
 )
 

@@ -101,6 +101,25 @@ def _gather(rows, indices: torch.Tensor, topk_length, n_slots: int, acc: torch.d
     return torch.where(valid[..., None], keys, torch.zeros((), dtype=acc, device=idx.device)), valid
 
 
+def _owned(n: torch.Tensor, world_size: int, rank: int, interleave: int) -> torch.Tensor:
+    """How many of the global tokens 0 .. n - 1 rank ``rank`` holds (mla_conformance.contract.dcp.owned_count)."""
+    n = n.clamp_min(0)
+    cycle = interleave * world_size
+    return (n // cycle) * interleave + (n % cycle - rank * interleave).clamp(0, interleave)
+
+
+def _local_slots(positions, block_table, cache_seqlens, page: int, world_size: int, rank: int, interleave: int):
+    """Global token positions [B, s_q, k] (-1 invalid) -> this rank's flat cache slots, -1 for a position another
+    rank owns or outside the row (mla_conformance.contract.dcp: owner and local index)."""
+    pos = positions.long()
+    B = pos.shape[0]
+    ok = (pos >= 0) & (pos < cache_seqlens.long().view(B, 1, 1)) & ((pos // interleave) % world_size == rank)
+    local = (pos // (interleave * world_size)) * interleave + pos % interleave
+    col = torch.where(ok, local // page, 0).clamp(max=block_table.shape[1] - 1)
+    blocks = torch.gather(block_table.long(), 1, col.reshape(B, -1)).reshape(pos.shape)
+    return torch.where(ok, blocks * page + local % page, -1)
+
+
 class ReferenceOp:
     """The op contract in torch on any device, dense and sparse, latent and FP8 656-byte caches, pages of 1, 16
     and 64 tokens, any head dims (``head_dims = "any"``: the layer wrapper runs the tiny model through it)."""
@@ -131,6 +150,11 @@ class ReferenceOp:
     write_kv_formats = ("latent", "fp8-e4m3-flashmla", "fp8-e4m3-model1")
     write_fp8_scale_format = "pow2"
     write_page_block_sizes = (1, 16, 64)
+    # decode context parallelism (mla_conformance.contract.dcp): global lengths and positions, mapped per rank
+    dcp = "global"
+    dcp_lse_base = "e"
+    dcp_sparse = True
+    dcp_write = True
 
     def unsupported_reason(self, case):
         method = getattr(case, "method", "decode")
@@ -144,16 +168,17 @@ class ReferenceOp:
 
     def decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices=None,
                topk_length=None, attn_sink=None, head_dim_v=None, extra_k_cache=None, extra_indices=None,
-               extra_topk_length=None, out=None, lse=None):
+               extra_topk_length=None, out=None, lse=None, dcp_world_size=None, dcp_rank=None, dcp_interleave=None):
+        dcp = None if dcp_world_size is None else (int(dcp_world_size), int(dcp_rank), int(dcp_interleave))
         result = self._decode(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale, causal=causal,
                               indices=indices, topk_length=topk_length, attn_sink=attn_sink, head_dim_v=head_dim_v,
                               extra_k_cache=extra_k_cache, extra_indices=extra_indices,
-                              extra_topk_length=extra_topk_length)
+                              extra_topk_length=extra_topk_length, dcp=dcp)
         # out_buffers: the caller's buffers (any strides) written and returned as they are
         return tuple(r if buf is None else buf.copy_(r) for r, buf in zip(result, (out, lse)))
 
     def _decode(self, q, kv_cache, block_table, cache_seqlens, *, softmax_scale, causal, indices, topk_length,
-                attn_sink, head_dim_v, extra_k_cache, extra_indices, extra_topk_length):
+                attn_sink, head_dim_v, extra_k_cache, extra_indices, extra_topk_length, dcp=None):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         B, s_q, h_q, d_qk = q.shape
         d_v = D_V if head_dim_v is None else int(head_dim_v)
@@ -170,6 +195,8 @@ class ReferenceOp:
         rows = _row_reader(kv_cache, acc)
         qf = q.to(acc)
         dev = q.device
+        if indices is not None and dcp is not None:  # global positions in each row: keep this rank's, localised
+            indices = _local_slots(indices, block_table, cache_seqlens, page, *dcp)
         if indices is not None:
             keys, valid = _gather(rows, indices, topk_length, num_blocks * page, acc)  # [B, s_q, k, d_qk]
             if extra_k_cache is not None:  # the second cache's selection joins the first's under one softmax
@@ -182,6 +209,8 @@ class ReferenceOp:
             mix = "bshk,bskd->bshd"
         else:
             lens = cache_seqlens.long()
+            if dcp is not None:  # global lengths: the keys this rank holds, and each causal query's among them
+                glens, lens = lens, _owned(lens, *dcp)
             # only the pages some row uses (the block table may be as wide as the capacity); under CUDA-graph
             # capture every column (reading the lengths on the host would end the capture)
             capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -197,6 +226,8 @@ class ReferenceOp:
             keys = torch.where(key_ok[..., None], keys, torch.zeros((), dtype=acc, device=dev))
             if causal:
                 limit = lens[:, None] - s_q + torch.arange(s_q, device=dev) + 1  # [B, s_q]
+                if dcp is not None:  # the global bound, mapped to this rank (never from the local length)
+                    limit = _owned(glens[:, None] - s_q + torch.arange(s_q, device=dev) + 1, *dcp)
                 ok = key_ok[:, None, :] & (pos < limit[..., None])              # [B, s_q, T]
             else:
                 ok = key_ok[:, None, :].expand(B, s_q, T)
@@ -288,9 +319,13 @@ class ReferenceOp:
         lse = torch.where(both, torch.full_like(m, math.inf), m + torch.log(total))
         return out.to(out_a.dtype), lse.to(torch.float32)
 
-    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format):
-        """The tokens of non-negative slots, encoded as the format stores them, into their slots only."""
+    def write(self, kv_c, k_pe, kv_cache, slot_mapping, *, kv_format, dcp_world_size=None, dcp_rank=None,
+              dcp_interleave=None, dcp_positions=None):
+        """The tokens of non-negative slots, encoded as the format stores them, into their slots only (under DCP
+        only the tokens this rank owns)."""
         keep = slot_mapping >= 0
+        if dcp_world_size is not None:
+            keep &= (dcp_positions.long() // int(dcp_interleave)) % int(dcp_world_size) == int(dcp_rank)
         slots = slot_mapping[keep].long()
         c, r = kv_c[keep], k_pe[keep]
         page = kv_cache.shape[1]

@@ -1,0 +1,118 @@
+"""Decode context parallelism at op level (issue 44): one in-process pytester run of suites/test_op_dcp.py, where
+
+* every broken DCP op (tests/meta/impls/broken/dcp_ops.py, each modelled on a public report) is *failed* -- an
+  AssertionError, not an error -- by the test named for it, at every W and S it is wrong at, the message naming
+  the cause;
+* the correct ones (tests/meta/impls/independent/dcp_ops.py: vLLM-style all-gather + reduce-scatter, an all-to-all,
+  the "local" convention, lse in base 2 merged in base 2) and reference-op pass every test;
+* the frozen base op (no DCP declaration) skips every test with the sentence naming ``dcp`` (opt-in).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = "suites/test_op_dcp.py"
+BROKEN = ROOT / "tests/meta/impls/broken/dcp_ops.py"
+GOOD = ROOT / "tests/meta/impls/independent/dcp_ops.py"
+FROZEN = ROOT / "tests/meta/frozen_base_op.py"
+ALL_IDS = [f"S{s}-W{w}" for s in (1, "page", 64) for w in (2, 4, 8)]
+#: the shardings the meta run holds each op to (every S, every W once: the default run's budget); the suite itself
+#: runs all nine on reference-op
+IDS = ["S1-W2", "Spage-W4", "S64-W8"]
+TESTS = ["test_dcp_dense", "test_dcp_causal", "test_dcp_sparse", "test_dcp_padding_rows", "test_dcp_fp8",
+         "test_dcp_attn_sink", "test_dcp_write"]
+
+#: broken op class -> (its name, the test named for it, the words its failure must say, ids it is right at)
+CELLS = {
+    "Base2CombinedAsE": ("broken-dcp-base2-combined-as-e", "test_dcp_dense", "combine merged them as base e", ()),
+    "Base2MergedAsE": ("broken-dcp-base2-merged-as-e", "test_dcp_dense", "merged here as the declared dcp_lse_base", ()),
+    "GlobalIndicesNotLocalised": ("broken-dcp-global-indices", "test_dcp_sparse",
+                                  "neither filtered to the tokens it owns nor localised", ()),
+    "LocalLengthCausalBound": ("broken-dcp-local-causal-bound", "test_dcp_causal",
+                               "causal bound from the rank-local length", ()),
+    "OwnershipForS1": ("broken-dcp-ownership-s1", "test_dcp_dense", "ownership computed for S = 1",
+                       ("S1-W2",)),
+    "EmptyShardAsRealPartial": ("broken-dcp-empty-shard-merged", "test_dcp_dense",
+                                "empty shard merged as a real partial", ()),
+    "WritesUnownedTokens": ("broken-dcp-writes-unowned", "test_dcp_write", "a rank writing tokens it does not own", ()),
+    "OutputSizedByLocalHeads": ("broken-dcp-local-heads", "test_dcp_dense", "sized by the local head count", ()),
+}
+CORRECT = {"AllGatherReduceScatterOp": "dcp-ag-rs", "AllToAllOp": "dcp-all-to-all", "LocalShardOp": "dcp-local",
+           "Base2WithBase2CombineOp": "dcp-base2"}
+
+
+def _nodes() -> list[str]:
+    """Each broken op at its named test; the correct ops at every test; the frozen base op at all 63."""
+    nodes = [f"{SUITE}::{test}[{name}-{i}]" for name, test, _, _ in CELLS.values() for i in IDS]
+    nodes += [f"{SUITE}::{test}[{name}-{i}]" for name in CORRECT.values() for test in TESTS for i in IDS]
+    return nodes + [f"{SUITE}::{test}[frozen-base-op-{i}]" for test in TESTS for i in ALL_IDS]
+
+
+_RUN: dict = {}
+
+
+@pytest.fixture
+def dcp_run(pytester):
+    """{node id: (outcome, 'when', message)} of one run (:func:`_nodes`), made by the first test that asks (from
+    pytester's directory, the node ids read against this checkout: --rootdir) and kept for the module's others."""
+    if "run" not in _RUN:
+        _RUN["run"] = _run(pytester)
+    return _RUN["run"]
+
+
+def _run(pytester) -> dict:
+    import torch
+
+    threads = torch.get_num_threads()
+    ops = [f"{BROKEN}:{c}" for c in CELLS] + [f"{GOOD}:{c}" for c in CORRECT] + [f"{FROZEN}:FrozenBaseOp"]
+    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT), "-q", *(f"{ROOT}/{n}" for n in _nodes())]
+    for spec in ops:
+        args += ["--mla-op", spec]
+    try:
+        result = pytester.runpytest_inprocess(*args)
+    finally:
+        torch.set_num_threads(threads)
+    got = {}
+    for rep in result.reprec.getreports("pytest_runtest_logreport"):
+        if rep.when == "call" or rep.outcome != "passed":
+            crash = getattr(rep.longrepr, "reprcrash", None)
+            msg = crash.message if crash is not None else str(rep.longrepr or "")
+            if rep.skipped and isinstance(rep.longrepr, tuple):
+                msg = rep.longrepr[2]
+            got[rep.nodeid] = (rep.outcome, rep.when, msg)
+    assert got, "\n".join(result.outlines[-30:])
+    return got
+
+
+@pytest.mark.parametrize("cls", list(CELLS))
+def test_broken_dcp_op_fails_its_named_test(dcp_run, cls):
+    name, test, words, right = CELLS[cls]
+    for i in IDS:
+        node = f"{SUITE}::{test}[{name}-{i}]"
+        assert node in dcp_run, f"{node} did not run: {sorted(dcp_run)[:5]}"
+        outcome, when, msg = dcp_run[node]
+        if i in right:
+            assert outcome == "passed", f"{node}: {outcome}: {msg}"
+            continue
+        assert outcome == "failed" and when == "call", f"{node}: {outcome} at {when}: {msg}"
+        assert msg.startswith("AssertionError"), f"{node}: an error, not a failure: {msg}"
+        assert words in msg, f"{node}: the message does not say {words!r}: {msg}"
+
+
+@pytest.mark.parametrize("name", list(CORRECT.values()))
+def test_correct_dcp_ops_pass(dcp_run, name):
+    mine = {n: v for n, v in dcp_run.items() if f"[{name}-" in n}
+    assert len(mine) == len(TESTS) * len(IDS), f"{name}: {len(mine)} tests ran"
+    bad = {n: v for n, v in mine.items() if v[0] != "passed"}
+    assert not bad, f"{name}: {len(bad)} not passed, e.g. {next(iter(bad.items()))}"
+
+
+def test_frozen_base_op_skips_naming_dcp(dcp_run):
+    mine = {n: v for n, v in dcp_run.items() if "[frozen-base-op-" in n}
+    assert len(mine) == 63
+    for n, (outcome, _, msg) in mine.items():
+        assert outcome == "skipped" and "does not declare dcp" in msg, (n, outcome, msg)
