@@ -32,8 +32,13 @@ def mark(t) -> str:
 
 
 def cell(text) -> str:
-    """Text safe in a markdown table cell (a ``|`` would end the cell)."""
-    return str(text).replace("|", "/")
+    """Text safe in a markdown table cell (a ``|`` would end the cell, a line break the row)."""
+    return str(text).replace("|", "/").replace("\n", "<br>")
+
+
+def headline(text) -> str:
+    """A failure's first line (what failed, where, by how much); the lines after it are the failures table's."""
+    return str(text).partition("\n")[0]
 
 
 def declared_cell(value) -> str:

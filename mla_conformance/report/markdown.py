@@ -1,15 +1,18 @@
-"""conformance.md: verdicts, failures first (identical ones grouped), the measured tables, op cases, links to
-the plots, skips grouped by reason. Reads the report and nothing else; byte-identical for the same report."""
+"""conformance.md: what a reader comes for first -- verdicts, the ops' verdicts with the declarations that differ
+from the contract's defaults, failures (identical ones grouped), cache bytes, each backend's numerical error
+closest to its bound, conventions, codecs, generation, gating, links to the plots -- then the long tables (every
+numerics test, every op case, the generic sections) and the skips grouped by reason. Reads the report and nothing
+else; byte-identical for the same report."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mla_conformance.contract.methods import METHOD_SPECS
+from mla_conformance.contract.methods import METHOD_SPECS, declaration
 from mla_conformance.report.build import INDEPENDENT, number, op_case_of, verdict_of
-from mla_conformance.report.fmt import NOT_RECORDED, cell, declared_cell, fmt_e, mark, numbers_cell, plural
+from mla_conformance.report.fmt import NOT_RECORDED, cell, declared_cell, fmt_e, headline, mark, numbers_cell, plural
 from mla_conformance.report.plots import PLOT_TITLES
-from mla_conformance.report.sections import REPORT_SECTIONS, bytes_lines, error_lines
+from mla_conformance.report.sections import REPORT_SECTIONS, bytes_lines, error_lines, error_summary_lines
 from mla_conformance.schema import SECTIONS
 
 #: The sections rendered as one generic table each (test, case, outcome, worst error and bound): those of the op
@@ -58,33 +61,61 @@ OP_DECLARATION_COLUMNS = (("lse_base", "LSE base"), ("empty_row", "empty row lse
                           ("batch_invariant", "batch invariant"), ("head_dims", "head dims qk/v"))
 
 
-def _declaration_columns(ops: dict) -> list[tuple[str, str]]:
-    """The op table's declaration columns: the known ones, then any other an op recorded (by its name)."""
+def _as_json(value):
+    """A declaration's value as the report holds it (tuples as lists)."""
+    return [_as_json(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _is_default(key: str, value) -> bool:
+    """Whether ``value`` is the op contract's default of declaration ``key`` (a key the contract does not know never
+    is: its column is shown)."""
+    try:
+        default = declaration(key).default
+    except ValueError:
+        return False
+    return _as_json(value) == _as_json(default)
+
+
+def _differing_declarations(ops: dict) -> list[tuple[str, str]]:
+    """The declarations some op made other than the contract's default, as (key, heading): the known ones in their
+    order, then any other by its name; one every op leaves at its default is left out (docs/op-contract.md lists
+    them with their defaults)."""
     known = dict(OP_DECLARATION_COLUMNS)
-    extra = sorted({k for v in ops.values() for k in (v.get("declarations") or {}) if k not in known})
-    return list(OP_DECLARATION_COLUMNS) + [(k, k.replace("_", " ")) for k in extra]
+    decls = [v["declarations"] for v in ops.values() if isinstance(v.get("declarations"), dict)]
+    differs = {k for d in decls for k, value in d.items() if not _is_default(k, value)}
+    extra = sorted(k for k in differs if k not in known)
+    return [(k, h) for k, h in OP_DECLARATION_COLUMNS if k in differs] + [(k, k.replace("_", " ")) for k in extra]
+
+
+def _default_cell(key: str) -> str:
+    try:
+        return declared_cell(_as_json(declaration(key).default))
+    except ValueError:
+        return "(not in the contract)"
 
 
 def _op_verdict_lines(report) -> list[str]:
     ops = report.get("op_results") or {}
     if not ops:
         return []
-    columns = _declaration_columns(ops)
+    names = sorted(ops)
     out = ["## Ops (the op contract)", "",
-           "Kernel-level implementations of one decode step over a paged latent cache (`--mla-op`), judged "
-           "by the backends' rule. The declarations are the ones each op made in this run (defaults filled "
-           "in where it declared nothing): the LSE base its lse is read in, what a query with no keys returns "
-           "(out 0 and this lse), the page sizes and KV formats it is tested on, how its FP8 caches are "
-           "scaled, whether it promised bitwise determinism and batch invariance, and the head dims it takes "
-           "(another declaration an op recorded gets a column of its own).", "",
-           "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed | "
-           + " | ".join(h for _, h in columns) + " |",
-           "|---|---|---:|---:|---:|---:|---:|---:|" + "---|" * len(columns)]
-    for op, v in sorted(ops.items()):
-        decl = v.get("declarations")
-        cells = ([declared_cell(decl.get(k)) for k, _ in columns] if isinstance(decl, dict)
-                 else ["(not recorded)"] + [""] * (len(columns) - 1))
-        out.append(f"| {op} | **{v['verdict']}** | {_counts(v['summary'])} | " + " | ".join(map(cell, cells)) + " |")
+           "Kernel-level implementations of one decode step over a paged latent cache (`--mla-op`) and the optional "
+           "methods they declare, judged by the backends' rule.", "",
+           "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for op in names:
+        out.append(f"| {op} | **{ops[op]['verdict']}** | {_counts(ops[op]['summary'])} |")
+    rows = _differing_declarations(ops)
+    if rows:
+        out += ["", "The declarations each op made in this run (defaults filled in where it declared nothing) that "
+                    "differ from the op contract's defaults, one row each; every other declaration is at its default "
+                    "for every op (docs/op-contract.md lists them all).", "",
+                "| declaration | default | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for key, heading in rows:
+            cells = [declared_cell(d.get(key)) if isinstance(d := ops[op].get("declarations"), dict)
+                     else "(not recorded)" for op in names]
+            out.append(f"| {heading} | {cell(_default_cell(key))} | " + " | ".join(map(cell, cells)) + " |")
     for op, v in sorted(ops.items()):
         if v["verdict"] == "NOT TESTED":
             out += _not_tested_lines(f"op {op}", v)
@@ -102,7 +133,8 @@ def _op_case_lines(report) -> list[str]:
         return []
     out = ["## Op cases", "",
            "Per section of the op suite, one row per check and case: its outcome and the figures it measured "
-           "(*tolerance*: the bounds it was held to, from `OP_TOLERANCES`; markers.md). Failing rows first."]
+           "(*tolerance*: the row of `OP_TOLERANCES` it was held to, derived in docs/tolerances.md; the bounds "
+           "themselves where a check recorded no row). Failing rows first."]
     for section in sorted(by_section):
         out += ["", f"### {section}", "", "| | op | check | case | measured | tolerance |", "|---|---|---|---|---|---|"]
         rows = sorted(by_section[section], key=lambda oc: (oc[1]["outcome"] not in ("failed", "error"), oc[0],
@@ -110,10 +142,11 @@ def _op_case_lines(report) -> list[str]:
         for op, c in rows:
             shown = numbers_cell(c.get("measured") or {})
             if c["outcome"] != "passed" and c.get("reason"):
-                reason = c["reason"] if len(c["reason"]) <= 200 else c["reason"][:199] + "…"
+                reason = headline(c["reason"])
+                reason = reason if len(reason) <= 200 else reason[:199] + "…"
                 shown = (shown + "; " if shown else "") + reason
             tol = c.get("tolerance") or {}
-            tol_cell = (f"{tol['row']}: " if tol.get("row") else "") + numbers_cell(tol)
+            tol_cell = tol["row"] if tol.get("row") else numbers_cell(tol)
             out.append(f"| {mark(c) if c['outcome'] != 'skipped' else 'skip'} | {op} | {cell(c['check'])} | "
                        f"{cell(c['case'])} | {cell(shown)} | {cell(tol_cell)} |")
     return out
@@ -145,7 +178,7 @@ def _generic_lines(report) -> list[str]:
             f = t.get("figures") or {}
             worst = _worst(f) if t["outcome"] != "skipped" else ""
             if t["outcome"] != "passed" and t.get("reason"):
-                worst = (worst + "; " if worst else "") + t["reason"]
+                worst = (worst + "; " if worst else "") + headline(t["reason"])
             test = t["nodeid"].split("::")[-1].split("[")[0]
             out.append(f"| {mark(t) if t['outcome'] != 'skipped' else 'skip'} | {t.get('backend') or t.get('op', '')} "
                        f"| {cell(test)} | {cell(op_case_of(t))} | {cell(worst)} |")
@@ -165,8 +198,9 @@ def _failure_lines(report) -> list[str]:
     for t in failed:
         msg = (t.get("reason") or "").replace("|", "\\|")
         cause = (t.get("figures") or {}).get("likely_cause")
-        if cause:
-            msg += f" *Likely cause:* {cause}"
+        if cause and "likely cause:" not in msg:
+            msg += f"\n*Likely cause:* {cause}"
+        msg = msg.replace("\n", "<br>")
         groups.setdefault((t["outcome"], msg), []).append(t["nodeid"])
     out = ["## Failures", "", "| outcome | test | message |", "|---|---|---|"]
     for (outcome, msg), ids in sorted(groups.items(), key=lambda g: (g[0][0], sorted(g[1])[0], g[0][1])):
@@ -185,7 +219,8 @@ def render_markdown(report: dict[str, Any], plots: list[str] | None = None) -> s
                + (f", capability {env['capability']}" if env.get("capability") else "") + ")"
                + f" · torch {env['torch']} · transformers {env.get('transformers')} · python {env['python']}")
     out += [""] + _verdict_lines(report)
-    for part in (_op_verdict_lines, _failure_lines, bytes_lines, error_lines, _op_case_lines, _generic_lines):
+    # first the verdicts and the figures a reader comes for, then the long tables (every test's row)
+    for part in (_op_verdict_lines, _failure_lines, bytes_lines, error_summary_lines):
         lines = part(report)
         if lines:
             out += [""] + lines
@@ -199,6 +234,10 @@ def render_markdown(report: dict[str, Any], plots: list[str] | None = None) -> s
     if plots:
         out += ["", "## Plots", ""]
         out += [f"- [{PLOT_TITLES.get(p, p)}]({p})" for p in plots]
+    for part in (error_lines, _op_case_lines, _generic_lines):
+        lines = part(report)
+        if lines:
+            out += [""] + lines
     skipped = [t for t in report["tests"] if t["outcome"] == "skipped"]
     if skipped:
         out += ["", "## Skipped, grouped by reason", "", "| tests | reason |", "|---:|---|"]

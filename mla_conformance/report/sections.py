@@ -144,6 +144,42 @@ def _tol_cell(v) -> str:
     return NOT_RECORDED if v is None else fmt_e(v)
 
 
+def _margin_of(t: dict) -> float | None:
+    """A numerics row's margin: tolerance / measured for the tighter of rel_fro and max_rel (None: no bound recorded)."""
+    f = t["figures"]
+    tol_rf, tol_mr = tolerance_of(f)
+    margins = [m for m in (margin(f.get("rel_fro"), tol_rf), margin(f.get("max_rel"), tol_mr)) if m is not None]
+    return min(margins) if margins else None
+
+
+def error_summary_lines(report) -> list[str]:
+    """Per backend, its numerics tests' count, how many failed, and the one closest to its bound: the figure a reader
+    comes for; every test's row is :func:`error_lines`' table, further down."""
+    errs = in_section(report, "numerics")
+    if not errs:
+        return []
+    out = ["## Closest to the bound: numerical error per backend", "",
+           "Per backend, its tests against the float64 expanded reference and the one closest to its tolerance "
+           "(*margin* = tolerance / measured for the tighter of rel Frobenius and max rel; below 1x fails). Every "
+           "test's row: *Numerical error against the float64 expanded reference*, below.", "",
+           "| backend | tests | failed | smallest margin | at (preset, scenario, dtype) |", "|---|---:|---:|---:|---|"]
+    by_backend: dict[str, list[dict]] = {}
+    for t in errs:
+        by_backend.setdefault(t.get("backend", ""), []).append(t)
+    for backend, rows in sorted(by_backend.items()):
+        judged = [(m, t["nodeid"], t) for t in rows for m in [_margin_of(t)] if m is not None]
+        failed = sum(t["outcome"] in ("failed", "error") for t in rows)
+        if judged:
+            m, _, t = min(judged, key=lambda x: (x[0], x[1]))
+            p = t["params"]
+            at = f"{p.get('preset', '')}, {p.get('scenario', '')}, {p.get('dtype', '')}"
+            shown = fmt_x(m)
+        else:
+            shown, at = NOT_RECORDED, ""
+        out.append(f"| {backend} | {len(rows)} | {failed} | {shown} | {at} |")
+    return out
+
+
 def error_lines(report) -> list[str]:
     errs = in_section(report, "numerics")
     if not errs:

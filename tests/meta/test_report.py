@@ -18,9 +18,9 @@ from mla_conformance.report.merge import MATRIX_SCHEMA_VERSION, merge_reports
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.report.plots import write_plots
 
-from .jobs import run_args
+from .processes import run_args, xdist_run
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_report")]  # module fixtures run once under -n
+pytestmark = pytest.mark.meta
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"suite_version": "0", "python": "3", "torch": "2", "transformers": "5", "platform": "p", "machine": "m",
@@ -342,12 +342,20 @@ def test_op_section_verdicts_declarations_and_cases():
 def test_op_section_in_markdown():
     md = render_markdown(build_report(op_results(), name="h", env=ENV))
     ops = md[md.index("## Ops (the op contract)"):md.index("## Failures")]
-    assert "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed | LSE base | empty row lse | " \
-           "page sizes | KV formats | FP8 scales | deterministic | batch invariant | head dims qk/v | max topk |" in ops
-    assert "| base2-op | **DOES NOT CONFORM** | 0 | 1 | 0 | 1 | 0 | 0 | 2 | -inf | 16, 64 | latent | pow2 | no | no | " \
-           "576/512 |  |" in ops
-    assert "| good-op | **CONFORMS** | 1 | 0 | 0 | 1 | 0 | 0 | e | +inf | 16, 64 | latent | pow2 | yes | no | " \
-           "any | 2048 |" in ops, "a declaration the report does not know gets a column of its own"
+    assert "| op | verdict | passed | failed | errors | skipped | xfailed | xpassed |\n" in ops
+    assert "| base2-op | **DOES NOT CONFORM** | 0 | 1 | 0 | 1 | 0 | 0 |\n" in ops
+    # the declarations, one row each where some op's differs from the contract's default (fp8 scales pow2 and batch
+    # invariant False are every op's default here: no row), with the default and each op's
+    decl = ops[ops.index("| declaration | default |"):]
+    assert decl.startswith("| declaration | default | base2-op | good-op | idle-op |")
+    assert [line.split(" | ")[0] for line in decl.splitlines()[2:] if line.startswith("| ")] == [
+        "| LSE base", "| empty row lse", "| page sizes", "| KV formats", "| deterministic", "| head dims qk/v",
+        "| max topk"]
+    assert "| LSE base | e | 2 | e | e |" in decl and "| empty row lse | +inf | -inf | +inf | +inf |" in decl
+    assert "| deterministic | no | no | yes | yes |" in decl and "| head dims qk/v | 576/512 | 576/512 | any | 576/512 |" in decl
+    assert "| max topk | (not in the contract) |  | 2048 |  |" in decl, \
+        "a declaration the report does not know gets a row of its own"
+    assert "FP8 scales" not in ops and "batch invariant" not in ops, "a declaration at its default is no row"
     assert "**op idle-op: NOT TESTED** (0 conformance tests executed)" in ops and "- idle-op: no FP8 here (1 test)" in ops
     assert "| good | **CONFORMS** |" in md and "| idle-op |" not in md[:md.index("## Ops")], "ops not in the backends' table"
     cases = md[md.index("## Op cases"):]
@@ -357,8 +365,8 @@ def test_op_section_in_markdown():
     assert rows[0].startswith("| **FAIL** | base2-op | out/lse vs float64 oracle | "
                               "B=4, s_q=2, h_q=8, page=16, float32, latent, non-causal, cpu | "
                               "lse_max_abs 2.500e-07, out_max_abs 1.235e-06, out_rel_fro 3.000e-01, queries 64; "
-                              "base2-op: lse off by ln 2 at row 0 | float32: lse 1.000e-05, out_atol 2.000e-05, "
-                              "out_rtol 1.000e-05 |"), "failing rows first, measured figures and the bound"
+                              "base2-op: lse off by ln 2 at row 0 | float32 |"), \
+        "failing rows first, measured figures and the bound (its OP_TOLERANCES row, derived in docs/tolerances.md)"
     assert rows[1].startswith("| ok | good-op |") and "out_rel_fro 3.900e-07" in rows[1]
     assert "| skip | idle-op | test_fp8_scales |  | idle-op: no FP8 here |  |" in cases
     assert "`suites/test_op_numerics.py::test_out_lse_vs_oracle[base2-op-float32]`" in md[md.index("## Failures"):]
@@ -468,16 +476,12 @@ def _plain_run(pytester):
     return tmp, tmp / "a", rc
 
 
-#: the inner run this module's fixture reads, started in a background lane (tests/conftest.py, tests/meta/background.py)
-BACKGROUND = {"two_runs": ("report-xdist",)}
-
-
 @pytest.fixture
-def two_runs(suite_run, inner_run):
+def two_runs(suite_run, shared, tmp_path_factory):
     """The two runs, made once per session by the first test that asks (tests/conftest.py's suite_run): (the plain
     run's tmp dir, [a/, b/], [exit codes])."""
     tmp, a, rc_a = suite_run("test_report-plain-run", _plain_run)
-    btmp, b, rc_b, output = inner_run("report-xdist")
+    btmp, b, rc_b, output = shared("report-xdist", lambda: xdist_run(tmp_path_factory.mktemp("report-xdist")))
     assert rc_b == 0, f"the -n 2 run exited {rc_b}:\n{output[-3000:]}"
     assert not [p for p in btmp.iterdir() if p.name.startswith(".")], "temporary directories left behind (-n 2)"
     return tmp, [a, b], [rc_a, rc_b]
@@ -514,7 +518,9 @@ def test_run_op_writes_the_op_section(two_runs):
     assert 0 < case["measured"]["out_error_over_bound"] <= 1 and case["tolerance"]["dot"] > 0
     assert not [t for t in report["tests"] if t.get("op") and t.get("backend")]
     md = (outs[0] / "conformance.md").read_text()
-    assert "| reference-op | **CONFORMS** | 2 | 0 | 0 | 0 | 0 | 0 | e | +inf |" in md
+    # its lse base (e) and empty row (+inf) are the contract's defaults: no row; its page sizes are not
+    assert "| reference-op | **CONFORMS** | 2 | 0 | 0 | 0 | 0 | 0 |\n" in md
+    assert "| page sizes | 64 | 1, 16, 64 |" in md and "| LSE base |" not in md
     assert "### op-numerics" in md and "### op-determinism" in md
 
 
