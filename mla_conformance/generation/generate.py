@@ -124,8 +124,10 @@ class Generation:
 
 @torch.no_grad()
 def greedy_generate(model, backend, prompts: list[list[int]], max_new_tokens: list[int] | int, *,
-                    kv_codec: str = "none", device: str = "cpu") -> Generation:
-    """Greedy decoding of a batch of prompts; attention of every layer goes through ``backend``."""
+                    kv_codec: str = "none", device: str = "cpu", on_logits=None) -> Generation:
+    """Greedy decoding of a batch of prompts; attention of every layer goes through ``backend``.
+    ``on_logits(logits, active)``, when given, sees each step's next-token logits [B, vocab] and which rows
+    chose a token at that step (the engine suite's reference log-probabilities: mla_conformance.engine)."""
     config = MLAConfig.from_hf(model.config.to_dict())
     dtype = next(model.parameters()).dtype
     reason = support_reason(backend, config, dtype=dtype, device=device, kv_codec=kv_codec)
@@ -161,6 +163,9 @@ def greedy_generate(model, backend, prompts: list[list[int]], max_new_tokens: li
         logits = model.lm_head(inner.norm(h))
         last = (step_lens - 1).clamp(min=0)
         next_tok = logits[torch.arange(B, device=device), last].argmax(-1)
+        if on_logits is not None:
+            on_logits(logits[torch.arange(B, device=device), last],
+                      [int(step_lens[b]) > 0 and len(generated[b]) < new[b] for b in range(B)])
         for b in range(B):
             if int(step_lens[b]) > 0 and len(generated[b]) < new[b]:
                 generated[b].append(int(next_tok[b]))

@@ -17,6 +17,7 @@ Options::
     --mla-triton-emulation on|off
                            under TRITON_INTERPRET=1, Triton's interpreter given a GPU's tl.dot and casts (default
                            on: mla_conformance.impl.ops.triton_faithful); off: as triton ships it, for comparison
+    --mla-engine SPEC      a serving engine for suites/test_engine.py (ENGINE[:key=value,...]; docs/engines.md)
 
 Any test that takes the ``mla_backend`` fixture runs once per backend, and the backend's name is the
 test id's parameter, e.g. ``test_cache_bytes.py::test_seed_table[reference-absorbed]``; any test that takes
@@ -102,6 +103,10 @@ def pytest_addoption(parser):
                          "does: float32 operands cut to TF32 unless input_precision='ieee', bfloat16 / float16 "
                          "operands widened with float32 sums, float32 -> bfloat16 rounded to nearest even "
                          "(default on; docs/triton.md); off: the interpreter as triton ships it, for comparison")
+    group.addoption("--mla-engine", action="append", default=None, metavar="SPEC",
+                    help="a serving engine for suites/test_engine.py: ENGINE[:key=value,...], e.g. "
+                         "vllm:attention_backend=CPU_MLA,dtype=float32 (repeatable; docs/engines.md); without it "
+                         "the engine tests skip")
 
 
 def pytest_load_initial_conftests(early_config, parser, args):
