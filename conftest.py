@@ -3,12 +3,10 @@
 The suite's options, markers, backend parametrisation and report header come from the installed plugin
 (``mla_conformance.pytest_plugin``, entry point ``pytest11``), so they work from any directory; this file only
 holds what is specific to this checkout: where the fixtures and goldens live, ``pytester`` for the tests that
-run the suite inside a test (tests/meta/harness.py), xdist's grouping of their tests, and the OpenMP wait policy
-of the timed steps (mla_conformance.perf.cpu_wait), and that bytecode is written here (the test modules are
-rewritten once, not every session).
+run the suite inside a test (tests/meta/harness.py), the expectation file of the installed transformers release,
+and the OpenMP wait policy of the timed steps (mla_conformance.perf.cpu_wait).
 """
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,14 +16,6 @@ from mla_conformance.perf import cpu_wait
 #: before anything imports torch: the CPU threads of the timed steps (the benchmarks) wait passively, as `bench`'s do
 cpu_wait.prefer_passive_wait()
 
-#: Bytecode, pytest's assertion-rewritten modules among it, is kept in __pycache__ (git-ignored) even where
-#: PYTHONDONTWRITEBYTECODE=1 (this machine's default). pytest rewrites every module of a pytest11 plugin's
-#: distribution (mla_conformance, hypothesis, syrupy, ...) and the test files in each process that loads them and
-#: keeps the result only where bytecode may be written: without it a 1-test pytest took 1.57 s of CPU (0.58 s once
-#: written) and this session's collection 6.0 s (2.9 s). The suite-in-suite processes of tests/meta get the same
-#: (tests/meta/background.py, NO_BYTECODE).
-sys.dont_write_bytecode = False
-
 #: pytester: the suite-in-suite runs of tests/meta (a top-level conftest is the one place pytest takes it from)
 pytest_plugins = ["pytester"]
 
@@ -34,7 +24,6 @@ ROOT = Path(__file__).resolve().parent
 
 def pytest_configure(config):
     _expect_installed_transformers(config)
-    _loadgroup(config)
 
 
 #: transformers releases whose known failures of hf-transformers are listed (suites/expectations/)
@@ -91,24 +80,6 @@ def pytest_collection_modifyitems(config, items):
     apply_expectations(path, items, warn_unmatched=False)
 
 
-def _loadgroup(config):
-    """Under xdist (``-n N``), tests marked ``xdist_group`` go to one worker (``--dist loadgroup`` is ``load``
-    for every unmarked test), so the tests of a meta module's run of the suite do not wait on the worker making
-    it (the run is made once either way: tests/meta/harness.py SuiteRuns). The controller schedules by group;
-    a worker, which parses only the command line, is told to name its tests by group. With pytest 9.2 and
-    xdist 3.8 the naming has no effect (pytest-dev/pytest-xdist#1386) until xdist's fix is released.
-
-    Only for a session that runs the project's own tests (tests/): a run of the suites alone (``mla-conformance
-    run``, ``pytest suites -n N``) keeps ``load``. xdist 3.8's ``loadgroup``/``loadscope`` cannot replace a crashed
-    worker: the replacement is sent one test and waits for a second before it runs it (a worker needs its next
-    test), while the controller sends more only when a test finishes (docs/report.md, "A run survives its
-    backend")."""
-    if getattr(config.option, "dist", "no") == "load" and runs_own_tests(config):
-        config.option.dist = "loadgroup"
-    if getattr(config, "workerinput", {}).get("loadgroup"):
-        config.option.loadgroup = True
-
-
 def runs_suites(config) -> bool:
     """The session's paths include this checkout's suites/ (or a directory above it: the default run)."""
     suites = ROOT / "suites"
@@ -119,22 +90,6 @@ def runs_suites(config) -> bool:
         if path == suites or suites in path.parents or path in suites.parents:
             return True
     return False
-
-
-def runs_own_tests(config) -> bool:
-    """The session's paths include this checkout's tests/ (or a directory above it)."""
-    tests = ROOT / "tests"
-    for arg in config.args:
-        path = (Path(config.invocation_params.dir) / arg.split("::")[0]).resolve()
-        if path == tests or tests in path.parents or path in tests.parents:
-            return True
-    return False
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    if node.config.getoption("dist") == "loadgroup":
-        node.workerinput["loadgroup"] = True
 
 
 @pytest.fixture(scope="session")

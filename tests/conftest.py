@@ -6,13 +6,15 @@
 * ``tests/meta/test_*.py`` -- the suite testing itself: broken implementations must fail their named test,
   independent correct ones must pass, crashes and hangs must end as verdicts;
 * ``tests/meta/impls/`` -- the implementations those tests run the suite against, a folder per kind (broken,
-  independent, kernel_style, faulty); the frozen base backend and op stay in tests/meta, never edited;
-* inner runs of the suite: ``inner_run(key)`` (below) for the runs in other processes (tests/meta/jobs.py, in
-  lanes of their own: tests/meta/background.py), ``suite_run(key, build)`` for the in-process ones
-  (tests/meta/harness.py, pytester). The whole default run starts every inner run as it starts, and runs
-  tests/meta last (pyproject's ``testpaths``), so the runs have most of the session on the idle core.
+  independent, kernel_style, faulty); the frozen base backend and op stay in tests/meta, never edited.
+
+A meta module's runs of the suite (pytester, tests/meta/harness.py, or a real ``mla-conformance`` process) are made
+once per session through :func:`shared`: pytest-xdist's recipe for a session fixture, a file lock in the session's
+base temp, so that under ``-n`` the worker that asks first makes the run and the others read it.
 """
 
+import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -27,15 +29,8 @@ TRITON_MARKER = ("triton_interpret: the built-in triton op through the op suite 
 
 
 def pytest_configure(config):
-    """The markers; and in the whole default run, where every inner run is needed, they all start now
-    (tests/meta/jobs.py), before collection, in processes of their own (tests/meta/background.py)."""
     config.addinivalue_line("markers", META_MARKER)
     config.addinivalue_line("markers", TRITON_MARKER)
-    if _whole_default_run(config):
-        from tests.meta import background, jobs
-
-        background.start(jobs.JOBS)
-        _one_thread(config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,78 +50,60 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-#: the options (by dest) of a pytest that shows something instead of running tests: --help, --markers, --fixtures,
-#: --fixtures-per-test
-NOT_A_RUN = ("help", "markers", "showfixtures", "show_fixtures_per_test")
+class _Failed:
+    """What a failed build leaves in the shared file: the other workers raise it instead of building again."""
 
-
-def _whole_default_run(config) -> bool:
-    """``pytest`` as typed: the testpaths, no selection, a serial session that runs tests."""
-    opt = config.option
-    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not hasattr(config, "workerinput")
-            and not getattr(opt, "numprocesses", None) and getattr(opt, "dist", "no") == "no"  # an xdist controller
-            and not opt.keyword and not opt.markexpr and not getattr(opt, "deselect", None)
-            and not opt.collectonly and not any(getattr(opt, dest, False) for dest in NOT_A_RUN)
-            and not config.getoption("--mla-backend") and not config.getoption("--mla-op"))
-
-
-def _one_thread(config) -> None:
-    """The jobs take one core: the session keeps to one torch thread (figures as under -n), unless told."""
-    if not config.getoption("--mla-threads", None):
-        import torch
-
-        torch.set_num_threads(1)
-
-
-def pytest_collection_finish(session):
-    """Start the inner runs a selected, unskipped test reads: its module's ``BACKGROUND`` = {fixture: job keys of
-    tests/meta/jobs.py} names them for the tests that use that fixture. A serial session only: an xdist worker
-    starts each run in the test that reads it (``inner_run``)."""
-    if hasattr(session.config, "workerinput") or session.config.getoption("collectonly", False):
-        return
-    from tests.meta import background
-
-    wanted = [key for item in session.items if not item.get_closest_marker("skip")
-              for fixture, keys in (getattr(getattr(item, "module", None), "BACKGROUND", None) or {}).items()
-              if fixture in item.fixturenames for key in keys]
-    if wanted:
-        background.start(wanted)
-        _one_thread(session.config)
-
-
-def pytest_unconfigure(config):
-    from tests.meta import background
-
-    background.shutdown()
+    def __init__(self, key: str, exc: BaseException):
+        self.text = f"the shared run {key!r} failed in another worker: {type(exc).__name__}: {exc}"
 
 
 @pytest.fixture(scope="session")
-def suite_runs(request, tmp_path_factory):
-    """The session's inner runs of the suite (tests/meta/harness.py), shared by the xdist workers through the
-    session's base temp (each worker's is a directory of it)."""
-    from tests.meta.harness import SuiteRuns
+def shared(tmp_path_factory):
+    """``shared(key, build)``: ``build()``'s value, made once per session. Under xdist the first worker to ask
+    makes it under a file lock in the base temp's parent (which every worker's base temp shares) and pickles it
+    there; the others wait for the lock and read it (pytest-xdist's documented session-fixture recipe). A build
+    that raised raises again for every test that asks."""
+    made: dict = {}
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    root = tmp_path_factory.getbasetemp().parent if worker else None
 
-    worker = hasattr(request.config, "workerinput")
-    return SuiteRuns(tmp_path_factory.getbasetemp().parent / "mla-suite-runs" if worker else None)
+    def get(key: str, build):
+        if key not in made:
+            made[key] = _build(key, build) if root is None else _shared_build(root, key, build)
+        value = made[key]
+        if isinstance(value, _Failed):
+            raise AssertionError(value.text)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    return get
 
 
-@pytest.fixture(scope="session")
-def inner_run(suite_runs):
-    """``inner_run(key)``: the result of the inner run ``tests/meta/jobs.py``'s ``JOBS[key]`` (a real
-    ``mla-conformance`` or pytest process, or several), made once per session and shared by the xdist workers,
-    in a process of its own (tests/meta/background.py): started when the session started (a module's
-    ``BACKGROUND`` names the runs its fixtures read), else now, by the first test that asks. The one way a meta
-    test reads a run of the suite in other processes; ``suite_run`` below is the in-process one (pytester)."""
-    from tests.meta import background
+def _build(key: str, build):
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 - raised again to every test that asks
+        return exc
 
-    return lambda key: suite_runs.get(key, lambda: background.result(key))
+
+def _shared_build(root: Path, key: str, build):
+    from filelock import FileLock
+
+    done = root / f"shared-{key}.pickle"
+    with FileLock(str(done) + ".lock"):
+        if done.is_file():
+            return pickle.loads(done.read_bytes())
+        value = _build(key, build)
+        done.write_bytes(pickle.dumps(_Failed(key, value) if isinstance(value, BaseException) else value))
+        return value
 
 
 @pytest.fixture
-def suite_run(request, suite_runs):
+def suite_run(request, shared):
     """``suite_run(key, build)``: the session's inner run of the suite named ``key``, made once by
-    ``build(pytester)`` for the first test that asks (tests/meta/harness.py); every later test gets it as made."""
-    return lambda key, build: suite_runs.get(key, lambda: build(request.getfixturevalue("pytester")))
+    ``build(pytester)`` (tests/meta/harness.py) for the first test that asks; every later test gets it as made."""
+    return lambda key, build: shared(key, lambda: build(request.getfixturevalue("pytester")))
 
 
 @pytest.fixture

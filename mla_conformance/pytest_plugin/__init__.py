@@ -37,8 +37,6 @@ fixture, ``benchmark`` tests and failure tracebacks are left alone.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import os
 import sys
 from pathlib import Path
@@ -65,6 +63,8 @@ MARKERS = (
     "needs_checkpoint: needs --mla-checkpoint DIR (a real DeepSeek-V2/V3 checkpoint); skips with a reason otherwise",
     "benchmark: decode timings with pytest-benchmark; deselected by default, run with `-m benchmark "
     "--benchmark-only`",
+    "distributed: layer cases across W > 2 spawned ranks (suites/test_distributed.py, --mla-world-size); .ci/run "
+    "runs W = 4 and 8",
     "slow: long-running conformance checks (large presets, long contexts); included in the default run unless "
     "deselected",
 )
@@ -107,26 +107,16 @@ def pytest_addoption(parser):
                     help="a serving engine for suites/test_engine.py: ENGINE[:key=value,...], e.g. "
                          "vllm:attention_backend=CPU_MLA,dtype=float32 (repeatable; docs/engines.md); without it "
                          "the engine tests skip")
+    group.addoption("--mla-world-size", type=int, action="append", default=None, metavar="W",
+                    help="world size of the distributed layer cases (suites/test_distributed.py: W spawned ranks "
+                         "on gloo; repeatable; default 2; W > 2 carry the `distributed` marker)")
 
 
 def pytest_load_initial_conftests(early_config, parser, args):
     footprint.block_cache(early_config)
 
 
-@pytest.hookimpl(tryfirst=True)
-def _exit_without_a_final_collection() -> None:
-    """At interpreter exit (atexit: never after an in-process pytest.main that goes on), the objects left are
-    frozen, so the shutdown's garbage collection does not walk them: with torch and transformers loaded and the
-    session's weights cached that walk is ~0.8 s in every pytest process and xdist worker. They are freed all the
-    same when the process ends. Not where triton was imported: its nanobind module reports every object left
-    unfreed at exit as a leak (hundreds of lines)."""
-    if "triton" not in sys.modules:
-        gc.freeze()
-
-
 def pytest_configure(config):
-    atexit.unregister(_exit_without_a_final_collection)  # once per process, however many sessions it runs
-    atexit.register(_exit_without_a_final_collection)
     footprint.benchmark_storage(config)  # first: pytest-benchmark creates its storage in its own pytest_configure
     for line in MARKERS:
         config.addinivalue_line("markers", line)

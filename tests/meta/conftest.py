@@ -1,9 +1,15 @@
-"""torch and hypothesis (its pytest plugin imports it in every inner run) are imported before any meta test sets up
-its ``pytester``: pytester drops the modules imported after its set-up when the test ends, and the next test imports
-them again (torch must never be imported twice; hypothesis costs 1-4 s a run). Here, in the session's conftest, not
-in tests/meta/harness.py: the kill matrix's lane (tests/meta/jobs.py) imports harness for its subprocess run and has
-no use for torch.
+"""torch, transformers' DeepSeek models and hypothesis (its pytest plugin imports it in every inner run) are imported
+before any meta test sets up its ``pytester``: pytester drops the modules imported after its set-up when the test
+ends, and the next test imports them again. torch must never be imported twice: transformers' models import torch
+submodules (torch._dynamo, torch.distributed) that register native libraries, and a second registration raises
+("Only a single TORCH_LIBRARY can be used to register the namespace c10d_functional"); hypothesis costs seconds a run.
 """
 
 import hypothesis  # noqa: F401
 import torch  # noqa: F401
+from transformers import DeepseekV2ForCausalLM  # noqa: F401
+
+try:  # transformers >= 5.x ships DeepSeek-V4 (its goldens skip without it)
+    from transformers import DeepseekV4ForCausalLM  # noqa: F401
+except ImportError:
+    pass

@@ -6,8 +6,7 @@ A scenario passes when the process ended within :data:`BOUND_S` (the bound on a 
 generous, never a claim on speed), no process it started is left (each carries a marker in its environment),
 the report is written with the expected outcome and fault of every test, and every crashed, timed-out or
 stalled test is named on stderr. :func:`run_scenario` runs one, :func:`check` judges it; the tests
-(tests/meta/test_fault_scenarios.py) run :data:`DEFAULT` in the session's background (tests/meta/background.py),
-and ``python -m tests.meta.fault_scenarios --repeat 10 --load`` runs :data:`SCENARIOS` over and over with a
+(tests/meta/test_fault_scenarios.py) run :data:`DEFAULT`, and ``python -m tests.meta.fault_scenarios --repeat 10 --load`` runs :data:`SCENARIOS` over and over with a
 sibling process keeping a core busy, and prints what each run gave.
 """
 
@@ -19,13 +18,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mla_conformance.report.run import OWN_PROCESS_GROUP
 
-from . import background
 
 HERE = Path(__file__).resolve().parent
 FAULTY = HERE / "impls" / "faulty" / "backends.py"
@@ -125,7 +124,7 @@ SCENARIOS = {
     "direct-n2": Scenario(("Good", "SegfaultFirst"), {}, ("-n", "2"), direct=True),
 }
 
-#: The scenarios of the default `pytest` (one run each, in the background, while the session's own tests keep the
+#: The scenarios of the default `pytest` (one run each, three at a time: :func:`run_default`, while the session's other tests keep the
 #: other core busy); the rest run in the repeat script (``--repeat``), and tests/meta/test_isolation.py runs -n 2
 #: with a crash, hangs and CUDA faults.
 DEFAULT = ("xdist", "serial-segfault", "serial-hang", "stopped", "wedge", "collection", "import", "direct-serial")
@@ -133,18 +132,18 @@ DEFAULT = ("xdist", "serial-segfault", "serial-hang", "stopped", "wedge", "colle
 _RUN_ENV_DROPPED = ("PYTEST_VERSION", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")
 
 
-def run_scenario(key: str) -> dict:
-    """One scenario's process, run to its end (or killed, with its process group, after :data:`BOUND_S`)."""
+def run_scenario(key: str, tmp: Path) -> dict:
+    """One scenario's process, run in the directory ``tmp`` to its end (or killed, with its process group, after
+    :data:`BOUND_S`)."""
     s = SCENARIOS[key]
-    tmp = background.scratch(f"mla-fault-{key}-")
     suite, out = write_suite(tmp), tmp / "out"
     marker = f"{key}-{os.getpid()}-{time.monotonic_ns()}"
-    env = {k: v for k, v in background.env(MLA_FAULT_SCENARIO=marker, **dict(s.env)).items()
+    env = {k: v for k, v in {**os.environ, "MLA_FAULT_SCENARIO": marker, **dict(s.env)}.items()
            if k not in _RUN_ENV_DROPPED}
     if s.direct:
         (tmp / "pytest.ini").write_text("[pytest]\n")
         cmd = [sys.executable, "-m", "pytest", str(suite), "-c", str(tmp / "pytest.ini"), "--rootdir", str(tmp),
-               "-p", "no:cacheprovider", "--mla-timeout", "0.5", "--mla-device", "cpu",
+               "--mla-timeout", "0.5", "--mla-device", "cpu",
                *backend_args(*s.backends, flag="--mla-backend"), "-q", *LEAN, *s.pytest_args]
     else:
         cmd = [sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out", str(out),
@@ -267,7 +266,7 @@ def check(key: str, got: dict) -> None:
 
 def _burner() -> subprocess.Popen:
     """A sibling process that keeps one core busy."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"], env=background.env())
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], env={k: v for k, v in os.environ.items() if k not in _RUN_ENV_DROPPED})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(1, args.repeat + 1):
             for key in args.scenarios:
-                got = run_scenario(key)
+                with tempfile.TemporaryDirectory(prefix=f"mla-fault-{key}-") as tmp:
+                    got = run_scenario(key, Path(tmp))
                 try:
                     check(key, got)
                     verdict = "ok"
@@ -295,16 +295,20 @@ def main(argv: list[str] | None = None) -> int:
         if burner is not None:
             burner.kill()
             burner.wait()
-        background.shutdown()
     print(f"{failures} failed of {args.repeat * len(args.scenarios)} runs")
     return 1 if failures else 0
 
 
-def run_default() -> dict:
-    """Every scenario of :data:`DEFAULT`, three at a time: most of a scenario's time is a wait (a stall bound, a
-    hang's timeout, xdist restarting a worker), so together they take little more than their CPU time."""
+def run_default(tmp: Path) -> dict:
+    """Every scenario of :data:`DEFAULT`, each in a directory of ``tmp``, three at a time: most of a scenario's time
+    is a wait (a stall bound, a hang's timeout, xdist restarting a worker), so together they take little more than
+    their CPU time."""
+    def one(key: str) -> dict:
+        (tmp / key).mkdir()
+        return run_scenario(key, tmp / key)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fault-scenario") as pool:
-        return dict(zip(DEFAULT, pool.map(run_scenario, DEFAULT)))
+        return dict(zip(DEFAULT, pool.map(one, DEFAULT)))
 
 
 if __name__ == "__main__":

@@ -2,39 +2,34 @@
 ``--mla-op`` specs, ``--mla-results``), and reads what each inner test came out as.
 
 * :func:`run_inprocess`: through ``pytester`` in this process (torch, transformers and the suite's modules are
-  imported once); the ``suite_run`` fixture (tests/conftest.py) makes one such run per session for all the
-  tests of a module, whichever asks first, once even under xdist (:class:`SuiteRuns`);
-* :func:`run_subprocess`: the same command line as a real pytest process, for the inner runs of
-  tests/meta/jobs.py, which run in processes of their own (tests/meta/background.py);
-* :class:`Keep` (tests/meta/keep.py): a plugin of a run keeping some tests by node id and every test of some
-  backends and ops (a session that runs the whole suite on one backend and chosen cells on others);
+  imported once); the ``suite_run`` fixture (tests/conftest.py) makes one such run per session, whichever test
+  asks first, once even under xdist;
+* :func:`run_subprocess`: the same command line as a real pytest process;
 * :func:`pytest_inprocess`: pytester's run of any other command line (a usage error, an expectation file).
 
-Every run: no xdist, no cache, none of the project's ``addopts``, the CPU, one torch thread (the outer
+A run selects its tests the standard way: paths and node ids on its command line. Every run: no xdist, pytest's
+cache in the run's own directory, none of the project's ``addopts``, the CPU, one torch thread (the outer
 session's thread count is restored after an in-process run).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
-
-from . import background
-from .keep import Keep
+from typing import Iterable
 
 import pytest
 
-ROOT = background.ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 #: the options of every inner run of the suite
-BASE = ("-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:logging", "-p", "no:unraisableexception",
-        "-p", "no:anyio", "-q", "-o", "addopts=", "--mla-device", "cpu",
-        "--mla-threads", "1")
+BASE = ("-p", "no:xdist", "-p", "no:logging", "-p", "no:unraisableexception", "-p", "no:anyio", "-q",
+        "-o", "addopts=", "--mla-device", "cpu", "--mla-threads", "1")
 
 
 def here(ref: str) -> str:
@@ -73,6 +68,17 @@ class SuiteRun:
         files = tuple(files)
         return SuiteRun(self.code, self.log, {**self.payload, "tests": [t for t in self.tests
                                                                          if t["nodeid"].split("::")[0] in files]})
+
+    def joined(self, other: "SuiteRun") -> "SuiteRun":
+        """One view of two runs (their tests; the first's exit code and both logs): a module's matrix made of a
+        run of node ids and a run of whole suite files."""
+        payload = dict(self.payload)
+        for key, value in other.payload.items():  # the implementations each run names, and their declarations
+            if isinstance(value, list) and isinstance(payload.get(key), list):
+                payload[key] = [*payload[key], *(v for v in value if v not in payload[key])]
+            elif isinstance(value, dict) and isinstance(payload.get(key), dict):
+                payload[key] = {**payload[key], **value}
+        return SuiteRun(self.code, f"{self.log}\n{other.log}", {**payload, "tests": [*self.tests, *other.tests]})
 
     def tail(self, n: int = 4000) -> str:
         return self.log[-n:]
@@ -117,7 +123,8 @@ def suite_args(results: Path, targets: Iterable[str], backends: Iterable[str] = 
                extra: Iterable[str] = ()) -> list[str]:
     """The inner command line: :data:`BASE`, ``--rootdir`` this checkout (node ids read ``suites/…`` as in a
     checkout), ``--mla-results``, the targets (paths or node ids) and the specs, made absolute."""
-    args = [*BASE, "--rootdir", str(ROOT), "--mla-results", str(results), *extra, *map(here, targets)]
+    args = [*BASE, "--rootdir", str(ROOT), "-o", f"cache_dir={results.parent / '.pytest_cache'}",
+            "--mla-results", str(results), *extra, *map(here, targets)]
     for spec in backends:
         args += ["--mla-backend", here(spec)]
     for spec in ops:
@@ -154,63 +161,12 @@ def run_inprocess(pytester, targets: Iterable[str], *, backends: Iterable[str] =
 
 
 def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[str] = (), ops: Iterable[str] = (),
-                   extra: Iterable[str] = (), keep: Keep | None = None, expect: int | None = None,
-                   timeout: float = 600, env: dict[str, str] | None = None) -> SuiteRun:
-    """The same run as a pytest process started in ``workdir`` (a background job's scratch directory); with
-    ``keep``, only the tests it keeps run (the others are deselected); ``env``: variables added to its
-    environment (e.g. TRITON_INTERPRET=1, which triton reads when it is imported)."""
+                   extra: Iterable[str] = (), expect: int | None = None, timeout: float = 600,
+                   env: dict[str, str] | None = None) -> SuiteRun:
+    """The same run as a pytest process started in ``workdir``; ``env``: variables added to its environment
+    (e.g. TRITON_INTERPRET=1, which triton reads when it is imported)."""
     results = workdir / "results.json"
-    command = [sys.executable, "-m", "pytest"]
-    env = dict(env or {})
-    if keep is not None:  # the plugin module, by name (``-p``), from this checkout
-        (workdir / "keep.json").write_text(keep.to_json(), encoding="utf-8")
-        command += ["-p", "tests.meta.keep", "--meta-keep", str(workdir / "keep.json")]
-        env["PYTHONPATH"] = background.checkout_on_path()
-    proc = subprocess.run([*command, *suite_args(results, targets, backends, ops, extra)],
+    proc = subprocess.run([sys.executable, "-m", "pytest", *suite_args(results, targets, backends, ops, extra)],
                           cwd=workdir, capture_output=True, text=True, timeout=timeout,
-                          env=background.env(**env))
+                          env={**os.environ, **(env or {})})
     return _read(results, proc.returncode, proc.stdout + proc.stderr, expect)
-
-
-class SuiteRuns:
-    """The session's inner runs (or any result a module's tests share) by name: each made once, by the first
-    test that asks; a run that raised raises again for every later test (as a failing module fixture does).
-
-    Under xdist the workers share them through ``shared`` (a directory of the session's base temp): the first
-    worker to ask makes the run under a lock and writes it there, the others wait for it and read it. (The meta
-    modules' ``xdist_group`` marks would keep a run's tests on one worker, but with pytest 9.2 xdist 3.8's
-    ``--dist loadgroup`` groups nothing: pytest-dev/pytest-xdist#1386.)"""
-
-    def __init__(self, shared: Path | None = None):
-        self.shared = shared
-        self._runs: dict[str, tuple[bool, object]] = {}
-
-    def get(self, key: str, build: Callable[[], object]):
-        if key not in self._runs:
-            self._runs[key] = self._made(key, build) if self.shared is None else self._shared(key, build)
-        ok, value = self._runs[key]
-        if not ok:
-            raise value
-        return value
-
-    @staticmethod
-    def _made(key: str, build: Callable[[], object]) -> tuple[bool, object]:
-        try:
-            return True, build()
-        except Exception as exc:  # noqa: BLE001 - kept and raised to every test of the run
-            return False, exc
-
-    def _shared(self, key: str, build: Callable[[], object]) -> tuple[bool, object]:
-        import fcntl
-        import pickle
-
-        self.shared.mkdir(parents=True, exist_ok=True)
-        done = self.shared / f"{key}.pickle"
-        with open(self.shared / f"{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker makes the run; the others wait here
-            if not done.is_file():
-                ok, value = self._made(key, build)
-                done.write_bytes(pickle.dumps((True, value) if ok else (False, f"{type(value).__name__}: {value}")))
-                return ok, value
-        ok, value = pickle.loads(done.read_bytes())
-        return (True, value) if ok else (False, AssertionError(f"the {key} run failed in another xdist worker: {value}"))

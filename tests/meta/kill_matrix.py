@@ -9,21 +9,19 @@ pass -- and the correct implementations, written independently of the reference,
 * the suite files whose broken implementations another meta module runs (:data:`ELSEWHERE`): the
   generated-case properties and the op methods beyond decode.
 
-Data, and the layer matrix's run. Both run through tests/meta/harness.py as a user runs the suite: the layer
-matrix in one pytest process started in the background (:func:`layer_run`, read by tests/meta/test_kill_matrix.py),
-and the op matrix, the op methods' matrix and the generated-case meta run in the same process (:data:`OP_KEEP`: its cells, its correct ops'
-tests of :data:`OP_SUITES`; read by tests/meta/test_op_meta.py, tests/meta/test_op_methods_meta.py and
-tests/meta/test_generated_meta.py). The layer matrix's process also runs the README's blocks (:data:`README_NAMES`: its backend
-and op over the whole default suite, its failing variant on :data:`FAILURE_TEST`; read by
-tests/meta/test_readme_template.py): one process start-up, one set of session caches (weights, float64 oracles,
-the checkpoint probe) for both.
+Data, and the runs that read it, each through tests/meta/harness.py as a user runs the suite, selecting its
+tests by node id or suite file on its command line: :func:`layer_matrix_run` (read by tests/meta/test_kill_matrix.py),
+:func:`op_cells_run` and :func:`op_correct_run` (tests/meta/test_op_meta.py), :func:`method_cells_run` and
+:func:`method_correct_run` (tests/meta/test_op_methods_meta.py), :func:`generated_runs` (tests/meta/test_generated_meta.py)
+and :func:`readme_runs` (the README's backend and op over the whole default suite, its failing variant on
+:data:`FAILURE_TEST`: tests/meta/test_readme_template.py). Each is made once per session (tests/conftest.py ``suite_run``).
 """
 
 import re
 
 from mla_conformance.contract.methods import METHOD_SUITES
 
-from . import background, harness
+from . import harness
 from .generated_cells import BROKEN as GENERATED, CELLS as GENERATED_CELLS, CORRECT as GENERATED_CORRECT
 from .generated_cells import SUITES as GENERATED_SUITES
 from .method_cells import BROKEN_OPS as METHOD_BROKEN, CELLS as METHOD_CELLS, CORRECT_OPS as METHOD_CORRECT
@@ -324,11 +322,6 @@ OP_SUITES = [f"suites/{p.name}" for p in sorted((harness.ROOT / "suites").glob("
              if f"suites/{p.name}" not in ELSEWHERE]
 #: the suites of the op methods beyond decode (their matrix: tests/meta/test_op_methods_meta.py, run in this process)
 METHOD_SUITE_FILES = [f"suites/{name}" for name in METHOD_SUITES]
-#: what the op matrix keeps of a run: the cells of the broken and erroring ops, and every test of the correct ops
-#: in OP_SUITES
-OP_KEEP = ({n for _, _, n in OP_CELLS} | {n for _, n in OP_ERRORS},
-           {name: OP_SUITES for _, name, _ in CORRECT_OPS.values()})
-
 
 # --------------------------------------------------------------------------- the README's blocks, and the run
 
@@ -376,30 +369,53 @@ def readme_specs(tmp) -> tuple[list[str], list[str]]:
         [f"{tmp / 'readme_op.py'}:MyOp"]
 
 
-def layer_run() -> harness.SuiteRun:
-    """The layer matrix in one pytest process, through the plugin and its --mla-results exactly as a user's run:
-    every cell on its broken backend, the correct backends' cells, the crash cells; the op matrix (:data:`OP_KEEP`);
-    the generated-case meta run (tests/meta/test_generated_meta.py's cells and correct implementations); the op
-    methods' matrix (tests/meta/test_op_methods_meta.py's cells and its correct ops' method suites); in the same
-    session the
-    README's backend and op over the whole default suite and its failing variant on FAILURE_TEST only (every
-    other test is deselected: :class:`harness.Keep`)."""
-    tmp = background.scratch("mla-kill-")
-    readme_backends, readme_ops = readme_specs(tmp)
-    specs = [*(spec for spec, _ in [*BROKEN.values(), *CORRECT.values()]), *(spec for spec, _, _ in ERROR_CELLS),
-             *readme_backends]
-    cells = [n for _, _, n in node_ids() + correct_node_ids()] + [n for _, _, n in ERROR_CELLS] + [MUTANT_TEST]
-    # the generated-case meta run's implementations, and the op methods' (their broken ops' cells, their correct
-    # ops' method suites): tests/meta/generated_cells.py, tests/meta/method_cells.py
-    generated = [*GENERATED.values(), *GENERATED_CORRECT.values()]
-    specs += [s for o, s, *_ in generated if o == "--mla-backend" and s not in specs]
-    ops = [*readme_ops, *OP_SPECS, *(s for o, s, *_ in generated if o == "--mla-op")]
-    ops = list(dict.fromkeys([*ops, *(s for s, *_ in [*METHOD_BROKEN.values(), *METHOD_CORRECT.values(),
-                                                       *METHOD_ERRORS.values()])]))  # the frozen op is in both: once
-    names = {README_NAMES["backend"]: None, README_NAMES["op"]: None, **OP_KEEP[1],
-             **{name: GENERATED_SUITES for name in GENERATED_CORRECT}}
-    for _, name in METHOD_CORRECT.values():  # frozen-base-op is in both op tables: its decode and its method suites
-        names[name] = [*names.get(name, []), *METHOD_SUITE_FILES]
-    keep = harness.Keep({*cells, *OP_KEEP[0], *GENERATED_CELLS.values(), *(n for _, _, n in METHOD_CELLS),
-                         *(n for _, n in METHOD_ERROR_CELLS)}, names)
-    return harness.run_subprocess(tmp, ["suites"], backends=specs, ops=ops, extra=["-s"], keep=keep, expect=1)
+def layer_matrix_run(pytester) -> harness.SuiteRun:
+    """Every layer cell on its broken backend, the correct backends' cells, the crash cells."""
+    specs = [*(spec for spec, _ in [*BROKEN.values(), *CORRECT.values()]), *(spec for spec, _, _ in ERROR_CELLS)]
+    cells = [n for _, _, n in node_ids() + correct_node_ids()] + [n for _, _, n in ERROR_CELLS]
+    return harness.run_inprocess(pytester, cells, backends=specs, expect=1)
+
+
+def op_cells_run(pytester) -> harness.SuiteRun:
+    """Every op cell on its broken op, the crash cells of the erroring ops."""
+    ops = [spec for spec, _, _ in [*BROKEN_OPS.values(), *ERROR_OPS.values()]]
+    return harness.run_inprocess(pytester, [*(n for _, _, n in OP_CELLS), *(n for _, n in OP_ERRORS)], ops=ops,
+                                 expect=1)
+
+
+def op_correct_run(pytester) -> harness.SuiteRun:
+    """Every test of :data:`OP_SUITES` on every correct op."""
+    return harness.run_inprocess(pytester, OP_SUITES, ops=[spec for spec, _, _ in CORRECT_OPS.values()])
+
+
+def method_cells_run(pytester) -> harness.SuiteRun:
+    """The op methods' cells on their broken ops, and the crash cells (tests/meta/method_cells.py)."""
+    ops = [s for s, *_ in [*METHOD_BROKEN.values(), *METHOD_ERRORS.values()]]
+    cells = [*(n for _, _, n in METHOD_CELLS), *(n for _, n in METHOD_ERROR_CELLS)]
+    return harness.run_inprocess(pytester, cells, ops=list(dict.fromkeys(ops)), expect=1)
+
+
+def method_correct_run(pytester) -> harness.SuiteRun:
+    """Every test of the method suites on the correct method ops."""
+    return harness.run_inprocess(pytester, METHOD_SUITE_FILES, ops=[s for s, *_ in METHOD_CORRECT.values()])
+
+
+def _split(specs) -> tuple[list[str], list[str]]:
+    return ([s for o, s, *_ in specs if o == "--mla-backend"], [s for o, s, *_ in specs if o == "--mla-op"])
+
+
+def generated_runs(pytester) -> harness.SuiteRun:
+    """The generated-case meta run (tests/meta/generated_cells.py): each broken implementation's cell, and every
+    generated test of the correct ones; one SuiteRun of both."""
+    backends, ops = _split(GENERATED.values())
+    cells = harness.run_inprocess(pytester, list(GENERATED_CELLS.values()), backends=backends, ops=ops, expect=1)
+    backends, ops = _split(GENERATED_CORRECT.values())
+    return cells.joined(harness.run_inprocess(pytester, GENERATED_SUITES, backends=backends, ops=ops))
+
+
+def readme_runs(pytester) -> harness.SuiteRun:
+    """The README's backend and op over the whole default suite, and its failing variant on FAILURE_TEST: one
+    SuiteRun of both."""
+    readme_backends, readme_ops = readme_specs(pytester.path)
+    whole = harness.run_inprocess(pytester, ["suites"], backends=readme_backends[:1], ops=readme_ops)
+    return whole.joined(harness.run_inprocess(pytester, [MUTANT_TEST], backends=readme_backends[1:], expect=1))

@@ -19,7 +19,7 @@ from mla_conformance.report.build import build_report
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.perf import bench
 from mla_conformance.cli import main
-from tests.meta.jobs import NODEID
+from tests.meta.processes import NODEID
 
 pytestmark = pytest.mark.meta
 
@@ -433,13 +433,11 @@ def test_domain_modules_import_nothing_from_cli():
 # --------------------------------------------------------------------------- test: the checkout's ids
 
 
-#: the inner runs this module's fixtures read, started in the background lanes (tests/conftest.py, tests/meta/background.py)
-BACKGROUND = {"command_run": ("test-command",)}
+@pytest.fixture
+def command_run(tmp_path):
+    from .processes import test_command_run
 
-
-@pytest.fixture(scope="module")
-def command_run(inner_run):
-    return inner_run("test-command")
+    return test_command_run(tmp_path)
 
 
 def test_test_command_takes_and_prints_checkout_ids(command_run):

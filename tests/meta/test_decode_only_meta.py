@@ -4,7 +4,8 @@ non-contiguous q, empty and single-key rows, sparse decode, split-KV at s_q 1), 
 (``--mla-backend op:SPEC``): prefill rows by the suite's reference over the op's cache, every one-token decode step
 through the op.
 
-One in-process run of the suite (tests/meta/harness.py), as a user runs it:
+Two in-process runs of the suite (tests/meta/harness.py), as a user runs it: the cells below by node id, and the
+op suites on the two correct decode-only ops:
 
 * the README's MyOp restricted to s_q 1 (tests/meta/impls/independent/decode_only_op.py: its decode is the README's,
   verbatim) over the op suites (kill_matrix.OP_SUITES) passes, its skips name only what it does not declare or its
@@ -29,10 +30,9 @@ import dataclasses
 import pytest
 
 from . import harness
-from .keep import Keep
 from .kill_matrix import OP_SECTION, OP_SUITES, readme_block
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_decode_only_meta")]  # its one run, once under -n
+pytestmark = pytest.mark.meta
 ROOT = harness.ROOT
 
 INDEPENDENT = "tests/meta/impls/independent/decode_only_op.py"
@@ -77,9 +77,8 @@ MY_OP_SKIPS = ("decodes one query per row (s_q 1), not s_q", "kv_formats is", "p
 
 
 def _run(pytester) -> harness.SuiteRun:
-    keep = Keep([*CELLS, *RIGHT, *LAYER, *SPARSE], {MY_OP: OP_SUITES, EVERY: OP_SUITES})
-    targets = sorted({*OP_SUITES, *(n.split("::")[0] for n in [*CELLS, *LAYER])})
-    return harness.run_inprocess(pytester, targets, backends=BACKENDS, ops=OPS, plugins=[keep], expect=1)
+    cells = harness.run_inprocess(pytester, [*CELLS, *RIGHT, *LAYER, *SPARSE], backends=BACKENDS, ops=OPS, expect=1)
+    return cells.joined(harness.run_inprocess(pytester, OP_SUITES, ops=[OPS[0], OPS[2]]))
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from . import harness
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_dsa_meta")]  # its one run of the suite, once under -n
+pytestmark = pytest.mark.meta
 SPEC = "tests/meta/impls/independent/deepseek_v32_backend.py"
 
 REF, PREFIX_BF16, PREFIX_FP8, GLM = ("deepseek-v32-reference-style", "broken-dsa-v32-prefix-interleaved-bf16",

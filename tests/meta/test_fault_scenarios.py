@@ -2,23 +2,20 @@
 a segfault, an abort, os._exit, a hang in C with signals blocked, a crash on every first call (crashes in a row),
 a crash in collection and in the backend's import, a stopped process, xdist's own wedge, serially, under xdist and
 through plain pytest -- must end with the expected verdict and counts, the dead test named, the report written
-and no process left. Each is a real process started in the background when the session starts (tests/meta/jobs.py,
-tests/meta/background.py): it runs on the core the session leaves idle, under the load of the session's own tests. ``python -m tests.meta.fault_scenarios --repeat 10 --load`` runs every scenario over and over."""
+and no process left. Each is a real process, three at a time (fault_scenarios.run_default), made once per session
+and judged by one test each, under the load of the session's other tests. ``python -m tests.meta.fault_scenarios
+--repeat 10 --load`` runs every scenario over and over."""
 
 import pytest
 
-from .fault_scenarios import DEFAULT, check
+from .fault_scenarios import DEFAULT, check, run_default
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_fault_scenarios")]
-
-
-#: the inner run this module's fixture reads, started in a background lane (tests/conftest.py, tests/meta/background.py)
-BACKGROUND = {"fault_run": ("fault-scenarios",)}
+pytestmark = pytest.mark.meta
 
 
-@pytest.fixture(scope="module", params=DEFAULT)
-def fault_run(request, inner_run):
-    runs = inner_run("fault-scenarios")
+@pytest.fixture(params=DEFAULT)
+def fault_run(request, shared, tmp_path_factory):
+    runs = shared("fault-scenarios", lambda: run_default(tmp_path_factory.mktemp("fault-scenarios")))
     return request.param, runs[request.param]
 
 

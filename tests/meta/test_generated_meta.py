@@ -2,9 +2,9 @@
 tests/meta/impls/kernel_style/geometry_ops.py (wide support declared, wrong on one class only) and the broken backend of
 tests/meta/impls/broken/geometry_backends.py must be *failed* by the default run (default profile, derandomized) of its
 generated test, with a shrunk case that shows the class, and the command the failure prints must replay exactly
-that case; the correct wide-declaring op and the independent backend pass every generated test. One pytest process
-through the plugin (--mla-op, --mla-backend, --mla-results): the layer matrix's (tests/meta/kill_matrix.py); then
-one in-process session per printed command."""
+that case; the correct wide-declaring op and the independent backend pass every generated test. Through the plugin
+(--mla-op, --mla-backend, --mla-results): a run of the cells and one of the correct implementations
+(tests/meta/kill_matrix.py generated_runs); then one in-process session per printed command."""
 
 import json
 import shlex
@@ -14,18 +14,16 @@ import pytest
 from mla_conformance.checks.strategies import parse_case
 from tests.meta import harness
 from .generated_cells import ROOT, SUITES, BROKEN, CORRECT, CELLS
+from .kill_matrix import generated_runs
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_generated_meta")]  # module fixtures run once under -n
+pytestmark = pytest.mark.meta
+
+
 @pytest.fixture
-def run(inner_run) -> harness.SuiteRun:
+def run(suite_run) -> harness.SuiteRun:
     """The default-profile run of both generated suites with every implementation of the tables: each broken one's
-    cell and every generated test of the correct ones, in the layer matrix's background process
-    (tests/meta/kill_matrix.py's layer_run), started when the session starts (tests/conftest.py)."""
-    return inner_run("kill-matrix")
-
-
-#: the layer matrix's job (tests/meta/background.py): this module's run is part of it
-BACKGROUND = {"run": ("kill-matrix",)}
+    cell and every generated test of the correct ones."""
+    return suite_run("generated-matrix", generated_runs)
 
 
 @pytest.mark.parametrize("key", list(BROKEN))

@@ -16,7 +16,7 @@ import pytest
 
 from . import harness
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_hf_v3_base_contract")]  # its one run, once under -n
+pytestmark = pytest.mark.meta
 BACKEND = "tests/meta/impls/independent/hf_deepseek_v3_backend.py:HFDeepseekV3"
 NAME = "hf-deepseek-v3"
 SELECTION = "dsa or float32-prefill_decode-tiny or bfloat16-varlen_batch-deepseek-v2-lite or float32-prefill-v3-mini " \

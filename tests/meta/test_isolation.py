@@ -3,8 +3,7 @@
 The backends of ``impls/faulty/backends.py`` ``os._exit``, hang in Python or raise CUDA errors on their 2nd ``attend``
 of a process. They run through ``mla-conformance run -- -n 2`` on a three-test suite of their own
 (tests/meta/fault_scenarios.py ``SUITE``, written as the ``--suites`` directory): a real ``mla-conformance run``
-process (its pytest and workers are real processes that really die), started in the background when the
-session starts (tests/meta/jobs.py, background.py). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
+process (its pytest and workers are real processes that really die: tests/meta/processes.py). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
 The other faults, run's default (one worker) and serial runs: tests/meta/test_fault_scenarios.py.
 """
 
@@ -17,23 +16,20 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.report import build, outdir
-from mla_conformance.report import run as R
+from mla_conformance.report import run as run_command
 from mla_conformance.pytest_plugin import isolation
 from mla_conformance.cli import main
 
-from .jobs import SCENARIOS
+from . import processes
+from .processes import SCENARIOS
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_isolation")]  # module fixtures run once under -n
-
-
-#: the inner runs this module's fixtures read, started in the background lanes (tests/conftest.py, tests/meta/background.py)
-BACKGROUND = {"faulty_run": tuple(f"faulty-{mode}" for mode in SCENARIOS), "sigterm_run": ("sigterm",),
-              "terminal_run": ("terminal",)}
+pytestmark = pytest.mark.meta
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
-def faulty_run(request, inner_run):
-    return inner_run(f"faulty-{request.param}")
+@pytest.fixture(params=sorted(SCENARIOS))
+def faulty_run(request, shared, tmp_path_factory):
+    mode = request.param
+    return shared(f"faulty-{mode}", lambda: processes.faulty_run(tmp_path_factory.mktemp(f"faulty-{mode}"), mode))
 
 
 def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(faulty_run):
@@ -77,8 +73,8 @@ def test_a_sticky_cuda_error_replaces_the_worker(faulty_run):
 
 
 @pytest.fixture(scope="module")
-def sigterm_run(inner_run) -> dict:
-    return inner_run("sigterm")
+def sigterm_run(tmp_path_factory) -> dict:
+    return processes.sigterm_run(tmp_path_factory.mktemp("sigterm"))
 
 
 def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm_run):
@@ -91,7 +87,7 @@ def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm
     assert "interrupted by SIGTERM while running" in stderr and hung in stderr, stderr
     assert str(partial) in stderr and "untouched" in stderr and got["partial"] is not None
     data = json.loads(got["partial"])
-    assert data["schema"] == R.PARTIAL_SCHEMA and data["running"] == [f"suite/test_cache_bytes.py::{hung}"]
+    assert data["schema"] == run_command.PARTIAL_SCHEMA and data["running"] == [f"suite/test_cache_bytes.py::{hung}"]
     assert [t["outcome"] for t in data["tests"]] == ["passed"], "the test finished before the signal is kept"
     assert got["after"] == got["before"], "the previous report is untouched"
     assert not got["tmp_left"], f"temporary files left: {got['tmp_left']}"  # pytest's own basetemp may stay
@@ -99,8 +95,8 @@ def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm
 
 
 @pytest.fixture
-def terminal_run(inner_run) -> dict:
-    return inner_run("terminal")
+def terminal_run(tmp_path) -> dict:
+    return processes.terminal_run(tmp_path)
 
 
 def test_run_typed_at_a_terminal_with_tostop_ends(terminal_run):
@@ -129,7 +125,7 @@ def test_a_serial_pytest_that_died_leaves_a_report_from_its_journal(tmp_path):
     journal.close()
     with open(tmp_path / "r.json.journal", "a") as fh:
         fh.write('{"torn": ')  # the writer was killed mid-line
-    results = R.results_from_journal(tmp_path / "r.json.journal", -signal.SIGSEGV)
+    results = run_command.results_from_journal(tmp_path / "r.json.journal", -signal.SIGSEGV)
     rows = {t["nodeid"]: t for t in results["tests"]}
     assert rows["suite/test_x.py::test_a[b-1]"]["outcome"] == "passed"
     dead = rows["suite/test_x.py::test_a[b-2]"]
@@ -165,21 +161,21 @@ def test_how_a_process_died_is_said():
 
 @pytest.mark.parametrize("user, added", [
     ([], ["-n", "2", "-W", "ignore:Benchmarks are automatically disabled:pytest_benchmark.logger.PytestBenchmarkWarning",
-          "--max-worker-restart", str(R.MAX_WORKER_RESTARTS)]),
-    (["-n", "2"], ["--max-worker-restart", str(R.MAX_WORKER_RESTARTS)]),
+          "--max-worker-restart", str(run_command.MAX_WORKER_RESTARTS)]),
+    (["-n", "2"], ["--max-worker-restart", str(run_command.MAX_WORKER_RESTARTS)]),
     (["-n4", "--max-worker-restart", "3"], []),
     (["-p", "no:xdist"], []),
     (["--pdb"], []),
     (["-m", "benchmark", "--benchmark-only"], []),
 ])
 def test_run_isolates_tests_in_a_worker_unless_told_otherwise(user, added):
-    assert R.isolation_args(user, workers=2) == added
+    assert run_command.isolation_args(user, workers=2) == added
 
 
 def test_run_takes_a_worker_per_core_up_to_two(monkeypatch):
-    for cores, workers in ((1, 1), (2, 2), (16, R.DEFAULT_WORKERS_MAX)):
-        monkeypatch.setattr(R.os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
-        assert R.isolation_args([])[:2] == ["-n", str(workers)], cores
+    for cores, workers in ((1, 1), (2, 2), (16, run_command.DEFAULT_WORKERS_MAX)):
+        monkeypatch.setattr(run_command.os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
+        assert run_command.isolation_args([])[:2] == ["-n", str(workers)], cores
 
 
 @pytest.mark.parametrize("breakage", ["read-only", "mount point"])
@@ -198,7 +194,7 @@ def test_out_proven_writable_before_any_test(tmp_path, capsys, monkeypatch, brea
     else:
         monkeypatch.setattr(outdir.os.path, "ismount", lambda p: Path(p) == out)
     ran = []
-    monkeypatch.setattr(R, "_run_pytest", lambda cmd, watch=None: ran.append(cmd) or (0, None))
+    monkeypatch.setattr(run_command, "_run_pytest", lambda cmd, watch=None: ran.append(cmd) or (0, None))
     rc = main(["run", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and not ran and len(err.strip().splitlines()) == 1, err
@@ -219,7 +215,7 @@ def test_not_tested_fails_the_run_unless_unnamed_and_narrowed(tmp_path, capsys, 
         Path(cmd[cmd.index("--mla-results") + 1]).write_text(json.dumps(results))
         return 0, None
 
-    monkeypatch.setattr(R, "_run_pytest", fake)
+    monkeypatch.setattr(run_command, "_run_pytest", fake)
     assert main(["run", "--out", str(tmp_path / "r"), *argv]) == rc
     out, err = capsys.readouterr()
     assert "reference-absorbed: NOT TESTED" in out and "op reference-op: NOT SELECTED" in out

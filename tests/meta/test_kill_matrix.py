@@ -1,10 +1,9 @@
 """Every conformance test can fail, and correct code passes it: each cell of tests/meta/kill_matrix.py
 runs a conformance test on a broken backend and must come out *failed* -- an AssertionError verdict naming
 the backend, not an error, a skip or a pass; the same tests on the correct backends written independently
-of the reference must pass (or skip an optional part they do not implement). All of it in one pytest
-subprocess (kill_matrix.layer_run, started in the background when the session starts (tests/conftest.py):
-tests/meta/background.py; the README's blocks run in it too, for tests/meta/test_readme_template.py),
-through the plugin as a user runs it (tests/meta/harness.py); and every conformance test of suites/ has a cell."""
+of the reference must pass (or skip an optional part they do not implement). All of it in one run of the suite
+(kill_matrix.layer_matrix_run), through the plugin as a user runs it (tests/meta/harness.py); and every
+conformance test of suites/ has a cell."""
 
 import ast
 from pathlib import Path
@@ -13,9 +12,9 @@ import pytest
 
 from . import harness
 from .kill_matrix import (BROKEN, CORRECT, CORRECT_TESTS, ELSEWHERE, ERROR_CELLS, EXEMPT, KILL_MATRIX, LAYER_HINTS,
-                          correct_node_ids, node_ids)
+                          correct_node_ids, layer_matrix_run, node_ids)
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_kill_matrix")]  # its one run of the suite, once under -n
+pytestmark = pytest.mark.meta
 ROOT = harness.ROOT
 CELLS = node_ids()
 PASSING = correct_node_ids()
@@ -35,17 +34,12 @@ def conformance_tests() -> set[str]:
     return found
 
 
-#: started when the session starts (tests/conftest.py), on the core the serial session leaves idle
-#: (tests/meta/background.py); tests/meta/test_readme_template.py reads the same run
-BACKGROUND = {"run": ("kill-matrix",)}
+@pytest.fixture
+def run(suite_run) -> harness.SuiteRun:
+    return suite_run("layer-matrix", layer_matrix_run)
 
 
-@pytest.fixture(scope="module")
-def run(inner_run) -> harness.SuiteRun:
-    return inner_run("kill-matrix")
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def outcomes(run) -> dict[str, dict]:
     return run.by_id
 

@@ -2,8 +2,8 @@
 *failed* (an AssertionError verdict naming the op, not an error, a skip or a pass) in the op tests named for it;
 the ops written independently of reference-op (tests/meta/impls/independent/op.py) pass every op test, the one that
 implements only the base contract with explicit skips for what it does not declare; crashing ops are *errors*.
-All of it in one pytest process through the plugin (--mla-op, --mla-results), as a user runs it: the layer
-matrix's (tests/meta/kill_matrix.py), which keeps the op matrix's cells and its correct ops' tests of OP_SUITES."""
+All of it through the plugin (--mla-op, --mla-results), as a user runs it: a run of the op matrix's cells and
+one of its correct ops over OP_SUITES (tests/meta/kill_matrix.py)."""
 
 import ast
 
@@ -11,9 +11,9 @@ import pytest
 
 from . import harness
 from .kill_matrix import (BROKEN_OPS, CORRECT_OPS, ERROR_OPS, ERROR_TEXT, FROZEN, HINTS, OP_CELLS, OP_ERRORS, OP_SUITES,
-                          README_NAMES, SKIPS)
+                          SKIPS, op_cells_run, op_correct_run)
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_meta")]  # its one run of the suite, once under -n
+pytestmark = pytest.mark.meta
 ROOT = harness.ROOT
 SUITES = ROOT / "suites"
 CELLS, ERRORS = OP_CELLS, OP_ERRORS
@@ -30,14 +30,10 @@ def op_tests() -> set[str]:
     return found
 
 
-#: the op matrix runs in the layer matrix's background process (tests/meta/kill_matrix.py's layer_run: one
-#: process start-up, one set of session caches), started when the session starts (tests/conftest.py)
-BACKGROUND = {"run": ("kill-matrix",)}
-
-
 @pytest.fixture
-def run(inner_run) -> harness.SuiteRun:
-    return inner_run("kill-matrix")
+def run(suite_run) -> harness.SuiteRun:
+    """The op matrix: every cell on its broken op, and every test of OP_SUITES on the correct ops."""
+    return suite_run("op-matrix", lambda pytester: op_cells_run(pytester).joined(op_correct_run(pytester)))
 
 
 def test_every_op_test_is_failed_by_a_broken_op():
@@ -121,7 +117,7 @@ def test_bounds_are_not_loose_for_the_p_rounding_ops(run):
 @pytest.mark.parametrize("key", list(CORRECT_OPS))
 def test_correct_op_passes(run, key):
     _, name, mode = CORRECT_OPS[key]
-    mine = run.only(OP_SUITES).tests  # frozen-base-op is in the op methods' matrix too (same run)
+    mine = run.only(OP_SUITES).tests
     rows = [t for t in mine if t.get("params", {}).get("op") == name]
     expected = sum(1 for t in mine if t.get("params", {}).get("op") == CORRECT_OPS["independent"][1])
     assert len(rows) == expected and rows, f"{name}: {len(rows)} op tests ran, expected {expected}"
@@ -174,9 +170,8 @@ def test_the_frozen_op_is_the_base_contract():
 
 
 def test_results_record_ops_and_declarations(run):
-    names = [name for _, name, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
-    # the shared run's ops: the README's first, then the op matrix's, then the generated-case meta run's
-    assert run["ops"][:1 + len(names)] == [README_NAMES["op"], *names], run["ops"]
+    names = [name for _, name, _ in [*BROKEN_OPS.values(), *ERROR_OPS.values(), *CORRECT_OPS.values()]]
+    assert run["ops"] == names, run["ops"]  # the cells run's, then the correct ops' run's
     decl = run["op_declarations"]["independent-op"]
     assert decl == {"lse_base": "2", "returns_lse": True, "empty_row": "-inf", "sparse_decode": True,
                     "sparse_decode_extra_cache": True,
@@ -211,7 +206,7 @@ def _collect(pytester, *options) -> tuple[int, str]:
     suites costs seconds) with the given options, in this process."""
     pytester.makepyfile(test_kinds=SELECTION_TESTS)
     # no:unraisableexception: its cleanup runs gc.collect() twice per session, 2/3 of a collection's time here
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-p", "no:unraisableexception",
                                    "-q", "--co", *options)
     return int(got.ret), "\n".join(got.outlines + got.errlines)
 

@@ -2,10 +2,9 @@
 tests/meta/impls/broken/op_methods.py must come out *failed* (an AssertionError verdict naming the op and the case, not
 an error, a skip or a pass) in the method tests named for it; the ops written independently of reference-op
 (tests/meta/impls/independent/op_methods.py) pass every method test they have the method for, and an op with only
-decode (tests/meta/frozen_base_op.py, never edited) skips every one, naming the method it lacks. All of it in
-the layer matrix's pytest process (tests/meta/kill_matrix.py: the plugin, --mla-op, --mla-results, as a user runs
-it), which keeps these tables' cells and their correct ops' tests of the method suites
-(mla_conformance.contract.methods.METHOD_SUITES)."""
+decode (tests/meta/frozen_base_op.py, never edited) skips every one, naming the method it lacks. All of it in two
+runs of the suite (tests/meta/kill_matrix.py: the plugin, --mla-op, --mla-results, as a user runs it): these tables'
+cells, and their correct ops over the method suites (mla_conformance.contract.methods.METHOD_SUITES)."""
 
 import ast
 
@@ -14,19 +13,15 @@ import pytest
 from mla_conformance.contract.op import METHOD_DECLARATIONS, SIGNATURES
 
 from . import harness
-from .kill_matrix import METHOD_SUITE_FILES
+from .kill_matrix import METHOD_SUITE_FILES, method_cells_run, method_correct_run
 from .method_cells import ROOT, INDEPENDENT, BROKEN_OPS, STEP_TEXT, CORRECT_OPS, CONVENTION_OPS, CONVENTION_SKIPS, ERROR_OPS, SUITE_METHOD, CELLS, ERRORS, method_tests
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_op_methods_meta")]
-#: the op methods' matrix runs in the layer matrix's background process (tests/meta/kill_matrix.py's layer_run keeps
-#: these tables' cells and correct ops' method suites: one process start-up, one set of session caches), started
-#: when the session starts (tests/conftest.py)
-BACKGROUND = {"run": ("kill-matrix",)}
+pytestmark = pytest.mark.meta
 
 
 @pytest.fixture
-def run(inner_run) -> harness.SuiteRun:
-    return inner_run("kill-matrix").only(METHOD_SUITE_FILES)
+def run(suite_run) -> harness.SuiteRun:
+    return suite_run("method-matrix", lambda pytester: method_cells_run(pytester).joined(method_correct_run(pytester)))
 
 
 def test_every_method_test_is_failed_by_a_broken_op():

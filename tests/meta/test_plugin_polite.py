@@ -15,13 +15,11 @@ from . import harness
 pytestmark = pytest.mark.meta
 
 
-#: the inner run this module's fixture reads, started in a background lane (tests/conftest.py, tests/meta/background.py)
-BACKGROUND = {"foreign_run": ("foreign-project",)}
-
-
 @pytest.fixture(scope="module")
-def foreign_run(inner_run) -> tuple[int, str]:
-    return inner_run("foreign-project")
+def foreign_run(tmp_path_factory) -> tuple[int, str]:
+    from .processes import foreign_run
+
+    return foreign_run(tmp_path_factory.mktemp("foreign"))
 
 
 def test_foreign_project_with_its_own_backend_fixture(foreign_run):
@@ -81,11 +79,11 @@ def test_skips_are_listed_once(pytester):
     """The plugin's block groups the skips by reason with their counts; pytest's own -rs lines list every skip,
     and then the block leaves them out. The project's addopts summarise failures and errors only."""
     pytester.makepyfile(test_skipping=SKIPPING)
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-p", "no:cacheprovider", "-rfE")
+    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-rfE")
     out = "\n".join(got.outlines)
     assert "mla-conformance skips by reason" in out and "3 my-mla does not declare the thing" in out, out
     assert "1 another reason" in out and "SKIPPED [" not in out, out
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-p", "no:cacheprovider", "-rs")
+    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-rs")
     out = "\n".join(got.outlines)
     assert out.count("my-mla does not declare the thing") == 1 and "SKIPPED [3]" in out, out
     assert "skips by reason" not in out, out
@@ -110,7 +108,7 @@ def test_figures_are_the_schemas(pytester):
     naming the key and where to declare it; declared figures reach the results."""
     pytester.makepyfile(test_figs=FIGURES)
     results = pytester.path / "results.json"
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-p", "no:cacheprovider", "--mla-device", "cpu",
+    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "--mla-device", "cpu",
                                    "--mla-results", str(results))
     run = harness.SuiteRun(int(got.ret), "\n".join(got.outlines), json.loads(results.read_text()))
     assert run.result("test_figs.py::test_declared")["figures"] == {"case": "B=1"}

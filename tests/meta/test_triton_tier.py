@@ -11,13 +11,16 @@ without triton installed it skips with a sentence."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from . import background, harness
+from . import harness
 
 pytestmark = pytest.mark.triton_interpret
 
@@ -64,7 +67,8 @@ def _triton():
 
 
 def _run(targets, **kw):
-    return harness.run_subprocess(background.scratch("mla-triton-"), targets, env=INTERPRET, timeout=900, **kw)
+    with tempfile.TemporaryDirectory(prefix="mla-triton-") as tmp:
+        return harness.run_subprocess(Path(tmp), targets, env=INTERPRET, timeout=900, **kw)
 
 
 #: run under TRITON_INTERPRET=1 (a fresh process: triton reads it when a kernel is defined): small kernels through
@@ -190,7 +194,8 @@ def test_faithful_tier_arithmetic():
     subnormals, inf, NaN included); bfloat16 arithmetic torch's. With it off: the interpreter as shipped (IEEE
     whatever the precision, bfloat16 dots on the storage bits, truncating casts)."""
     proc = subprocess.run([sys.executable, "-c", SEMANTICS], capture_output=True, text=True, timeout=300,
-                          cwd=harness.ROOT, env=background.env(**INTERPRET, PYTHONPATH=background.checkout_on_path()))
+                          cwd=harness.ROOT, env={**os.environ, **INTERPRET,
+                               "PYTHONPATH": os.pathsep.join(filter(None, [str(harness.ROOT), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     on, off = res["on"], res["off"]

@@ -12,7 +12,7 @@ import pytest
 
 from . import harness
 
-pytestmark = [pytest.mark.meta, pytest.mark.xdist_group("test_v4_meta")]
+pytestmark = pytest.mark.meta
 BROKEN = "tests/meta/impls/broken/v4_backends.py"
 INDEPENDENT = "tests/meta/impls/independent/v4_backend.py:IndependentV4"
 FROZEN = "tests/meta/frozen_base_backend.py:MyBackend"

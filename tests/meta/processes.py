@@ -1,11 +1,8 @@
-"""The inner runs the meta tests read, one function each (:data:`JOBS`, by key), and what they share with the tests
-that read them. A test gets a run's result through the ``inner_run`` fixture (tests/conftest.py): ``inner_run(key)``
-returns ``JOBS[key]()``'s result, made once per session (shared by xdist workers) in a process of its own, a lane
-(tests/meta/background.py: ``python -m tests.meta.jobs DIR KEY...``), started when the session starts or by the
-first test that asks.
-
-Every job writes under ``background.scratch`` directories (removed when the session ends) and returns a picklable
-result. The one in-process inner run (pytester: tests/meta/test_report.py's plain run) is not a job.
+"""Real processes of the tool, started as a user starts them, for the meta tests that judge what a process does:
+the console script from another directory (test_cli.py), crashes and signals through ``mla-conformance run``
+(test_isolation.py), a foreign project's pytest with the plugin installed (test_plugin_polite.py), the report under
+xdist (test_report.py). Each function takes a fresh directory to work in and returns a picklable result, so that a
+test module can make it once per session through the ``shared`` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -20,25 +17,29 @@ import time
 from pathlib import Path
 
 from mla_conformance.report import outdir
-from mla_conformance.report import run as R
+from mla_conformance.report import run as run_command
 from mla_conformance.resources import suites_dir
 
-from . import background
 from .fault_scenarios import LEAN, ONE_WORKER, backend_args, run_default, write_suite
+
+def user_env(**extra: str) -> dict[str, str]:
+    """This process's environment as a user's shell has it: without the variables pytest and xdist set for the
+    test that starts the process (PYTEST_CURRENT_TEST, PYTEST_XDIST_WORKER, ...), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, **extra}
+
 
 # --------------------------------------------------------------------------- the console script (test_cli.py)
 
 NODEID = "suites/test_cache_bytes.py::test_bytes_formula[reference-absorbed-1-0-1-float32-tiny]"
 
 
-def test_command_run():
+def test_command_run(tmp: Path):
     """`mla-conformance test --backend reference-absorbed -- <a checkout id> -v`, typed in another directory: the
     console script, a real process: (its directory, exit code, output, what it left in the directory)."""
-    tmp = background.scratch("mla-test-command-")
     script = Path(sys.executable).parent / "mla-conformance"
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "mla_conformance.cli"]
     proc = subprocess.run([*cmd, "test", "--backend", "reference-absorbed", "--", NODEID, "-v"], cwd=tmp,
-                          capture_output=True, text=True, timeout=300, env=background.env())
+                          capture_output=True, text=True, timeout=300, env=user_env())
     return tmp, proc.returncode, proc.stdout + proc.stderr, sorted(p.name for p in tmp.iterdir())
 
 
@@ -49,25 +50,24 @@ SCENARIOS = {  # mode -> (pytest args, backends); one worker, serial runs and mo
 }
 
 
-def faulty_run(mode: str):
+def faulty_run(tmp: Path, mode: str):
     """`mla-conformance run` (a real process: its pytest and workers are real processes that really die) on the
     faulty backends of one scenario: (mode, rc, conformance.json, conformance.md)."""
     extra, classes = SCENARIOS[mode]
-    tmp = background.scratch(f"mla-faulty-{mode}-")
     suite, out = write_suite(tmp), tmp / "out"
     proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
                            str(out), "--name", "host", "--timeout", "0.5", *backend_args(*classes), "--", "-q",
-                           "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120, env=background.env())
+                           "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120,
+                          env=user_env())
     if not (out / "conformance.json").is_file():
         raise AssertionError(f"{mode}: no report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return mode, proc.returncode, json.loads((out / "conformance.json").read_text()), \
         (out / "conformance.md").read_text()
 
 
-def sigterm_run() -> dict:
+def sigterm_run(tmp_path: Path) -> dict:
     """kill -TERM on a running `mla-conformance run` (a real one: the signal must reach `run`) once its hanging
     test has started, in its one worker; what the test then looks at."""
-    tmp_path = background.scratch("mla-sigterm-")
     suite, out = write_suite(tmp_path), tmp_path / "out"
     out.mkdir()
     (out / "conformance.json").write_text("previous\n")
@@ -76,7 +76,7 @@ def sigterm_run() -> dict:
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    env = background.env(TMPDIR=str(tmpdir))
+    env = user_env(TMPDIR=str(tmpdir))
     proc = subprocess.Popen([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
                              str(out), "--timeout", "60", *backend_args("PythonHang"), "--", "-q",
                              "--mla-device", "cpu", *LEAN, *ONE_WORKER],
@@ -93,7 +93,7 @@ def sigterm_run() -> dict:
         return {"started": False, "stderr": proc.communicate()[1][-2000:]}
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=30)
-    partial = R.partial_results_path(out)  # read here: under xdist another worker may read this result
+    partial = run_command.partial_results_path(out)  # read here: under xdist another worker may read this result
     return {"started": True, "returncode": proc.returncode, "stderr": stderr, "hung": hung, "partial_path": partial,
             "partial": partial.read_text() if partial.is_file() else None,
             "before": before, "after": {p.name: p.read_bytes() for p in out.iterdir()},
@@ -119,20 +119,19 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def terminal_run() -> dict:
+def terminal_run(tmp: Path) -> dict:
     """`mla-conformance run` on a good backend typed at a terminal with ``stty tostop`` (a pty, the run's
     controlling terminal, its output read here): its pytest must neither stop on writing the terminal nor keep it
     from ending. What the terminal showed, the exit status and whether the report was written; or that it had not
     ended within TERMINAL_BOUND_S (the run was then killed)."""
     import pty  # POSIX only, as the other jobs' process groups are
 
-    tmp = background.scratch("mla-terminal-")
     suite, out = write_suite(tmp), tmp / "out"
     master, slave = pty.openpty()  # the slave stays open here: the master reads EIO while no process holds it
     cmd = [sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out", str(out), "--name",
            "host", "--timeout", "30", *backend_args("Good"), "--", "-q", "--mla-device", "cpu", *LEAN, *ONE_WORKER]
     proc = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, os.ttyname(slave), *cmd], start_new_session=True,
-                            env=background.env())
+                            env=user_env())
     shown, deadline = b"", time.monotonic() + TERMINAL_BOUND_S
     try:
         while time.monotonic() < deadline:
@@ -202,18 +201,18 @@ RUN = '''
 import sys
 import pytest
 
-code = pytest.main(["-p", "no:cacheprovider", "-rA"])
+code = pytest.main(["-rA"])
 print(f"POLITE exit={int(code)} torch={'torch' in sys.modules} "
       f"plugin={'mla_conformance.pytest_plugin' in sys.modules}")
 '''
 
 
-def foreign_run() -> tuple[int, str]:
+def foreign_run(project: Path) -> tuple[int, str]:
     """The foreign project run in a fresh interpreter (torch must not be imported there): (exit code, output)."""
-    project = background.scratch("mla-foreign-")
     (project / "test_foreign.py").write_text(FOREIGN_TESTS, encoding="utf-8")
     (project / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")  # its own rootdir and configuration
-    proc = subprocess.run([sys.executable, "-c", RUN], cwd=project, capture_output=True, text=True, timeout=120, env=background.env())
+    proc = subprocess.run([sys.executable, "-c", RUN], cwd=project, capture_output=True, text=True, timeout=120,
+                          env=user_env())
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -234,43 +233,9 @@ def run_args(out: Path, *mode: str) -> list[str]:
             "reference-absorbed", "--op", "reference-op", "--", "-q", *mode, "-k", SUBSET, *ignore]
 
 
-def xdist_run():
+def xdist_run(tmp: Path):
     """The same run into b/ with `-n 2` (two worker processes, one torch thread each, their results handed to the
     controller): the real `mla-conformance run` process, a job (:data:`JOBS`). Returns (its dir, b/, exit code, output)."""
-    tmp = background.scratch("mla-report-xdist-")
     proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", *run_args(tmp / "b", "-n", "2")],
-                          cwd=tmp, capture_output=True, text=True, timeout=300, env=background.env())
+                          cwd=tmp, capture_output=True, text=True, timeout=300, env=user_env())
     return tmp, tmp / "b", proc.returncode, proc.stdout + proc.stderr
-
-
-# --------------------------------------------------------------------------- the jobs
-
-def kill_matrix_run():
-    """The kill matrix's run (tests/meta/kill_matrix.py), imported in its own lane only: the other lane's jobs
-    drive subprocesses and never import torch or the harness."""
-    from .kill_matrix import layer_run
-
-    return layer_run()
-
-
-#: key -> the job. The kill matrix (tests/meta/kill_matrix.py: every broken and correct backend and op through
-#: the suite, one process) is read by test_kill_matrix, test_op_meta, test_op_methods_meta, test_generated_meta and
-#: test_readme_template; the fault scenarios (tests/meta/fault_scenarios.py) by test_fault_scenarios. The other
-#: lane runs its jobs in this order: the order their readers come in tests/meta (test_cli, test_fault_scenarios,
-#: test_isolation, test_plugin_polite, test_report).
-JOBS = {
-    "kill-matrix": kill_matrix_run,
-    "test-command": test_command_run,
-    "fault-scenarios": run_default,
-    **{f"faulty-{mode}": (lambda mode=mode: faulty_run(mode)) for mode in SCENARIOS},
-    "sigterm": sigterm_run,
-    "terminal": terminal_run,
-    "foreign-project": foreign_run,
-    "report-xdist": xdist_run,
-}
-
-
-if __name__ == "__main__":  # a lane: python -m tests.meta.jobs DIR KEY...
-    background.lower_priority(sys.argv[2:])
-    background.end_with_parent()
-    background.run_lane(Path(sys.argv[1]), sys.argv[2:], JOBS)
