@@ -159,7 +159,7 @@ def get_engine(name: str):
     """An adapter instance: a built-in engine's, or of the class ``package.module.Class``."""
     import importlib
 
-    module, _, cls = BUILTIN_ENGINES[name].partition(":") if name in BUILTIN_ENGINES else name.rpartition(".")[::2]
+    module, _, cls = BUILTIN_ENGINES[name].partition(":") if name in BUILTIN_ENGINES else name.rpartition(".")
     try:
         return getattr(importlib.import_module(module), cls)()
     except (ImportError, AttributeError) as exc:
