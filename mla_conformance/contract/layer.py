@@ -99,6 +99,10 @@ BUILTINS: dict[str, str] = {
     "reference-dsa": "mla_conformance.impl.backends.reference:ReferenceDSA",
     "flashmla-sparse": "mla_conformance.impl.backends.flashmla:FlashMLASparse",
     "reference-v4": "mla_conformance.impl.backends.v4:ReferenceV4",
+    # across ranks (mla_conformance.contract.distributed; suites/test_distributed.py); not default backends
+    "reference-tp": "mla_conformance.impl.backends.distributed:ReferenceTP",
+    "reference-dcp": "mla_conformance.impl.backends.distributed:ReferenceDCP",
+    "reference-tp-dcp": "mla_conformance.impl.backends.distributed:ReferenceTPDCP",
 }
 
 #: Backends a default run checks.

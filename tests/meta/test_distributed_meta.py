@@ -1,0 +1,92 @@
+"""The layer across real ranks (issue 44): suites/test_distributed.py on broken distributed backends
+(tests/meta/impls/broken/distributed_backends.py), each run as a user runs it (pytester, a pytest process of its own):
+
+* a rank that raises, one killed by a signal, one that hangs: the tests fail naming rank 1 and what it did, the run
+  ends within a minute, and no process of the launch is left -- ten times in a row each (``-m distributed``:
+  .ci/run runs it; the hang verdict comes after the stall, shortened here to 5 s by MLA_DIST_STALL_S);
+* TP without the output's all-reduce fails the output test naming a rank; DCP keeping every token on every rank
+  fails the cache-bytes test naming the rank, its bytes and its owned tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BROKEN = ROOT / "tests/meta/impls/broken/distributed_backends.py"
+SUITE = ROOT / "suites/test_distributed.py"
+
+
+@pytest.fixture(autouse=True)
+def _only_with_marker(request):
+    if "distributed" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the distributed tier: run with -m distributed (.ci/run does)")
+
+
+pytestmark = pytest.mark.distributed
+
+
+def _run(pytester, cls: str, *extra: str):
+    results = pytester.path / "results.json"
+    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(SUITE), "-q", "-rfE",
+            "--mla-results", str(results), "--mla-backend", f"{BROKEN}:{cls}", *extra]
+    t0 = time.monotonic()
+    result = pytester.runpytest_subprocess(*args, timeout=120)
+    return result, time.monotonic() - t0
+
+
+def _ranks_left(pytester) -> list[int]:
+    """The launch's rank processes (the rank_pids figure of the run's results) still alive: none may be."""
+    tests = json.loads((pytester.path / "results.json").read_text())["tests"]
+    pids = {p for t in tests for p in t.get("figures", {}).get("rank_pids", [])}
+    assert pids, "the run recorded no rank_pids"
+    left = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        if "zombie" not in Path(f"/proc/{pid}/status").read_text().lower():
+            left.append(pid)
+    return left
+
+
+FAULTS = {
+    "RaisesOnRank1": "rank 1 raised RuntimeError: injected failure on rank 1",
+    "CrashesOnRank1": "rank 1 crashed: killed by signal SIGKILL",
+    "HangsOnRank1": "rank 1 hung",
+}
+
+
+@pytest.mark.parametrize("cls", list(FAULTS))
+def test_faulty_rank_is_a_verdict_ten_times(pytester, cls, monkeypatch):
+    monkeypatch.setenv("MLA_DIST_STALL_S", "5")
+    for attempt in range(10):
+        result, wall = _run(pytester, cls)
+        text = "\n".join(result.outlines)
+        assert result.ret == 1, f"attempt {attempt}: exit {result.ret}:\n{text[-3000:]}"
+        assert FAULTS[cls] in text, f"attempt {attempt}: the verdict does not say {FAULTS[cls]!r}:\n{text[-3000:]}"
+        assert wall < 60, f"attempt {attempt}: the run took {wall:.0f} s"
+        assert "error" not in result.parseoutcomes(), f"attempt {attempt}: an error, not a failure:\n{text[-2000:]}"
+        assert not _ranks_left(pytester), f"attempt {attempt}: rank processes left: {_ranks_left(pytester)}"
+
+
+def test_tp_without_allreduce_fails_outputs(pytester):
+    result, _ = _run(pytester, "TPWithoutAllReduce")
+    text = "\n".join(result.outlines)
+    assert "rank 0's output differs from the single-process float64 reference" in text, text[-3000:]
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed") == 1 and outcomes.get("passed") == 1, outcomes
+
+
+def test_dcp_keeping_every_token_fails_bytes(pytester):
+    result, _ = _run(pytester, "DCPKeepsEveryToken")
+    text = "\n".join(result.outlines)
+    assert "rank 0's cache holds" in text and "its owned tokens" in text, text[-3000:]
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed") == 2 and outcomes.get("passed") == 2, outcomes
