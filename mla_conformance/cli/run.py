@@ -37,6 +37,10 @@ def add_cli(sub) -> None:
                    help=f"op spec (the op contract; repeatable): a built-in op ({', '.join(BUILTIN_OPS)}), "
                         f"package.module:attr or path/to/file.py:attr; with --backend alone no op runs; with "
                         f"neither, {', '.join(DEFAULT_OPS)}")
+    p.add_argument("--engine", action="append", metavar="SPEC",
+                   help="a serving engine run end to end on the pinned models (suites/test_engine.py): "
+                        "ENGINE[:key=value,...], e.g. vllm:attention_backend=CPU_MLA,dtype=float32 (repeatable; "
+                        "docs/engines.md); alone, only the engine suite runs")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a real DeepSeek checkpoint for the checkpoint tests (config, weights and tokenizer "
                         "are checked before any test runs)")

@@ -34,6 +34,8 @@ from pathlib import Path
 from mla_conformance.arch.device import check_device
 from mla_conformance.contract.layer import BUILTINS
 from mla_conformance.contract.op import BUILTIN_OPS
+from mla_conformance.engine.report import add_engine_rows, engine_markdown, print_engine_rows
+from mla_conformance.engine.report import run_options as engine_run_options
 from mla_conformance.errors import MLAInputError
 from mla_conformance.model.checkpoint import validate_checkpoint
 from mla_conformance.pytest_plugin import isolation
@@ -60,10 +62,10 @@ def _check_name(name: str) -> str:
 
 def write_report(out: Path, results: dict, *, name: str, env: dict, wall: float, pytest_exit: int) -> dict:
     """Build and write the report directory from the plugin's results; returns the report."""
-    report = build_report(results, name=name, env=env)
+    report = add_engine_rows(build_report(results, name=name, env=env), results)  # --engine's rows
     timings = timings_of(results)
     files = {"conformance.json": json.dumps(report, indent=1, sort_keys=True) + "\n",
-             "conformance.md": lambda plots: render_markdown(report, plots=plots),
+             "conformance.md": lambda plots: render_markdown(report, plots=plots) + engine_markdown(report),
              "timings.json": json.dumps({"wall_s": round(wall, 3), "pytest_exit": pytest_exit,
                                          "finished_unix": int(time.time()), "benchmarks": timings},
                                         indent=1, sort_keys=True) + "\n"}
@@ -82,6 +84,7 @@ def run_command(args) -> int:
     device = check_device(args.device) if args.device else None
     # fail fast, naming the spec, before anything is written
     backend_names = [checked_spec_name(spec, "backend") for spec in args.backend or []]
+    suite_paths, engine_opts, engine_only = engine_run_options(args, suites)  # --engine (docs/engines.md)
     op_names = []
     for spec in args.op or []:
         try:
@@ -98,7 +101,7 @@ def run_command(args) -> int:
     partial = partial_results_path(out)
     with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
         results_path = Path(tmpdir) / "results.json"
-        cmd = [sys.executable, "-m", "pytest", str(suites), *pytest_location_args(suites, tmpdir), "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", *suite_paths, *pytest_location_args(suites, tmpdir), "-p", "no:cacheprovider",
                "--mla-results", str(results_path), "-rfE"]
         if importlib.util.find_spec("pytest_benchmark"):  # its storage, or an empty .benchmarks/ lands in the cwd
             cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
@@ -106,6 +109,7 @@ def run_command(args) -> int:
             cmd += ["--mla-backend", spec]
         for spec in args.op or []:
             cmd += ["--mla-op", spec]
+        cmd += engine_opts
         if args.checkpoint:
             cmd += ["--mla-checkpoint", args.checkpoint]
         if device:
@@ -173,6 +177,7 @@ def run_command(args) -> int:
     if not_run:
         print(f"  NOT RUN: {len(not_run)} test{'s' if len(not_run) != 1 else ''} (errors in the report): "
               f"{not_run[0]['reason']}", file=sys.stderr)
+    print_engine_rows(report)
     not_selected = [who for who, v, _ in judged if v["verdict"] == "NOT SELECTED"]
     if not_selected and not watch.fired:
         print(f"mla-conformance run: not selected (no test of theirs matched the pytest arguments; not a failure): "
@@ -180,7 +185,7 @@ def run_command(args) -> int:
     named = {f"op {n}" for n in op_names} | set(backend_names)
     narrowed = narrows_selection(user_args)
     not_tested = [who for who, v, _ in judged if v["verdict"] == "NOT TESTED"]
-    failing = [who for who in not_tested if who in named or not narrowed]
+    failing = [who for who in not_tested if who in named or not (narrowed or engine_only)]
     if not_tested:
         tolerated = [who for who in not_tested if who not in failing]
         print(f"mla-conformance run: NOT TESTED: {', '.join(not_tested)}: every selected test skipped "
