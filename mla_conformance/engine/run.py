@@ -18,8 +18,8 @@ from typing import Any
 
 from mla_conformance.engine.contract import Completion, EngineSpec
 
-#: bound on one engine configuration (load + generation): vLLM's CPU build takes ~15 s for the pinned model here;
-#: a GPU build compiling its graphs takes minutes
+#: bound on one engine configuration (load + generation): generous, because a GPU build compiles its graphs before
+#: the first token; a configuration past it is a hang, reported as such
 ENGINE_TIMEOUT_S = 900.0
 #: the environment each configuration starts in, unless the caller's environment sets it: one process (the worker
 #: is the isolation), one OpenMP thread on a CPU (the engine's figures do not depend on the host's core count)
