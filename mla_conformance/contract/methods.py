@@ -23,7 +23,7 @@ To add a method:
    ``mla_op``);
 4. the method on ReferenceOp (impl/ops/reference.py, calling the oracle) and on the independent op
    (tests/meta/impls/independent/op_methods.py), and a broken op for each of its tests
-   (tests/meta/impls/broken/op_methods.py, a cell in tests/meta/method_cells.py);
+   (tests/meta/impls/broken/op_methods.py, a cell in tests/meta/test_op_methods_meta.py);
 5. ``mla-conformance docs``: it rewrites the tables (docs/op-contract.md, markers.md).
 
 Pure python (no torch): the report's renderers read it.

@@ -32,6 +32,12 @@ BASE = ("-p", "no:xdist", "-p", "no:logging", "-p", "no:unraisableexception", "-
         "-o", "addopts=", "--mla-device", "cpu", "--mla-threads", "1")
 
 
+def user_env(**extra: str) -> dict[str, str]:
+    """This process's environment as a user's shell has it: without the variables pytest and xdist set for the
+    test that starts the process (PYTEST_CURRENT_TEST, PYTEST_XDIST_WORKER, ...), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, **extra}
+
+
 def here(ref: str) -> str:
     """A path, node id or ``path:attr`` spec of this checkout made absolute (an inner run starts in pytester's
     directory); anything else (a built-in name, an option, an absolute path) is left as it is."""

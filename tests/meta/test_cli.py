@@ -9,6 +9,8 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,23 @@ from mla_conformance.report.build import build_report
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.perf import bench
 from mla_conformance.cli import main
-from tests.meta.processes import NODEID
+
+from .harness import user_env
 
 pytestmark = pytest.mark.meta
+
+NODEID = "suites/test_cache_bytes.py::test_bytes_formula[reference-absorbed-1-0-1-float32-tiny]"
+
+
+def _command_run(tmp: Path):
+    """`mla-conformance test --backend reference-absorbed -- <a checkout id> -v`, typed in another directory: the
+    console script, a real process: (its directory, exit code, output, what it left in the directory)."""
+    script = Path(sys.executable).parent / "mla-conformance"
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "mla_conformance.cli"]
+    proc = subprocess.run([*cmd, "test", "--backend", "reference-absorbed", "--", NODEID, "-v"], cwd=tmp,
+                          capture_output=True, text=True, timeout=300, env=user_env())
+    return tmp, proc.returncode, proc.stdout + proc.stderr, sorted(p.name for p in tmp.iterdir())
+
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "fixtures" / "models" / "tiny-mla"
@@ -435,9 +451,7 @@ def test_domain_modules_import_nothing_from_cli():
 
 @pytest.fixture
 def command_run(tmp_path):
-    from .processes import test_command_run
-
-    return test_command_run(tmp_path)
+    return _command_run(tmp_path)
 
 
 def test_test_command_takes_and_prints_checkout_ids(command_run):

@@ -8,7 +8,7 @@ Two in-process runs of the suite (tests/meta/harness.py), as a user runs it: the
 op suites on the two correct decode-only ops:
 
 * the README's MyOp restricted to s_q 1 (tests/meta/impls/independent/decode_only_op.py: its decode is the README's,
-  verbatim) over the op suites (kill_matrix.OP_SUITES) passes, its skips name only what it does not declare or its
+  verbatim) over the op suites (test_op_meta.OP_SUITES) passes, its skips name only what it does not declare or its
   s_q sentence, and it executes out / lse numerics in float32, bfloat16 and float16 at s_q 1; behind op: it passes
   the layer numerics, paging, bytes, multi-token steps and the tiny model's golden generation (it declares
   head_dims "any": the tiny model is 80 / 64);
@@ -30,7 +30,8 @@ import dataclasses
 import pytest
 
 from . import harness
-from .kill_matrix import OP_SECTION, OP_SUITES, readme_block
+from .test_op_meta import OP_SUITES
+from .test_readme_template import OP_SECTION, readme_block
 
 pytestmark = pytest.mark.meta
 ROOT = harness.ROOT

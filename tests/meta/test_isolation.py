@@ -2,15 +2,20 @@
 
 The backends of ``impls/faulty/backends.py`` ``os._exit``, hang in Python or raise CUDA errors on their 2nd ``attend``
 of a process. They run through ``mla-conformance run -- -n 2`` on a three-test suite of their own
-(tests/meta/fault_scenarios.py ``SUITE``, written as the ``--suites`` directory): a real ``mla-conformance run``
-process (its pytest and workers are real processes that really die: tests/meta/processes.py). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
+(tests/meta/test_fault_scenarios.py ``SUITE``, written as the ``--suites`` directory): a real ``mla-conformance run``
+process (its pytest and workers are real processes that really die). Timeouts are 0.5 s, so each hang costs 0.5-1 s.
 The other faults, run's default (one worker) and serial runs: tests/meta/test_fault_scenarios.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,16 +25,148 @@ from mla_conformance.report import run as run_command
 from mla_conformance.pytest_plugin import isolation
 from mla_conformance.cli import main
 
-from . import processes
-from .processes import SCENARIOS
+from .harness import user_env
+from .test_fault_scenarios import LEAN, ONE_WORKER, backend_args, write_suite
 
 pytestmark = pytest.mark.meta
+
+SCENARIOS = {  # mode -> (pytest args, backends); one worker, serial runs and more: tests/meta/test_fault_scenarios.py
+    "n2": (["-n", "2"], ("Good", "Exit", "PythonHang", "CudaIllegalAccess", "CudaOOM")),
+}
+
+
+def _faulty_process(tmp: Path, mode: str):
+    """`mla-conformance run` (a real process: its pytest and workers are real processes that really die) on the
+    faulty backends of one scenario: (mode, rc, conformance.json, conformance.md)."""
+    extra, classes = SCENARIOS[mode]
+    suite, out = write_suite(tmp), tmp / "out"
+    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
+                           str(out), "--name", "host", "--timeout", "0.5", *backend_args(*classes), "--", "-q",
+                           "--mla-device", "cpu", *LEAN, *extra], capture_output=True, text=True, timeout=120,
+                          env=user_env())
+    if not (out / "conformance.json").is_file():
+        raise AssertionError(f"{mode}: no report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return mode, proc.returncode, json.loads((out / "conformance.json").read_text()), \
+        (out / "conformance.md").read_text()
+
+
+def _sigterm_process(tmp_path: Path) -> dict:
+    """kill -TERM on a running `mla-conformance run` (a real one: the signal must reach `run`) once its hanging
+    test has started, in its one worker; what the test then looks at."""
+    suite, out = write_suite(tmp_path), tmp_path / "out"
+    out.mkdir()
+    (out / "conformance.json").write_text("previous\n")
+    (out / outdir.MARKER).write_text(json.dumps({"tool": "mla-conformance", "kind": "report",
+                                            "files": ["conformance.json"]}))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = user_env(TMPDIR=str(tmpdir))
+    proc = subprocess.Popen([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
+                             str(out), "--timeout", "60", *backend_args("PythonHang"), "--", "-q",
+                             "--mla-device", "cpu", *LEAN, *ONE_WORKER],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hung = "test_attend[hang-python-2]"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the hanging test has started (the journal says so)
+        journals = list(tmpdir.glob("mla-conformance-run-*/results.json.journal"))
+        if journals and f'"start": "suite/test_cache_bytes.py::{hung}"' in journals[0].read_text():
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        return {"started": False, "stderr": proc.communicate()[1][-2000:]}
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    partial = run_command.partial_results_path(out)  # read here: under xdist another worker may read this result
+    return {"started": True, "returncode": proc.returncode, "stderr": stderr, "hung": hung, "partial_path": partial,
+            "partial": partial.read_text() if partial.is_file() else None,
+            "before": before, "after": {p.name: p.read_bytes() for p in out.iterdir()},
+            "tmp_left": [p.name for p in tmpdir.iterdir() if p.name != f"pytest-of-{user()}"],
+            "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and cmdline_has(p, str(suite))]}
+
+
+#: How long terminal_run waits for the run (three tests on one good backend, LEAN, one worker: 1.4 s wall on an idle
+#: 2-core machine); a run whose pytest is stopped by SIGTTOU never ends.
+TERMINAL_BOUND_S = 60
+
+#: Started in a session of its own by terminal_run: makes the terminal (argv[1], a pty's slave) its controlling
+#: terminal by opening it, sets ``stty tostop`` on it, gives it as stdin, stdout and stderr, and execs argv[2:].
+ON_A_TERMINAL = """
+import os, sys, termios
+fd = os.open(sys.argv[1], os.O_RDWR)
+attrs = termios.tcgetattr(fd)
+attrs[3] |= termios.TOSTOP
+termios.tcsetattr(fd, termios.TCSANOW, attrs)
+for std in (0, 1, 2):
+    os.dup2(fd, std)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _terminal_process(tmp: Path) -> dict:
+    """`mla-conformance run` on a good backend typed at a terminal with ``stty tostop`` (a pty, the run's
+    controlling terminal, its output read here): its pytest must neither stop on writing the terminal nor keep it
+    from ending. What the terminal showed, the exit status and whether the report was written; or that it had not
+    ended within TERMINAL_BOUND_S (the run was then killed)."""
+    import pty  # POSIX only, as the other jobs' process groups are
+
+    suite, out = write_suite(tmp), tmp / "out"
+    master, slave = pty.openpty()  # the slave stays open here: the master reads EIO while no process holds it
+    cmd = [sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out", str(out), "--name",
+           "host", "--timeout", "30", *backend_args("Good"), "--", "-q", "--mla-device", "cpu", *LEAN, *ONE_WORKER]
+    proc = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, os.ttyname(slave), *cmd], start_new_session=True,
+                            env=user_env())
+    shown, deadline = b"", time.monotonic() + TERMINAL_BOUND_S
+    try:
+        while time.monotonic() < deadline:
+            ready = select.select([master], [], [], 0.2)[0]
+            if ready:
+                shown += os.read(master, 65536)
+            elif proc.poll() is not None:  # ended, and all it wrote has been read
+                break
+        ended = proc.poll() is not None
+        if not ended:  # the whole session: run's pytest may be in a process group of its own
+            for pid in _in_session(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    finally:
+        os.close(master)
+        os.close(slave)
+    return {"ended": ended, "returncode": proc.returncode, "shown": shown.decode(errors="replace"),
+            "report": (out / "conformance.json").is_file()}
+
+
+def _in_session(sid: int) -> list[int]:
+    """The pids of the processes in session ``sid``, whatever process group each is in."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and os.getsid(int(p.name)) == sid:
+                pids.append(int(p.name))
+        except OSError:  # ended meanwhile
+            pass
+    return pids
+
+
+def user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+def cmdline_has(proc: Path, text: str) -> bool:
+    try:
+        return text in (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
 
 
 @pytest.fixture(params=sorted(SCENARIOS))
 def faulty_run(request, shared, tmp_path_factory):
     mode = request.param
-    return shared(f"faulty-{mode}", lambda: processes.faulty_run(tmp_path_factory.mktemp(f"faulty-{mode}"), mode))
+    return shared(f"faulty-{mode}", lambda: _faulty_process(tmp_path_factory.mktemp(f"faulty-{mode}"), mode))
 
 
 def test_every_fault_is_an_error_naming_the_test_and_every_other_test_is_kept(faulty_run):
@@ -74,7 +211,7 @@ def test_a_sticky_cuda_error_replaces_the_worker(faulty_run):
 
 @pytest.fixture(scope="module")
 def sigterm_run(tmp_path_factory) -> dict:
-    return processes.sigterm_run(tmp_path_factory.mktemp("sigterm"))
+    return _sigterm_process(tmp_path_factory.mktemp("sigterm"))
 
 
 def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm_run):
@@ -96,7 +233,7 @@ def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm
 
 @pytest.fixture
 def terminal_run(tmp_path) -> dict:
-    return processes.terminal_run(tmp_path)
+    return _terminal_process(tmp_path)
 
 
 def test_run_typed_at_a_terminal_with_tostop_ends(terminal_run):

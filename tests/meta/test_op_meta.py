@@ -3,17 +3,187 @@
 the ops written independently of reference-op (tests/meta/impls/independent/op.py) pass every op test, the one that
 implements only the base contract with explicit skips for what it does not declare; crashing ops are *errors*.
 All of it through the plugin (--mla-op, --mla-results), as a user runs it: a run of the op matrix's cells and
-one of its correct ops over OP_SUITES (tests/meta/kill_matrix.py)."""
+one of its correct ops over OP_SUITES (:func:`op_cells_run`, :func:`op_correct_run`)."""
 
 import ast
 
 import pytest
 
 from . import harness
-from .kill_matrix import (BROKEN_OPS, CORRECT_OPS, ERROR_OPS, ERROR_TEXT, FROZEN, HINTS, OP_CELLS, OP_ERRORS, OP_SUITES,
-                          SKIPS, op_cells_run, op_correct_run)
+from .test_kill_matrix import ELSEWHERE
 
 pytestmark = pytest.mark.meta
+
+HERE = "tests/meta"
+OPS = f"{HERE}/impls/broken/ops.py"
+CALL_OPS = f"{HERE}/impls/broken/call_ops.py"
+KERNEL_OPS = f"{HERE}/impls/kernel_style/kernel_ops.py"
+FROZEN = f"{HERE}/frozen_base_op.py"
+ENGINE_OPS = f"{HERE}/impls/kernel_style/engine_ops.py"
+BROKEN_ENGINE = f"{HERE}/impls/broken/engine_ops.py"
+
+#: broken op -> (spec, the name it reports, the op tests (file::function[params after the op name]) that must fail it)
+BROKEN_OPS = {
+    "ignores-extra-cache": (f"{OPS}:IgnoresExtraCache", "broken-ignores-extra-cache",
+                            ["test_op_sparse.py::test_sparse_two_caches[-all]"]),
+    "ignores-extra-topk-length": (f"{OPS}:IgnoresExtraTopkLength", "broken-ignores-extra-topk-length",
+                                  ["test_op_sparse.py::test_sparse_two_caches[-lengths]"]),
+    "lse-base2-as-e": (f"{OPS}:Base2DeclaredE", "broken-lse-base2-as-e",
+                       ["test_op_numerics.py::test_out_lse_vs_oracle[-float32]", "test_op_numerics.py::test_split_kv_merge[-1]",
+                        "test_op_sparse.py::test_sparse_vs_oracle[]"]),
+    "lse-natural-as-2": (f"{OPS}:NaturalDeclaredBase2", "broken-lse-natural-as-2",
+                         ["test_op_numerics.py::test_out_lse_vs_oracle[-float32]"]),
+    "nan-empty-rows": (f"{OPS}:NanForEmptyRows", "broken-nan-empty-rows",
+                       ["test_op_paging.py::test_empty_and_single_key_rows[]",
+                        "test_op_sparse.py::test_sparse_all_invalid_rows[]", "test_op_numerics.py::test_split_kv_merge[-2]"]),
+    "reads-page-tail": (f"{OPS}:ReadsPageTail", "broken-reads-page-tail",
+                        ["test_op_paging.py::test_poisoned_pages[]", "test_op_fp8.py::test_fp8_all_zero_kv[]"]),
+    "top-left-causal": (f"{OPS}:TopLeftCausal", "broken-top-left-causal",
+                        ["test_op_paging.py::test_multi_token_decode[-4-causal]"]),
+    "minus-one-last-token": (f"{OPS}:MinusOneIsLastToken", "broken-minus-one-last-token",
+                             ["test_op_sparse.py::test_sparse_invalid_indices[-minus-one]",
+                              "test_op_sparse.py::test_sparse_equals_dense[]"]),
+    "attn-sink-ignored": (f"{OPS}:SinkIgnored", "broken-attn-sink-ignored",
+                          ["test_op_sparse.py::test_attn_sink[]", "test_op_numerics.py::test_attn_sink_dense[]"]),
+    # P kept to 3 bits fewer than the cache dtype: an error ~4x the derived bound (written without the reference)
+    "coarse-p": (f"{KERNEL_OPS}:CoarsePOp", "broken-coarse-p",
+                 ["test_op_numerics.py::test_out_lse_vs_oracle[-bfloat16]",
+                  "test_op_numerics.py::test_out_lse_vs_oracle[-float16]"]),
+    "fp8-exponent-only": (f"{OPS}:Fp8ExponentOnly", "broken-fp8-exponent-only", ["test_op_fp8.py::test_fp8_scale_probe[]"]),
+    "fp8-scales-as-bf16": (f"{OPS}:Fp8ScalesAsBf16", "broken-fp8-scales-as-bf16",
+                           ["test_op_fp8.py::test_fp8_scale_probe[]", "test_op_fp8.py::test_fp8_vs_dequantized_oracle[]"]),
+    "writes-past-block-table": (f"{OPS}:WritesPastBlockTable", "broken-writes-past-block-table",
+                                ["test_op_paging.py::test_poisoned_pages[]"]),
+    "ignores-q-strides": (f"{OPS}:IgnoresQStrides", "broken-ignores-q-strides", ["test_op_paging.py::test_noncontiguous_q[]"]),
+    "naive-softmax": (f"{OPS}:NaiveSoftmax", "broken-naive-softmax", ["test_op_fp8.py::test_fp8_magnitude_sweep[-x256]"]),
+    "ignores-topk-length": (f"{OPS}:IgnoresTopkLength", "broken-ignores-topk-length",
+                            ["test_op_sparse.py::test_sparse_topk_length[]"]),
+    "nondeterministic": (f"{OPS}:Nondeterministic", "broken-nondeterministic", ["test_op_numerics.py::test_deterministic[]"]),
+    "batch-variant": (f"{OPS}:BatchVariant", "broken-batch-variant", ["test_op_numerics.py::test_batch_invariant[]"]),
+    "heads-capped": (f"{OPS}:HeadsCapped", "broken-heads-capped-at-64", ["test_op_paging.py::test_head_counts[-128]"]),
+    "assumes-page-64": (f"{OPS}:AssumesPage64", "broken-assumes-page-64", ["test_op_paging.py::test_page_sizes[-16]"]),
+    # engines' padded CUDA-graph batches and graph replays (tests/meta/impls/broken/engine_ops.py: the reports they model)
+    "nan-padding-long-max-len": (f"{BROKEN_ENGINE}:NanPaddingAtLongMaxLen", "broken-nan-padding-at-long-max-len",
+                                 ["test_op_padding.py::test_padded_batch[-trailing]"]),
+    "reads-block-table-minus-one": (f"{BROKEN_ENGINE}:ReadsBlockTableMinusOne", "broken-reads-block-table-minus-one",
+                                    ["test_op_padding.py::test_padded_batch[-trailing]"]),
+    "metadata-sized-to-real-rows": (f"{BROKEN_ENGINE}:MetadataSizedToRealRows", "broken-metadata-sized-to-real-rows",
+                                    ["test_op_padding.py::test_padded_batch[-trailing]",
+                                     "test_op_padding.py::test_padded_batch[-interleaved]"]),
+    "zeroes-trailing-rows-only": (f"{BROKEN_ENGINE}:ZeroesTrailingRowsOnly", "broken-zeroes-trailing-rows-only",
+                                  ["test_op_padding.py::test_padded_batch[-interleaved]"]),
+    "undefined-padding-leaks": (f"{BROKEN_ENGINE}:UndefinedPaddingLeaks", "broken-undefined-padding-leaks",
+                                ["test_op_padding.py::test_padded_batch[-interleaved]"]),
+    "sparse-reads-at-topk-length-0": (f"{BROKEN_ENGINE}:SparseReadsAtTopkLengthZero",
+                                      "broken-sparse-reads-at-topk-length-0",
+                                      ["test_op_padding.py::test_padded_sparse_batch[-trailing]",
+                                       "test_op_padding.py::test_padded_sparse_batch[-interleaved]"]),
+    "stale-plan-on-data-ptr": (f"{BROKEN_ENGINE}:StalePlanOnDataPtr", "broken-stale-plan-on-data-ptr",
+                               ["test_op_replay.py::test_graph_replay[-dense]",
+                                "test_op_replay.py::test_graph_replay[-sparse]"]),
+    # engines' calls (issue 26): preallocated outputs, speculative verification
+    "rejects-out": (f"{CALL_OPS}:RejectsOutAtMultiToken", "broken-rejects-out-multi-token",
+                    ["test_op_out_buffers.py::test_out_buffers[-2]"]),
+    "half-written-out": (f"{CALL_OPS}:HalfWrittenOut", "broken-half-written-out",
+                         ["test_op_out_buffers.py::test_out_buffers[-3]"]),
+    "new-tensor-out": (f"{CALL_OPS}:NewTensorOut", "broken-new-tensor-out", ["test_op_out_buffers.py::test_out_buffers[-1]"]),
+    "ignores-out-strides": (f"{CALL_OPS}:IgnoresOutStrides", "broken-ignores-out-strides",
+                            ["test_op_out_buffers.py::test_out_buffers_strided[-tokens-first]",
+                             "test_op_out_buffers.py::test_out_buffers_strided[-heads-first]"]),
+    "same-output": (f"{CALL_OPS}:SameOutputAllPositions", "broken-same-output-all-positions",
+                    ["test_op_speculative.py::test_speculative_verify[-6]"]),
+    "rows-past-batch": (f"{CALL_OPS}:ReadsRowsPastBatch", "broken-reads-rows-past-batch",
+                        ["test_op_speculative.py::test_speculative_verify[-3]"]),
+    "nan-at-q-len-2": (f"{CALL_OPS}:NanAtQLen2", "broken-nan-at-q-len-2",
+                       ["test_op_paging.py::test_multi_token_decode[-2-causal]"]),
+}
+
+#: a failure message must say this (the likely cause) for the broken op's cells
+HINTS = {"top-left-causal": "likely cause: top-left causal alignment",
+         "nan-padding-long-max-len": "only at a long max length",
+         "reads-block-table-minus-one": "the op read a page through a padding row",
+         "metadata-sized-to-real-rows": "xLLM #1939",
+         "zeroes-trailing-rows-only": "as if padding always trailed the batch",
+         "undefined-padding-leaks": "NaN leaked into a real row",
+         "sparse-reads-at-topk-length-0": "the op read a key through a padding row",
+         "stale-plan-on-data-ptr": "state the op kept from an earlier call",
+         "rejects-out": "rejects a legal preallocated buffer", "half-written-out": "only query position 0 of each row",
+         "new-tensor-out": "is not the buffer it was handed", "ignores-out-strides": "likely cause: the op wrote its out / lse buffers as if they were contiguous",
+         "same-output": "likely cause: every query position of row",
+         "rows-past-batch": "likely cause: the op reads block_table / cache_seqlens rows past the batch",
+         "nan-at-q-len-2": "non-finite value(s) in queries with keys",
+         "lse-natural-as-2": "the lse matches the natural log"}
+
+#: correct ops: every op test runs on them; "all" must pass; otherwise they may skip only with the sentences
+#: of SKIPS[mode] (their own unsupported_reason, or a declaration they do not make)
+CORRECT_OPS = {
+    "independent": (f"{HERE}/impls/independent/op.py:IndependentOp", "independent-op", "all"),
+    "base-contract": (f"{HERE}/impls/independent/op.py:BaseContractOp", "base-contract-op", "base"),
+    # P rounded to the cache dtype before P.V, float32 accumulation, online softmax over pages (half precision)
+    "p-rounding-bf16": (f"{KERNEL_OPS}:PRoundingOp", "p-rounding-op", "dtype"),
+    "p-rounding-fp16": (f"{KERNEL_OPS}:PRoundingFp16Op", "p-rounding-fp16-op", "dtype"),
+    "split-kv": (f"{KERNEL_OPS}:SplitKVOp", "split-kv-op", "dtype"),
+    "no-lse-triton": (f"{KERNEL_OPS}:NoLseTritonOp", "no-lse-triton-op", "no-lse"),
+    "frozen": (f"{FROZEN}:FrozenBaseOp", "frozen-base-op", "frozen"),
+    # as engines run decode in padded CUDA-graph batches: split-KV by the batch's max length; padding rows zeroed
+    # after the call (vLLM); padding rows left NaN and declared undefined
+    "split-by-max-len": (f"{ENGINE_OPS}:SplitByMaxLenOp", "split-by-max-len-op", "engine"),
+    "zero-padding-after": (f"{ENGINE_OPS}:ZeroPaddingAfterOp", "zero-padding-after-op", "engine"),
+    "undefined-padding": (f"{ENGINE_OPS}:UndefinedPaddingOp", "undefined-padding-op", "engine"),
+}
+#: a skip that names the declaration opting the op in (the op suite's own sentences)
+DECLARATION_SKIPS = ("kv_formats is", "page_block_sizes is", "does not declare sparse_decode",
+                     "does not declare attn_sink", "does not declare deterministic", "does not declare batch_invariant",
+                     "invalid_index = 'minus-one'", "declares returns_lse = False", "does not declare out_buffers")
+SKIPS = {
+    "base": ("implements dense decode only", "takes no attn_sink",
+             "reads a latent cache in q's dtype only",  # its own sentence, asked before the declarations
+             *DECLARATION_SKIPS),
+    "dtype": ("computes with a ",),  # the kernel-style ops take one dtype
+    "no-lse": ("computes with a ", "leaves a query with no keys undefined", *DECLARATION_SKIPS),
+    "frozen": DECLARATION_SKIPS,
+    "engine": ("decodes dense over a latent cache, without a sink, only", "leaves a causal query before its row's first "
+               "key undefined", "leaves a zero-length row undefined", *DECLARATION_SKIPS),
+}
+
+#: crashes and contract violations are errors, not verdicts
+ERROR_OPS = {
+    "raises": (f"{OPS}:RaisesOnDecode", "broken-op-raises", "test_op_numerics.py::test_out_lse_vs_oracle[-float32]"),
+    "lse-layout": (f"{OPS}:WrongLseLayout", "broken-op-lse-layout", "test_op_numerics.py::test_out_lse_vs_oracle[-float32]"),
+    "half-lse": (f"{KERNEL_OPS}:HalfLseOp", "broken-half-lse", "test_op_numerics.py::test_out_lse_vs_oracle[-bfloat16]"),
+}
+#: what an error's message must say
+ERROR_TEXT = {"half-lse": ("lse is bfloat16, not float32", "significant bits", "merged")}
+
+
+def _op_node(test: str, name: str) -> str:
+    path, rest = test.split("::")
+    func, params = rest.split("[")
+    return f"suites/{path}::{func}[{name}{params}"
+
+
+#: (broken op key, op test, node id) of every op cell; (error op key, node id) of every crash cell
+OP_CELLS = [(key, test, _op_node(test, name)) for key, (_, name, tests) in BROKEN_OPS.items() for test in tests]
+OP_ERRORS = [(key, _op_node(test, name)) for key, (_, name, test) in ERROR_OPS.items()]
+#: every op of the op matrix, in the order the run names them
+OP_SPECS = [spec for spec, _, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
+
+
+#: the op suites of the op matrix: every suites/test_op_*.py but those another meta module kills (ELSEWHERE)
+OP_SUITES = [f"suites/{p.name}" for p in sorted((harness.ROOT / "suites").glob("test_op_*.py"))
+             if f"suites/{p.name}" not in ELSEWHERE]
+
+def op_cells_run(pytester) -> harness.SuiteRun:
+    """Every op cell on its broken op, the crash cells of the erroring ops."""
+    ops = [spec for spec, _, _ in [*BROKEN_OPS.values(), *ERROR_OPS.values()]]
+    return harness.run_inprocess(pytester, [*(n for _, _, n in OP_CELLS), *(n for _, n in OP_ERRORS)], ops=ops,
+                                 expect=1)
+
+
+def op_correct_run(pytester) -> harness.SuiteRun:
+    """Every test of :data:`OP_SUITES` on every correct op."""
+    return harness.run_inprocess(pytester, OP_SUITES, ops=[spec for spec, _, _ in CORRECT_OPS.values()])
+
 ROOT = harness.ROOT
 SUITES = ROOT / "suites"
 CELLS, ERRORS = OP_CELLS, OP_ERRORS

@@ -6,20 +6,59 @@ the summary section) is imported or printed for it. A run of the shipped suites 
 nothing into that directory. Skips are listed once; a figure the report's schema does not declare is refused."""
 
 import json
+import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
 from . import harness
+from .harness import user_env
 
 pytestmark = pytest.mark.meta
+
+FOREIGN_TESTS = '''
+import pytest
+
+
+@pytest.fixture(params=[1, 2])
+def backend(request):
+    return request.param
+
+
+def test_backend(backend):
+    assert backend in (1, 2)
+
+
+@pytest.mark.benchmark
+def test_their_benchmark():
+    assert True
+'''
+
+RUN = '''
+import sys
+import pytest
+
+code = pytest.main(["-rA"])
+print(f"POLITE exit={int(code)} torch={'torch' in sys.modules} "
+      f"plugin={'mla_conformance.pytest_plugin' in sys.modules}")
+'''
+
+
+def _foreign_process(project: Path) -> tuple[int, str]:
+    """The foreign project run in a fresh interpreter (torch must not be imported there): (exit code, output)."""
+    (project / "test_foreign.py").write_text(FOREIGN_TESTS, encoding="utf-8")
+    (project / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")  # its own rootdir and configuration
+    proc = subprocess.run([sys.executable, "-c", RUN], cwd=project, capture_output=True, text=True, timeout=120,
+                          env=user_env())
+    return proc.returncode, proc.stdout + proc.stderr
+
 
 
 @pytest.fixture(scope="module")
 def foreign_run(tmp_path_factory) -> tuple[int, str]:
-    from .processes import foreign_run
-
-    return foreign_run(tmp_path_factory.mktemp("foreign"))
+    return _foreign_process(tmp_path_factory.mktemp("foreign"))
 
 
 def test_foreign_project_with_its_own_backend_fixture(foreign_run):

@@ -3,9 +3,9 @@
 shows are what the commands print; it has at most 200 lines; every relative link of README.md, markers.md and
 docs/*.md resolves.
 
-The blocks run as a user runs them (tests/meta/kill_matrix.py readme_runs): the README's backend and op over the
+The blocks run as a user runs them (:func:`readme_runs`): the README's backend and op over the
 whole default suite, its failing variant (the `scale *=` line removed) on FAILURE_TEST. There they report the names
-kill_matrix.README_NAMES; a failure line is compared with the README's under the README's name. tests/meta/frozen_base_backend.py and frozen_base_op.py, the base contract
+README_NAMES; a failure line is compared with the README's under the README's name. tests/meta/frozen_base_backend.py and frozen_base_op.py, the base contract
 frozen forever, are held to their verdicts by the kill matrix and the op meta tests; the README's blocks may be
 shorter than they are.
 """
@@ -20,10 +20,61 @@ from pathlib import Path
 import pytest
 
 from . import harness
-from .kill_matrix import (FAILURE_TEST, MUTANT_TEST, OP_SECTION, README, README_BACKEND, README_NAMES,
-                          readme_block, readme_runs)
 
 pytestmark = pytest.mark.meta
+
+README = harness.ROOT / "README.md"
+BACKEND_SECTION, OP_SECTION = "## Check your own backend", "## Check your own kernel"
+#: The failure the README shows: its backend without YaRN's mscale^2 (the `scale *=` line of `yarn`), this test.
+FAILURE_TEST = "suites/test_numerics.py::test_against_float64[my-mla-float32-prefill-deepseek-v2-lite]"
+MSCALE_LINE = re.compile(r"^ +scale \*= .*\n", re.M)
+#: the name the README's backend reports, and the names its blocks report in the layer matrix's session (one
+#: session's backends need unique names, and the frozen backend is "my-mla" too): its backend, its failing
+#: variant, its op (its own name)
+README_BACKEND = "my-mla"
+README_NAMES = {"backend": "readme-my-mla", "mutant": "readme-my-mla-no-mscale", "op": "my-op"}
+#: FAILURE_TEST on the failing variant, as the layer matrix's session names it
+MUTANT_TEST = FAILURE_TEST.replace(f"[{README_BACKEND}-", f"[{README_NAMES['mutant']}-")
+
+
+def readme_block(section: str) -> str:
+    """The python block under ``section`` of README.md."""
+    text = README.read_text(encoding="utf-8")
+    assert section in text, f"README.md has no section {section!r}"
+    block = re.search(r"```python\n(.*?)```", text[text.index(section):], re.S)
+    assert block, f"README.md's {section!r} has no python block"
+    return block.group(1)
+
+
+def _renamed(block: str, name: str) -> str:
+    out, n = re.subn(rf'^( +name = )"{re.escape(README_BACKEND)}"$', rf'\1"{name}"', block, flags=re.M)
+    assert n == 1, f"README's backend has {n} `name = \"{README_BACKEND}\"` lines (expected one)"
+    return out
+
+
+def readme_specs(tmp) -> tuple[list[str], list[str]]:
+    """The README's backend, its failing variant (the one `scale *=` line removed) and its op written to files
+    in ``tmp``; returns (backend specs, op specs)."""
+    backend = readme_block(BACKEND_SECTION)
+    mutant, n = MSCALE_LINE.subn("", backend)
+    assert n == 1, f"README's backend has {n} `scale *=` lines; the failure it shows removes exactly one"
+    files = {"readme_backend.py": _renamed(backend, README_NAMES["backend"]),
+             "readme_backend_no_mscale.py": _renamed(mutant, README_NAMES["mutant"]),
+             "readme_op.py": readme_block(OP_SECTION)}
+    for name, text in files.items():
+        (tmp / name).write_text(text, encoding="utf-8")
+    return [f"{tmp / 'readme_backend.py'}:MyBackend", f"{tmp / 'readme_backend_no_mscale.py'}:MyBackend"], \
+        [f"{tmp / 'readme_op.py'}:MyOp"]
+
+
+
+def readme_runs(pytester) -> harness.SuiteRun:
+    """The README's backend and op over the whole default suite, and its failing variant on FAILURE_TEST: one
+    SuiteRun of both."""
+    readme_backends, readme_ops = readme_specs(pytester.path)
+    whole = harness.run_inprocess(pytester, ["suites"], backends=readme_backends[:1], ops=readme_ops)
+    return whole.joined(harness.run_inprocess(pytester, [MUTANT_TEST], backends=readme_backends[1:], expect=1))
+
 ROOT = harness.ROOT
 MAX_LINES = 200
 

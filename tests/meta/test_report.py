@@ -7,6 +7,8 @@ shared by the tests that need a real run: byte-identical conformance.json and .m
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +20,34 @@ from mla_conformance.report.merge import MATRIX_SCHEMA_VERSION, merge_reports
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.report.plots import write_plots
 
-from .processes import run_args, xdist_run
+from mla_conformance.resources import suites_dir
+
+from .harness import user_env
 
 pytestmark = pytest.mark.meta
+
+#: A small run that reaches every kind of report row: the V2-Lite cache probe (bytes table, the naive /
+#: absorbed ratio, plots) and one numerics row per layer backend, and reference-op in two op sections.
+SUBSET = ("seed_table or (test_against_float64 and tiny and float32 and prefill and not decode) "
+          "or (test_out_lse_vs_oracle and float32) or test_deterministic")
+
+#: The suite modules SUBSET draws from; the others are not collected (all of them: a second more per process).
+SUBSET_FILES = ("test_cache_bytes.py", "test_numerics.py", "test_op_numerics.py")
+
+
+def run_args(out: Path, *mode: str) -> list[str]:
+    ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
+    return ["run", "--out", str(out), "--name", "host", "--backend", "reference-naive", "--backend",
+            "reference-absorbed", "--op", "reference-op", "--", "-q", *mode, "-k", SUBSET, *ignore]
+
+
+def xdist_run(tmp: Path):
+    """The same run into b/ with `-n 2` (two worker processes, one torch thread each, their results handed to the
+    controller): the real `mla-conformance run` process, a job (:data:`JOBS`). Returns (its dir, b/, exit code, output)."""
+    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", *run_args(tmp / "b", "-n", "2")],
+                          cwd=tmp, capture_output=True, text=True, timeout=300, env=user_env())
+    return tmp, tmp / "b", proc.returncode, proc.stdout + proc.stderr
+
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"suite_version": "0", "python": "3", "torch": "2", "transformers": "5", "platform": "p", "machine": "m",

@@ -43,7 +43,7 @@ FAILS = {
 }
 FAIL_IDS = {f"{S}::{test.format(name)}": cause for name, test, cause in FAILS.values()}
 #: every other V4 test, failed by one broken backend (test_deepseek_v4.py's tests each have a cell here; the kill
-#: matrix leaves the file to this module: kill_matrix.ELSEWHERE)
+#: matrix leaves the file to this module: test_kill_matrix.ELSEWHERE)
 FAIL_IDS.update({
     f"{S}::test_v4_decode_equals_prefill[broken-v4-entry-early-float32-hca]": "decode steps against one",
     f"{S}::test_v4_low_precision[broken-v4-no-rotate-back-bfloat16-swa]": "not rotated back",
