@@ -7,12 +7,12 @@ names it. Runs once per op (--mla-op) that has prefill and merge; see mla_confor
 
 import pytest
 
-from mla_conformance.checks.op import composition as cc
+from mla_conformance.checks.op import composition as composition_checks
 
 
 @pytest.mark.mla_section("op_composition")
 def test_chunked_prefill_composition(mla_op, mla_device, mla_figures):
     """Rows of 0, 20 and 70 context tokens and 3, 5, 4 new tokens, 4 heads, bfloat16: the merged result of the
     three context chunks and the new tokens equals the float64 causal pass over all 90 + 12 keys."""
-    spec = cc.CompositionSpec(device=mla_device)
-    cc.run_composition(mla_op, spec, figures=mla_figures)
+    spec = composition_checks.CompositionSpec(device=mla_device)
+    composition_checks.run_composition(mla_op, spec, figures=mla_figures)

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from mla_conformance.checks import op as oc
+from mla_conformance.checks import op as op_checks
 from mla_conformance.checks.op import dcp
 
 WORLD = pytest.mark.parametrize("world_size", dcp.WORLD_SIZES, ids=lambda w: f"W{w}")
@@ -26,7 +26,7 @@ PADDED_LENS = (37, 300, 5, 0, 0)  # two padding rows (cache_seqlens 0) after the
 
 
 def _case(op, lens, **kw):
-    return oc.make_case(op, lens=lens, h_q=8, **kw)
+    return op_checks.make_case(op, lens=lens, h_q=8, **kw)
 
 
 @pytest.mark.mla_section("op-dcp")
@@ -36,8 +36,9 @@ def test_dcp_dense(mla_op, world_size, interleave, mla_device, mla_figures):
     """Dense decode, one query per row: the merge of the ranks' partials equals the unsharded oracle."""
     dcp.require_dcp(mla_op)
     case = _case(mla_op, LENS, s_q=1, device=mla_device)
-    spec = oc.Spec(case, LENS, seed=40)
-    dcp.assert_dcp_decode(mla_op, oc.build(spec), oc.oracle_of(spec), dcp.sharding(case, world_size, interleave),
+    spec = op_checks.Spec(case, LENS, seed=40)
+    dcp.assert_dcp_decode(mla_op, op_checks.build(spec), op_checks.oracle_of(spec),
+                          dcp.sharding(case, world_size, interleave),
                           check="DCP dense decode", figures=mla_figures)
 
 
@@ -49,8 +50,9 @@ def test_dcp_causal(mla_op, world_size, interleave, mla_device, mla_figures):
     global bound L - 3 + i + 1, mapped per rank (not a bound from the rank-local length: TokenSpeed #364)."""
     dcp.require_dcp(mla_op)
     case = _case(mla_op, CAUSAL_LENS, s_q=3, causal=True, device=mla_device, multi_token=True)
-    spec = oc.Spec(case, CAUSAL_LENS, seed=41)
-    dcp.assert_dcp_decode(mla_op, oc.build(spec), oc.oracle_of(spec), dcp.sharding(case, world_size, interleave),
+    spec = op_checks.Spec(case, CAUSAL_LENS, seed=41)
+    dcp.assert_dcp_decode(mla_op, op_checks.build(spec), op_checks.oracle_of(spec),
+                          dcp.sharding(case, world_size, interleave),
                           check="DCP causal decode (q_len 3)", figures=mla_figures)
 
 
@@ -63,7 +65,7 @@ def test_dcp_sparse(mla_op, world_size, interleave, mla_device, mla_figures):
     dcp.require_dcp(mla_op)
     dcp.require_dcp_flag(mla_op, "dcp_sparse", "sparse decode under DCP")
     case = _case(mla_op, SPARSE_LENS, s_q=2, topk=32, device=mla_device)
-    dense = oc.Spec(dataclasses.replace(case, topk=None), SPARSE_LENS, seed=42)
+    dense = op_checks.Spec(dataclasses.replace(case, topk=None), SPARSE_LENS, seed=42)
     glob, positions, oracle = dcp.sparse_oracle(dense, 32, 42)
     dcp.assert_dcp_decode(mla_op, glob, oracle, dcp.sharding(case, world_size, interleave),
                           check="DCP sparse decode (global top-32 positions)", figures=mla_figures,
@@ -78,8 +80,9 @@ def test_dcp_padding_rows(mla_op, world_size, interleave, mla_device, mla_figure
     after the merge; the real rows as the oracle."""
     dcp.require_dcp(mla_op)
     case = _case(mla_op, PADDED_LENS, s_q=1, device=mla_device, padding_rows=2)
-    spec = oc.Spec(case, PADDED_LENS, seed=43)
-    dcp.assert_dcp_decode(mla_op, oc.build(spec), oc.oracle_of(spec), dcp.sharding(case, world_size, interleave),
+    spec = op_checks.Spec(case, PADDED_LENS, seed=43)
+    dcp.assert_dcp_decode(mla_op, op_checks.build(spec), op_checks.oracle_of(spec),
+                          dcp.sharding(case, world_size, interleave),
                           check="DCP decode with padding rows", figures=mla_figures)
 
 
@@ -90,8 +93,9 @@ def test_dcp_fp8(mla_op, world_size, interleave, mla_device, mla_figures):
     """The FP8 656-byte cache (where the op reads it): each rank's shard holds its tokens' bytes as written."""
     dcp.require_dcp(mla_op)
     case = _case(mla_op, LENS, s_q=1, kv_formats=("fp8-e4m3-flashmla",), device=mla_device)
-    spec = oc.declared_spec(mla_op, case, LENS, seed=44)
-    dcp.assert_dcp_decode(mla_op, oc.build(spec), oc.oracle_of(spec), dcp.sharding(case, world_size, interleave),
+    spec = op_checks.declared_spec(mla_op, case, LENS, seed=44)
+    dcp.assert_dcp_decode(mla_op, op_checks.build(spec), op_checks.oracle_of(spec),
+                          dcp.sharding(case, world_size, interleave),
                           check="DCP decode over the FP8 cache", figures=mla_figures)
 
 
@@ -103,9 +107,10 @@ def test_dcp_attn_sink(mla_op, world_size, interleave, mla_device, mla_figures):
     merged result (by the op's dcp_combine where it has one)."""
     dcp.require_dcp(mla_op)
     case = _case(mla_op, LENS, s_q=1, device=mla_device)
-    spec = oc.Spec(case, LENS, seed=45)
+    spec = op_checks.Spec(case, LENS, seed=45)
     sink, oracle = dcp.sink_oracle(spec)
-    dcp.assert_dcp_decode(mla_op, dcp.with_sink_case(oc.build(spec)), oracle, dcp.sharding(case, world_size, interleave),
+    dcp.assert_dcp_decode(mla_op, dcp.with_sink_case(op_checks.build(spec)), oracle,
+                          dcp.sharding(case, world_size, interleave),
                           check="DCP decode, attention sink after the merge", figures=mla_figures, sink=sink)
 
 
@@ -119,7 +124,7 @@ def test_dcp_write(mla_op, world_size, interleave, mla_device, mla_figures):
     dcp.require_dcp_flag(mla_op, "dcp_write", "the write under DCP")
     if not callable(getattr(mla_op, "write", None)):
         pytest.skip(f"{mla_op.name}: has no write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format)")
-    page = oc.pick_page(mla_op)
+    page = op_checks.pick_page(mla_op)
     sh = dcp.Sharding(world_size, page if interleave == "page" else int(interleave))
     dcp.assert_dcp_write(mla_op, sh, page=page, dtype=torch.bfloat16, device=mla_device,
                          check="DCP write", figures=mla_figures)

@@ -7,7 +7,7 @@ indices) leaks into a later one (mla_conformance.checks.op.replay). Every test r
 
 import pytest
 
-from mla_conformance.checks import op as oc
+from mla_conformance.checks import op as op_checks
 from mla_conformance.checks.op.replay import Replay, check_replay
 from mla_conformance.contract.op import declared
 
@@ -23,7 +23,7 @@ def test_graph_replay(mla_op, kind, mla_device, mla_figures):
     """4 calls on one set of tensors refilled in place; dense, and sparse decode (where declared: a padding row's
     indices are -1, its topk_length 0)."""
     sparse = kind == "sparse"
-    case = oc.make_case(mla_op, lens=BATCHES[1], s_q=1, h_q=4, topk=TOPK if sparse else None,
+    case = op_checks.make_case(mla_op, lens=BATCHES[1], s_q=1, h_q=4, topk=TOPK if sparse else None,
                         kv_formats=("latent", "fp8-e4m3-flashmla") if sparse else ("latent",), device=mla_device,
                         padding_rows=2)
     check_replay(mla_op, Replay(case, BATCHES, seed=41 if sparse else 40,

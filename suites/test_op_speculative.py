@@ -7,7 +7,7 @@ test_multi_token_decode (mla_conformance.checks.op.calls)."""
 
 import pytest
 
-from mla_conformance.checks import op as oc
+from mla_conformance.checks import op as op_checks
 
 
 @pytest.mark.mla_section("op-speculative")
@@ -15,8 +15,9 @@ from mla_conformance.checks import op as oc
 def test_speculative_verify(mla_op, q_len, mla_device, mla_figures):
     """Rows of q_len - 2, q_len, 40 + q_len and 17 keys (an op that declines queries without keys: q_len, q_len + 1,
     40 + q_len, 17), q_len causal queries each: each position attends its own keys."""
-    case, lens = oc.make_case_and_lens(mla_op, [(q_len - 2, q_len, 40 + q_len, 17), (q_len, q_len + 1, 40 + q_len, 17)],
+    case, lens = op_checks.make_case_and_lens(mla_op,
+                                              [(q_len - 2, q_len, 40 + q_len, 17), (q_len, q_len + 1, 40 + q_len, 17)],
                                        s_q=q_len, h_q=4, causal=True, device=mla_device,
                                        multi_token=True)
-    oc.check_speculative(mla_op, oc.Spec(case, lens, seed=11, spare_pages=3),
+    op_checks.check_speculative(mla_op, op_checks.Spec(case, lens, seed=11, spare_pages=3),
                          check=f"speculative verification q_len={q_len} (causal, bottom-right)", figures=mla_figures)

@@ -38,9 +38,9 @@ class PackageInfo:
 
 
 def installed_version(package: str) -> str | None:
-    """A package's version without importing it where it is not imported yet (torch costs ~1.5 s, transformers
-    ~0.45 s in every pytest process and xdist worker): the module's own ``__version__``, else its distribution's;
-    None when it is not installed."""
+    """A package's version without importing it where it is not imported yet (importing torch or transformers only
+    to name its version would load the whole library in every pytest process and xdist worker, most of which never
+    use it): the module's own ``__version__``, else its distribution's; None when it is not installed."""
     module = sys.modules.get(package)
     if module is not None and hasattr(module, "__version__"):
         return str(module.__version__)
@@ -169,7 +169,8 @@ def detect(device: Any = None) -> DeviceInfo:
 def _cpu_only_torch() -> str | None:
     """The installed torch's version when it is a CPU-only build (its local version tag is ``+cpu``) and not imported
     yet, else None. Such a build has no CUDA (torch.version.cuda and .hip are None, no device is available), so a
-    CPU device is described without importing torch (~1.5 s: the ``run`` process that writes the report)."""
+    CPU device is described without importing torch (the ``run`` process that writes the report never needs torch
+    otherwise)."""
     if "torch" in sys.modules:
         return None
     version = installed_version("torch")

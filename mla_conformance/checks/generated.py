@@ -30,7 +30,7 @@ import pytest
 import torch
 from hypothesis import configuration, errors, given, reject
 
-from mla_conformance.checks import op as oc
+from mla_conformance.checks import op as op_checks
 from mla_conformance.checks.op.inputs import not_declared
 from mla_conformance.checks.layer.driver import inputs_for, require_support, run_scenario, scenario_lengths
 from mla_conformance.checks.layer.driver import Scenario, diagnosis
@@ -67,7 +67,7 @@ def op_support(op, device: str, sizes: str = "default") -> OpSupport:
         for heads in (16, 64, 128, 1):  # an op may take some head counts only
             base = dict(batch=2, s_q=1, h_q=heads, page_block_size=pages[0], dtype=torch.float32, device=device)
             base.update(kw)
-            reason = oc.unsupported(op, OpCase(**base))
+            reason = op_checks.unsupported(op, OpCase(**base))
             if reason is None:
                 return None
             reasons.append(reason)
@@ -96,34 +96,34 @@ def op_support(op, device: str, sizes: str = "default") -> OpSupport:
                      sizes=sizes)
 
 
-def op_spec(op, case: OpDraw, device: str) -> oc.Spec:
+def op_spec(op, case: OpDraw, device: str) -> op_checks.Spec:
     """The op suite's input spec of a generated case (rows without keys as its inputs have them)."""
     sparse = case.topk is not None
     opcase = OpCase(batch=case.batch, s_q=case.s_q, h_q=case.h_q, page_block_size=case.page,
                     dtype=getattr(torch, case.dtype), kv_format=case.kv_format, topk=case.topk, attn_sink=case.sink,
                     causal=case.causal and not sparse, device=device,
-                    **oc.kinds_of_rows_without_keys(case.lens, case.s_q, case.causal, sparse))
+                    **op_checks.kinds_of_rows_without_keys(case.lens, case.s_q, case.causal, sparse))
     if case.all_invalid:
         opcase = dataclasses.replace(opcase, zero_length_rows=True)
-    spec = oc.Spec(opcase, case.lens, seed=case.seed, scale_format=declared(op, "fp8_scale_format"),
+    spec = op_checks.Spec(opcase, case.lens, seed=case.seed, scale_format=declared(op, "fp8_scale_format"),
                    noncontig_q=case.noncontig, invalid=case.invalid, all_invalid_rows=case.all_invalid,
                    topk_length=case.topk_length)
     if sparse and not opcase.rows_without_keys:
         # invalid entries and topk_length together can leave a sparse query no valid index: ask the oracle
-        if bool(torch.isinf(oc.oracle_of(spec)[1]).any()):
+        if bool(torch.isinf(op_checks.oracle_of(spec)[1]).any()):
             spec = dataclasses.replace(spec, case=dataclasses.replace(opcase, zero_length_rows=True))
     return spec
 
 
 def op_case_declined(op, case: OpDraw, device: str) -> str | None:
     """The op's sentence for a generated case it declines (the case is then not drawn again)."""
-    return oc.unsupported(op, op_spec(op, case, device).case)
+    return op_checks.unsupported(op, op_spec(op, case, device).case)
 
 
 def check_op_case(op, case: OpDraw, *, device: str, figures: dict) -> None:
     """One generated case against the float64 oracle (the hand-written op tests' bounds and messages)."""
     __tracebackhide__ = True
-    oc.check_against_oracle(op, op_spec(op, case, device), check=f"generated {case.prop} case", figures=figures)
+    op_checks.check_against_oracle(op, op_spec(op, case, device), check=f"generated {case.prop} case", figures=figures)
 
 
 def check_op_property(op, prop: str, *, device: str, figures: dict, generation) -> None:
@@ -332,8 +332,8 @@ def _fill_failure(figures: dict, prop: str, stratum: Stratum, last: dict, exampl
 def _tail(figures: dict) -> str:
     if "generated_case" not in figures:
         return ""
-    return (f"\nminimal case ({figures['generated_stratum']}; shrunk by hypothesis): {figures['generated_case']}"
-            f"\nreplay exactly this case: {figures['reproducer']}")
+    return (f"\n  minimal case ({figures['generated_stratum']}; shrunk by hypothesis): {figures['generated_case']}"
+            f"\n  replay exactly this case: {figures['reproducer']}")
 
 
 def _with_case(exc: Exception, figures: dict) -> Exception:

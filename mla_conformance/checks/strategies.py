@@ -460,7 +460,8 @@ def _layer_case(draw, configs: tuple[tuple[str, int | None], ...], *, ragged: bo
 def layer_strata(configs: tuple[tuple[str, int | None], ...], sizes: str = "default") -> list[Stratum]:
     """The strata of the layer property over the configs a backend accepts."""
     dense = tuple(c for c in configs if c[1] is None)
-    # the long row on one head (2049 tokens of float64 expanded reference: 0.3 s, not 2 s on four heads)
+    # the long row on one head: its float64 expanded reference over 2049 tokens grows with the heads, and one head
+    # crosses the 2048-position boundary as well as four
     dense = tuple(c for c in dense if c[0] == "tiny-1-head") or dense
     strata = [Stratum("one row, prefill in chunks or one call, then decode steps",
                       _layer_case(configs, ragged=False, long=False, sizes=sizes)),

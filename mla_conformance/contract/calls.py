@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mla_conformance.errors import BackendError, BackendOutputError
+from mla_conformance.messages import failure
 
 NAN_HINT = ("the suite fills every cache slot no token was written to with NaN (and 0xFF bytes in integer "
             "storage), as a reused or torch.empty pool may hold: a backend that reads slots past seq_lens and "
@@ -26,7 +27,7 @@ class NonFiniteOutput(AssertionError):
     """attend() returned NaN/inf on a valid slot; ``where`` is the message without its cause clause."""
 
     def __init__(self, where: str, hint: str = NAN_HINT):
-        super().__init__(f"{where}; {hint}")
+        super().__init__(failure(where, cause=hint))
         self.where = where
 
 

@@ -55,7 +55,7 @@ def tokenize(directory: Path, text: str) -> list[int]:
 @torch.no_grad()
 def layer1_input(directory: str | Path, token_ids: list[int]) -> torch.Tensor:
     """The real attention input of layer 1, [1, T, hidden], float32."""
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as modeling
 
     directory = Path(directory)
     cfg = _hf_config(directory)
@@ -71,7 +71,7 @@ def layer1_input(directory: str | Path, token_ids: list[int]) -> torch.Tensor:
     wanted = ["model.embed_tokens.weight", "model.layers.1.input_layernorm.weight", *names]
     t = {k: v.to(torch.float32) for k, v in ckpt.read(wanted).items()}
     with torch.device("meta"):
-        layer0 = m.DeepseekV2DecoderLayer(cfg, layer_idx=0)
+        layer0 = modeling.DeepseekV2DecoderLayer(cfg, layer_idx=0)
     state = {k.removeprefix(prefix): v for k, v in t.items() if k.startswith(prefix)}
     expected = dict(layer0.state_dict())
     for k, v in state.items():
@@ -84,7 +84,7 @@ def layer1_input(directory: str | Path, token_ids: list[int]) -> torch.Tensor:
                               f"{[prefix + k for k in missing]}")
     layer0 = layer0.to(torch.float32).eval()
     restore_yarn_softmax_scale(layer0.self_attn, MLAConfig.from_hf(cfg.to_dict()).softmax_scale)
-    rotary = m.DeepseekV2RotaryEmbedding(cfg)
+    rotary = modeling.DeepseekV2RotaryEmbedding(cfg)
     ids = torch.tensor([token_ids])
     emb = t["model.embed_tokens.weight"]
     if int(ids.max()) >= emb.shape[0]:
@@ -96,7 +96,7 @@ def layer1_input(directory: str | Path, token_ids: list[int]) -> torch.Tensor:
     pos = torch.arange(T)[None]
     out = layer0(h, attention_mask=mask, position_ids=pos, position_embeddings=rotary(h, pos))
     h = out[0] if isinstance(out, tuple) else out
-    norm = m.DeepseekV2RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+    norm = modeling.DeepseekV2RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
     norm.weight.data.copy_(t["model.layers.1.input_layernorm.weight"])
     return norm(h)
 

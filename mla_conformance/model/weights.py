@@ -129,7 +129,7 @@ class MLAWeights(LayerTensors):
 
         ``period``: draw only the first ``period`` columns of each matrix and repeat them along the row (the same
         scale: a projection's output keeps unit variance). For checks that need finite, well-scaled values and
-        nothing else (the byte checks: at DeepSeek-V3 dims a full draw is 180M values, ~2 s here).
+        nothing else (the byte checks: at DeepSeek-V3 dims a full draw is 180M values, most of a byte test's time).
         """
         gen = torch.Generator().manual_seed(int(seed))
         tensors = {}

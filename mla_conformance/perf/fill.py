@@ -29,7 +29,7 @@ import torch
 from mla_conformance.contract.layer import cache_format_of
 from mla_conformance.impl.backends.hf import HFCache
 from mla_conformance.kv.caches import LatentSlotCache, SlotCache
-from mla_conformance.model import reference as ref
+from mla_conformance.model import reference
 from mla_conformance.model import dsa_reference as dsa_ref
 
 #: Tokens per projection chunk while filling a cache.
@@ -77,7 +77,7 @@ def latent_chunks(weights, context: int, batch: int, seed: int, device) -> list[
     with torch.no_grad():
         for start, n in chunk_starts(context):
             x, pos = hidden_chunk(weights.config, start, n, batch, seed, device, weights.dtype)
-            _, _, c, k_pe = ref.project(weights, x, pos)
+            _, _, c, k_pe = reference.project(weights, x, pos)
             chunks.append((start, c, k_pe))
     while len(_LATENTS) >= 3:
         _LATENTS.pop(next(iter(_LATENTS)))
@@ -141,7 +141,7 @@ def fill(backend, weights, cache, kind: str, context: int, batch: int, seed: int
                 keys = torch.cat([c for _, c, _ in chunks], dim=1)[:, None]
                 values = torch.cat([k for _, _, k in chunks], dim=1)[:, None]
             else:
-                ks, vs = zip(*(ref.expand_kv(weights, c, k) for _, c, k in chunks))
+                ks, vs = zip(*(reference.expand_kv(weights, c, k) for _, c, k in chunks))
                 keys = torch.cat(ks, dim=1).transpose(1, 2)
                 values = torch.cat(vs, dim=1).transpose(1, 2)
             cache.fill(keys, values)
@@ -160,5 +160,5 @@ def fill(backend, weights, cache, kind: str, context: int, batch: int, seed: int
             elif kind == "latent":
                 cache.append_latent(c, k_pe)
             else:
-                k, v = ref.expand_kv(weights, c, k_pe)
+                k, v = reference.expand_kv(weights, c, k_pe)
                 cache.append({"k": k, "v": v})

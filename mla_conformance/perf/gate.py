@@ -56,9 +56,9 @@ from mla_conformance.contract.op import D_QK, D_V, OpCase
 from mla_conformance.errors import BackendOutputError
 from mla_conformance.impl.ops.layer import CODEC_FORMATS, OpBackend, head_dims_of
 from mla_conformance.kv.codecs import ERROR_BOUNDS
-from mla_conformance.model import reference as ref
+from mla_conformance.model import reference
 from mla_conformance.model import dsa_reference as dsa_ref
-from mla_conformance.perf import score_rounding as sr
+from mla_conformance.perf import score_rounding
 from mla_conformance.perf.fill import chunk_starts, hidden_chunk
 
 ORACLE = "float64 oracle of the decode step (reference.project + absorbed_scores_and_mix, float64 master weights)"
@@ -143,9 +143,9 @@ def _keys_f64(w64, p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             x = x.to(torch.float64)
             # the key half of reference.project (its query half costs 6x more at V2-Lite dims, and is not needed)
             c, k_pe = (x @ w64["kv_a_proj_with_mqa.weight"].T).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
-            cos, sin = ref.rope_cos_sin(cfg, pos)
-            cs.append(ref.rms_norm(c, w64["kv_a_layernorm.weight"], cfg.rms_norm_eps))
-            kpes.append(ref.apply_rope(k_pe, cos, sin))
+            cos, sin = reference.rope_cos_sin(cfg, pos)
+            cs.append(reference.rms_norm(c, w64["kv_a_layernorm.weight"], cfg.rms_norm_eps))
+            kpes.append(reference.apply_rope(k_pe, cos, sin))
             if cfg.dsa:
                 iks.append(dsa_ref.indexer_project(w64, x, pos)[1])
     got = (torch.cat(cs, 1), torch.cat(kpes, 1), torch.cat(iks, 1) if iks else None)
@@ -191,7 +191,7 @@ def oracle_step(p, own_selection: torch.Tensor | None = None) -> Oracle:
     x_new = p.hidden.to(torch.float64)
     pos_new = torch.full((p.batch, 1), p.context, dtype=torch.int64, device=x_new.device)
     with torch.no_grad():
-        q_nope, q_pe, c_new, kpe_new = ref.project(w64, x_new, pos_new)
+        q_nope, q_pe, c_new, kpe_new = reference.project(w64, x_new, pos_new)
         c, k_pe = torch.cat([c_ctx, c_new], 1), torch.cat([kpe_ctx, kpe_new], 1)
         N = p.context + 1
         allowed = torch.ones(p.batch, 1, N, dtype=torch.bool, device=x_new.device)
@@ -206,7 +206,7 @@ def oracle_step(p, own_selection: torch.Tensor | None = None) -> Oracle:
                 sel, keys = dsa_ref.select_topk(scores, cfg.index_topk), \
                     f"the float64 indexer's top-{cfg.index_topk} (the backend exposes no last_topk_indices)"
             allowed = dsa_ref.selection_mask(sel, N)
-        out = ref.absorbed_scores_and_mix(w64, q_nope, q_pe, c, k_pe, allowed)
+        out = reference.absorbed_scores_and_mix(w64, q_nope, q_pe, c, k_pe, allowed)
     return Oracle(out, keys, w64, q_nope, q_pe, c, k_pe, allowed)
 
 
@@ -226,7 +226,7 @@ def oracle_and_score_rounding(p, own_selection: torch.Tensor | None = None) -> t
     key = (p.preset, p.seed, p.dtype, p.context, p.batch, str(p.device), sel)
     if key not in _TERMS:
         o = oracle_step(p, own_selection)
-        rows = sr.score_rounding(o.weights, o.q_nope, o.q_pe, o.c, o.k_pe, o.allowed, o.out, p.dtype,
+        rows = score_rounding.score_rounding(o.weights, o.q_nope, o.q_pe, o.c, o.k_pe, o.allowed, o.out, p.dtype,
                                  weights_key=(p.preset, p.seed, str(p.device)))
         while len(_TERMS) >= 8:
             _TERMS.pop(next(iter(_TERMS)))
@@ -265,7 +265,7 @@ def check_step(p, out) -> Correctness:
     except BackendOutputError as exc:
         return failed(f"{str(exc).removeprefix(f'{p.backend.name}: ').removesuffix(f' ({at})')}, {at}")
     ref_out, keys, terms = oracle_and_score_rounding(p, selection_of(p) if p.config.dsa else None)
-    bound["score_rounding"] = {**sr.describe(p.dtype), "rows": terms}
+    bound["score_rounding"] = {**score_rounding.describe(p.dtype), "rows": terms}
     bound["rows"] = row_bounds(bound, p.dtype, p.kv_codec, terms)
     rows = [row_metrics(out[b].to(torch.float64), ref_out[b]) for b in range(p.batch)]
     measured = {"rel_fro": max(r["rel_fro"] for r in rows), "max_rel": max(r["max_rel"] for r in rows),

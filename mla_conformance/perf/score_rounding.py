@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 from mla_conformance.checks.tolerances import unit_roundoff
-from mla_conformance.model import reference as ref
+from mla_conformance.model import reference
 
 #: How each logit is rounded to the model dtype, as the absorbed path computes it (the most roundings among the
 #: built-ins): the latent and rope partial scores (q_lat . c_t, q_pe . k_pe_t) each rounded to the dtype (relative to
@@ -155,7 +155,7 @@ def score_rounding(w64, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tenso
     per_head, gram = _o_proj_parts(w64, weights_key if weights_key is not None else id(w64))
     M = gram[torch.arange(H), torch.arange(H)]                                    # W_O,h^T W_O,h [H, dv, dv]
     row_norms = per_head.norm(dim=-1)                                             # ||W_O,h[i]|| [H, n]
-    w_uk, w_uv = ref.split_kv_b(w64)
+    w_uk, w_uv = reference.split_kv_b(w64)
     f64 = dict(dtype=torch.float64, device=c.device)
     with torch.no_grad():
         q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)

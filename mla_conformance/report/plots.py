@@ -21,7 +21,7 @@ PLOT_TITLES = {
 
 class _Pyplot:
     """matplotlib.pyplot on the Agg backend, imported when the first plot is drawn: a report with nothing to plot
-    (its tests measured no figures) writes no PNG and costs no matplotlib import (~1 s of CPU per report)."""
+    (its tests measured no figures) writes no PNG and never imports matplotlib, the heaviest import a report has."""
 
     def __getattr__(self, name: str):  # each use: matplotlib.use("Agg") again is a no-op once it is the backend
         import matplotlib

@@ -22,6 +22,7 @@ from mla_conformance.contract.layer import cache_format_of, declared_on
 from mla_conformance.kv.caches.measure import (POISON_BYTES, Poisoned, bookkeeping_limit, describe_buffers,
                                                is_bookkeeping, slot_figures, written_bytes, written_masks)
 from mla_conformance.kv.codecs import get_codec
+from mla_conformance.messages import failure, times
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.dsa_reference import FP8_INDEXER_BLOCK
 from mla_conformance.model.weights import MLAWeights
@@ -275,30 +276,33 @@ def cache_bytes(backend, preset: str, dtype: torch.dtype, *, prefill: int, decod
     if seq_lens != [prefill + decode] * batch:
         raise AssertionError(f"{where}: cache.seq_lens is {seq_lens}, expected {[prefill + decode] * batch}")
     if allocated != sum(tensor_bytes.values()):
-        raise AssertionError(f"{where}: allocated_nbytes() = {allocated:,} B but the tensors() it lists hold "
-                             f"{sum(tensor_bytes.values()):,} B ({tensor_bytes})")
+        raise AssertionError(failure(f"{where}: allocated_nbytes() = {allocated:,} B but the tensors() it lists hold "
+                                     f"{sum(tensor_bytes.values()):,} B", f"tensors(): {tensor_bytes}"))
     per_buffer = ", ".join(f"{k!r} {describe_buffers({k: tensors[k]})[k]}: "
                            f"{v / tokens:,.6g} B/token" for k, v in sorted(written.items()) if v)
     if total_written != measured * tokens or measured != expected:
         hints = _byte_hints(config, fmt, ifmt, kv_codec, dtype, tensors, written, tokens)
-        raise AssertionError(
-            f"{where}: the cache holds {total_written / tokens:,.6g} B per stored token ({per_buffer or 'nothing written'}; "
-            f"measured as the token-storage bytes that no longer hold the suite's poison) but the declared format "
-            f"{fmt!r}{'' if kv_codec == 'none' else ' with kv_codec ' + kv_codec}"
-            f"{'' if ifmt is None else f' (indexer_format {ifmt!r})'} needs {expected:,} B per token: "
-            f"the format is wrong, not the slot count" + "".join(f"; {h}" for h in hints))
+        raise AssertionError(failure(
+            f"{where}: the cache holds {total_written / tokens:,.6g} B per stored token, the declared format "
+            f"{fmt!r} needs {expected:,} B: {times(total_written / tokens / expected) if expected else 'inf x'} "
+            "the format's",
+            f"written: {per_buffer or 'nothing'} (the token-storage bytes that no longer hold the suite's poison)",
+            f"format: {fmt!r}{'' if kv_codec == 'none' else ' with kv_codec ' + kv_codec}"
+            f"{'' if ifmt is None else f', indexer_format {ifmt!r}'}; the format is wrong, not the slot count "
+            "(docs/cache-bytes.md)", cause="; ".join(hints)))
     if slots["preallocated"] and slots["allocated_slots"] < requested:
-        raise AssertionError(
-            f"{where}: the cache preallocated room for {slots['allocated_slots']:,} tokens "
-            f"({sum(storage.values()):,} B of token storage / {measured:,} B per token) but batch x capacity = "
-            f"{batch} x {capacity} = {requested:,} were requested: the slot count is wrong, not the format")
+        raise AssertionError(failure(
+            f"{where}: the cache preallocated room for {slots['allocated_slots']:,} tokens, {requested:,} were "
+            "requested: the slot count is wrong, not the format",
+            f"{sum(storage.values()):,} B of token storage / {measured:,} B per token; batch x capacity = "
+            f"{batch} x {capacity}"))
     book_bytes = sum(book.values())
     if not tokens * measured <= active <= tokens * measured + book_bytes:
-        raise AssertionError(
-            f"{where}: active_nbytes() says {active:,} B but the {tokens} stored tokens occupy {tokens * measured:,} B "
-            f"({measured:,} B per token, measured from tensors(): {per_buffer})"
-            + (f" plus at most {book_bytes:,} B of bookkeeping/per-cache buffers {sorted(book)}" if book else "")
-            + ": the self-report is wrong")
+        raise AssertionError(failure(
+            f"{where}: active_nbytes() says {active:,} B but the {tokens} stored tokens occupy {tokens * measured:,} B"
+            + (f" (+ at most {book_bytes:,} B of bookkeeping)" if book else "") + ": the self-report is wrong",
+            f"{measured:,} B per token, measured from tensors(): {per_buffer}"
+            + (f"; bookkeeping / per-cache buffers {sorted(book)}" if book else "")))
     return figures
 
 

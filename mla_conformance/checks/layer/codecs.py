@@ -25,7 +25,8 @@ from mla_conformance.checks.tolerances import TOLERANCES, tolerance_figures
 from mla_conformance.contract.layer import cache_format_of
 from mla_conformance.generation.generate import layer_weights, load_model
 from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS, QUANT_STUDY_SCHEMES, get_codec
-from mla_conformance.model import reference as ref
+from mla_conformance.messages import bound_line, failure, over
+from mla_conformance.model import reference
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.reference import reference_attention_f64
 from mla_conformance.resources import prompts_file, tiny_model_dir
@@ -161,10 +162,10 @@ def reference_attention_errors(device: str) -> dict[str, dict[str, float]]:
 
 def check_bound(name: str, what: str, err: dict[str, float], bound: float, where: str):
     __tracebackhide__ = True
-    reason = ERROR_BOUNDS[name].reason
     if not err["rel_fro"] <= bound:
-        raise AssertionError(f"kv_codec {name} {where}: {what} relative error {err['rel_fro']:.3e} exceeds "
-                             f"its bound {bound:g} ({reason}); max_abs {err['max_abs']:.3e}")
+        raise AssertionError(failure(f"kv_codec {name} {where}: {what} relative error {over(err['rel_fro'], bound)}",
+                                     f"max_abs {err['max_abs']:.3e}",
+                                     bound_line(f'ERROR_BOUNDS["{name}"]', doc="docs/codecs.md")))
 
 
 def check_attention_error(backend, codec: str, device, figures: dict) -> None:
@@ -239,7 +240,7 @@ def trained():
         for i, (layer, w) in enumerate(zip(model.model.layers, layer_weights(model, config))):
             x = layer.input_layernorm(hidden[i])
             positions = torch.arange(ids.shape[1]).expand(len(seqs), -1)
-            _, _, c, k_pe = ref.project(w, x, positions)
+            _, _, c, k_pe = reference.project(w, x, positions)
             layers.append({"weights": w, "x": x, "c": c[valid], "k_pe": k_pe[valid],
                            "none": attend_once(w, x, lengths, "none")})
     return {"config": config, "lengths": lengths, "valid": valid, "layers": layers}

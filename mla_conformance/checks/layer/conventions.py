@@ -12,6 +12,7 @@ from mla_conformance.checks.layer.driver import (Scenario, diagnosis, inputs_for
                                            scenario_lengths)
 from mla_conformance.checks.metrics import error_metrics
 from mla_conformance.checks.tolerances import TOLERANCES
+from mla_conformance.messages import bound_line, failure, over
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.reference import ROPE_CONVENTIONS, reference_attention_f64
 from mla_conformance.model.weights import MLAWeights
@@ -68,15 +69,18 @@ def check_yarn_rope_attention_factor_convention(backend, device, figures: dict) 
         convention, text = found
         said = "matches neither RoPE convention's oracle"
         figures["likely_cause"] = text
-        cause = (f"; not a RoPE-convention mismatch: under the {convention} convention the output {text} -- a bug "
+        cause = (f"not a RoPE-convention mismatch: under the {convention} convention the output {text} -- a bug "
                  "of its own, which the numerics tests name too")
-    raise AssertionError(
-        f"{backend.name}: on a YaRN config with mscale != mscale_all_dim (cos/sin factor "
-        f"{MSCALE_SPLIT.rope_attention_factor:.4f} under transformers' convention) the output {said} within the "
-        f"float32 tolerance (rel_fro <= {tol.rel_fro:g}, max_abs/rms <= "
-        f"{tol.max_rel:g}): transformers / DeepSeek-V2 modeling rel_fro={errors['transformers'][0]:.3e} "
+    closest = min(errors, key=lambda c: errors[c][0] / tol.rel_fro)
+    raise AssertionError(failure(
+        f"{backend.name}: the output {said} (YaRN, mscale != mscale_all_dim): rel_fro "
+        f"{over(errors[closest][0], tol.rel_fro)} (closer: {closest})",
+        f"transformers / DeepSeek-V2 modeling rel_fro={errors['transformers'][0]:.3e} "
         f"max_rel={errors['transformers'][1]:.3e}; DeepSeek-V3 reference rel_fro={errors['deepseek-v3'][0]:.3e} "
-        f"max_rel={errors['deepseek-v3'][1]:.3e}{cause}{diagnosis(backend, w)}")
+        f"max_rel={errors['deepseek-v3'][1]:.3e} (cos/sin factor {MSCALE_SPLIT.rope_attention_factor:.4f} under "
+        "transformers' convention)",
+        bound_line('TOLERANCES["float32"]', f"rel_fro <= {tol.rel_fro:g}, max_abs/rms <= {tol.max_rel:g}"),
+        cause=cause + diagnosis(backend, w)))
 
 
 def _other_bug(out, w64, x64, lengths, calls, errors: dict, tol) -> tuple[str, str] | None:

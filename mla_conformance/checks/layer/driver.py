@@ -90,7 +90,7 @@ SCENARIOS = {
 }
 
 
-@functools.lru_cache(maxsize=16)  # every (preset, seed) a session draws: a re-draw at V2-Lite dims is 0.4 s
+@functools.lru_cache(maxsize=16)  # every (preset, seed) a session draws: drawn once, the tests share the values
 def master_weights(preset: str, seed: int) -> MLAWeights:
     """The float64 random weights of a preset the oracles use (drawn once per session); never handed to a
     backend (:func:`weights_for` casts a copy)."""
@@ -149,8 +149,9 @@ def run_scenario(backend, weights: MLAWeights, x: torch.Tensor, scenario: Scenar
 
 def backend_copy(weights: MLAWeights) -> MLAWeights:
     """The backend's copy of ``weights``: made once per weights object and handed to every scenario run on it
-    (a clone per run cost ~10 ms at V2-Lite dims). Each run compares it with the suite's weights when the backend
-    is done, and a run that fails or raises drops it, so every run starts from the suite's values."""
+    (not cloned per run: a session runs hundreds of scenarios on the same weights). Each run compares it with the
+    suite's weights when the backend is done, and a run that fails or raises drops it, so every run starts from
+    the suite's values."""
     copy = weights.__dict__.get("_backend_copy")
     if copy is None:
         copy = weights.__dict__["_backend_copy"] = weights.clone()

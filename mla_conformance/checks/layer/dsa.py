@@ -15,8 +15,10 @@ import torch
 from mla_conformance.checks.layer.bytes import INDEXER_FORMATS, cache_bytes, indexer_format_of
 from mla_conformance.checks.layer.driver import (Scenario, inputs_for, master_weights, require_support, run_scenario,
                                            scenario_lengths, weights_for)
+from mla_conformance.checks.layer.numerics import rows_failure
 from mla_conformance.checks.metrics import DTYPES, dtype_name, error_metrics, row_metrics
 from mla_conformance.checks.tolerances import FP8_E4M3_PRODUCT_ERROR, TOLERANCES, tolerance_figures
+from mla_conformance.messages import bound_line, failure, num, over, times
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.dsa_reference import indexer_score_oracle
 from mla_conformance.model.reference import reference_attention_f64
@@ -166,12 +168,11 @@ def _compare(backend, out, ref, preset, scenario, dtype, what, figures, valid=No
             cause = (f"at len <= index_topk ({K}) every causal key must be selected: a top-k that keeps fewer "
                      "(an off-by-one at the boundary) or a selection that ignores the causal length drops keys"
                      if dense else f"index_topk {K}: keys selected other than the oracle's change the output")
-            raise AssertionError(
-                f"{backend.name} {preset} {scenario.name} {dtype_name(dtype)}: row {b} differs from {what} "
-                f"beyond the tolerance: rel_fro {mb['rel_fro']:.3e} (tolerance {tol.rel_fro:g}), max_abs/rms "
-                f"{mb['max_rel']:.3e} (tolerance {tol.max_rel:g}) over {len(keep)} compared tokens; worst token at "
-                f"position {worst} of {int(lengths[b])} ({cause})"
-                + (_layout_hint(out, ref, preset, scenario, dtype, valid) if hint and not dense else ""))
+            layout = _layout_hint(out, ref, preset, scenario, dtype, valid) if hint and not dense else ""
+            raise AssertionError(rows_failure(
+                f"{backend.name} {preset} {scenario.name} {dtype_name(dtype)}: row {b} differs from {what}", mb, tol,
+                f"worst token at position {worst} of {int(lengths[b])}", f"{len(keep)} compared tokens; {cause}",
+                cause=layout, key=f'TOLERANCES["{dtype_name(dtype)}"]'))
     return m
 
 
@@ -324,12 +325,13 @@ def check_selection(backend, preset: str, sc: Scenario, dt: torch.dtype, device,
                        f"scores with that layout, {n_diff} from the correct one")
                      if len(set(mine.tolist()) ^ alt_set) <= n_diff // 4 else "")
             j, k = off[0]
-            raise AssertionError(
+            raise AssertionError(failure(
                 f"{where}: query at position {p} (row {b}) selected a different key set from the float64 oracle: "
+                f"score gap {over(float(s[j] - s[k]), float(e[j] + e[k]))} (key {k} kept over key {j})",
                 f"it keeps {sorted(kept)} and drops {sorted(dropped)}; {len(off)} swap(s) beyond the indexer's "
-                f"precision, e.g. key {k} (oracle score {float(s[k]):.6g}) kept over key {j} ({float(s[j]):.6g}): "
-                f"gap {float(s[j] - s[k]):.4g} > the bound {float(e[j] + e[k]):.4g} (the {row!r} max_rel x M of both "
-                f"keys; indexer_format {fmt!r}){cause}")
+                f"precision; oracle scores: key {k} {float(s[k]):.6g}, key {j} {float(s[j]):.6g}",
+                bound_line(f'TOLERANCES["{row}"]', f"max_rel x M of both keys; indexer_format {fmt!r}"),
+                cause=cause))
         swaps += len(kept)
         checked += 1
     figures.update(queries_checked=checked, tie_swaps=swaps, index_topk=K, context=scores.shape[-1],
@@ -415,8 +417,12 @@ def check_indexer_scores(backend, preset: str, dtype_label: str, kv_codec: str, 
         if alt_err < rel_fro / 4:
             cause = "; likely cause: " + sentence.format(
                 detail=f"the scores match the oracle with that layout (rel_fro {alt_err:.3e} vs {rel_fro:.3e})")
-        raise AssertionError(
-            f"{where}: indexer scores differ from the float64 oracle beyond the {row!r} tolerance: rel_fro "
-            f"{rel_fro:.3e} of M (tolerance {tol.rel_fro:g}), max |error| / M {max_rel:.3e} (tolerance "
-            f"{tol.max_rel:g}); worst: key {t} for the query at position {p} (row {b}), score "
-            f"{float(got[b, p, t]):.6g} vs {float(oracle[b, p, t]):.6g}{cause}")
+        fro_over = float(err.norm()) / bound_fro if bound_fro else float("inf")
+        raise AssertionError(failure(
+            f"{where}: indexer scores differ from the float64 oracle: "
+            + (f"max |error| / M {over(max_rel, tol.max_rel)}" if max_rel / tol.max_rel >= fro_over else
+               f"rel_fro of M {num(rel_fro)} vs bound {num(bound_fro / float(m_allowed.norm()))}, {times(fro_over)} over")
+            + f" (key {t}, query at position {p}, row {b})",
+            f"got {float(got[b, p, t]):.6g}, expected {float(oracle[b, p, t]):.6g}; rel_fro {rel_fro:.3e} of M "
+            f"(tolerance {tol.rel_fro:g}), max |error| / M {max_rel:.3e} (tolerance {tol.max_rel:g})",
+            bound_line(f'TOLERANCES["{row}"]'), cause=cause))

@@ -10,11 +10,11 @@ import functools
 import torch
 
 from mla_conformance.checks.layer import diagnose
-from mla_conformance.checks.messages import bound_line, failure, over
 from mla_conformance.checks.layer.driver import (SCENARIOS, Scenario, diagnosis, inputs_for, master_weights, require_support,
                                            run_scenario, scenario_lengths, weights_for)
 from mla_conformance.checks.metrics import dtype_name, error_metrics, margin, row_metrics
 from mla_conformance.checks.tolerances import Tolerance, row_tolerance, tolerance_figures
+from mla_conformance.messages import bound_line, failure, over
 from mla_conformance.model.reference import reference_attention_f64
 
 #: the presets the numerics tests run (suites/test_numerics.py's docstring says why these)

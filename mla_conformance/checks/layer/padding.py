@@ -28,12 +28,13 @@ import torch
 from mla_conformance.checks.layer.bytes import format_bytes_per_token
 from mla_conformance.checks.layer.driver import (Scenario, diagnosis, inputs_for, master_weights, require_support,
                                            run_scenario, scenario_lengths, weights_for)
-from mla_conformance.checks.layer.numerics import check_rows, likely_cause_message
+from mla_conformance.checks.layer.numerics import check_rows, likely_cause_message, rows_failure, tolerance_key
 from mla_conformance.checks.metrics import dtype_name, error_metrics, row_metrics
 from mla_conformance.checks.tolerances import row_tolerance, tolerance_figures
 from mla_conformance.contract.calls import call_backend, tensors_of_checked
 from mla_conformance.contract.layer import cache_format_of
 from mla_conformance.kv.caches.measure import bookkeeping_limit, is_bookkeeping
+from mla_conformance.messages import failure
 from mla_conformance.model.reference import reference_attention_f64
 
 PRESET = "tiny"
@@ -96,10 +97,11 @@ class CacheWatch:
                     "row's cache must not change (a row with lengths 0 appends nothing)")
         else:
             what = (f"row {b} got {int(lengths[b])} new token(s) (lengths) but its seq_lens went {int(seq_before[b])} "
-                    f"-> {int(got[b])}" + (f"; likely cause: the right padding counted as tokens (the call's width "
-                                           f"S = {S})" if int(got[b] - seq_before[b]) == S else "")
-                    + ": attend appends lengths[b] tokens, not the padded width")
-        raise AssertionError(f"{name}: {what} (rows off: {bad}; lengths {lengths.tolist()})")
+                    f"-> {int(got[b])}: attend appends lengths[b] tokens, not the padded width"
+                    + (f"; likely cause: the right padding counted as tokens (the call's width S = {S})"
+                       if int(got[b] - seq_before[b]) == S else ""))
+        raise AssertionError(failure(f"{name}: {what}",
+                                     f"rows off: {bad}; lengths {lengths.tolist()}"))
 
     def _bytes_per_token(self, cache) -> int:
         return format_bytes_per_token(self.config, cache_format_of(self.backend, cache), self.dtype)
@@ -116,13 +118,12 @@ class CacheWatch:
         active = int(call_backend(cache, "active_nbytes"))
         book, _ = self._bookkeeping(cache, tensors_of_checked(call_backend(cache, "tensors"), name))
         if not tokens * per <= active <= tokens * per + book:
-            raise AssertionError(f"{name}: active_nbytes() says {active:,} B after this call but the {tokens} tokens "
-                                 f"the rows were handed (seq_lens {self.stored.tolist()}) take {tokens * per:,} B "
-                                 f"({per} B per token in the declared format"
-                                 + (f", plus at most {book:,} B of bookkeeping" if book else "") + ")"
-                                 + ("; likely cause: an idle row (lengths 0) counted as holding a token"
-                                    if active > tokens * per + book and active - tokens * per - book <= per * self.batch
-                                    else ""))
+            raise AssertionError(failure(
+                f"{name}: active_nbytes() says {active:,} B after this call but the {tokens} tokens the rows were "
+                f"handed take {tokens * per:,} B" + (f" (+ at most {book:,} B of bookkeeping)" if book else ""),
+                f"seq_lens {self.stored.tolist()}; {per} B per token in the declared format",
+                cause=("an idle row (lengths 0) counted as holding a token"
+                       if active > tokens * per + book and active - tokens * per - book <= per * self.batch else "")))
 
     def _storage(self, cache, name) -> dict[str, torch.Tensor]:
         tensors = tensors_of_checked(call_backend(cache, "tensors"), name)
@@ -148,9 +149,10 @@ class CacheWatch:
         cause = (f"the token storage of idle row(s) {rows} (lengths 0) changed: an idle row's cache must not change"
                  if rows else "a writer sets only the slots of each row's lengths[b] valid new tokens (an idle row "
                  "writes nothing; right padding is not a token)")
-        raise AssertionError(f"{name}: the call changed {sum(nbytes.values()):,} B of token storage ({nbytes}) but its "
-                             f"{int(lengths.sum())} new tokens (lengths {lengths.tolist()}) take {allowed:,} B ({per} B "
-                             f"per token in the declared format); {cause}")
+        raise AssertionError(failure(
+            f"{name}: the call changed {sum(nbytes.values()):,} B of token storage but its {int(lengths.sum())} new "
+            f"tokens take {allowed:,} B; {cause}",
+            f"changed: {nbytes}; lengths {lengths.tolist()}; {per} B per token in the declared format"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -229,12 +231,12 @@ def idle_rows(backend, dtype: torch.dtype = torch.float32, device="cpu", figures
         if not (mb["rel_fro"] <= tol.rel_fro and mb["max_rel"] <= tol.max_rel):
             figures.update(tolerance_figures(tol))
             at = int((out[b, :n] - control[j, :n]).abs().amax(-1).argmax())
-            raise AssertionError(
-                f"{where}: row {b}'s outputs differ from the same row run in a batch without idle rows: rel_fro "
-                f"{mb['rel_fro']:.3e} (tolerance {tol.rel_fro:.3g}), max_abs/rms {mb['max_rel']:.3e} (tolerance "
-                f"{tol.max_rel:.3g}); worst token at position {at} of {n} (its calls' new tokens: {_calls_of(IDLE, b)}; "
-                f"the batch's: {[list(c) for c in IDLE.schedule]}); likely cause: the idle rows (lengths 0) change "
-                "their neighbours (an output written back to the wrong row, a batch-wide length or mask)")
+            raise AssertionError(rows_failure(
+                f"{where}: row {b}'s outputs differ from the same row run in a batch without idle rows", mb, tol,
+                f"worst token at position {at} of {n}",
+                f"its calls' new tokens: {_calls_of(IDLE, b)}; the batch's: {[list(c) for c in IDLE.schedule]}",
+                cause="the idle rows (lengths 0) change their neighbours (an output written back to the wrong row, a "
+                      "batch-wide length or mask)", key=tolerance_key(dtype)))
     figures["neighbours_over_tolerance"] = worst
     _check_reference(backend, w, x, out, trace, IDLE, dtype, figures,
                      detail=lambda b: f" (its calls' new tokens: {_calls_of(IDLE, b)}; 0 = idle)")

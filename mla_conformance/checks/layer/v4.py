@@ -21,6 +21,7 @@ from mla_conformance.checks.metrics import dtype_name, error_metrics
 from mla_conformance.errors import BackendSpecError
 from mla_conformance.kv import model1
 from mla_conformance.kv.caches.measure import written_bytes, written_masks
+from mla_conformance.messages import failure, times
 from mla_conformance.model.v4_config import CSA, HCA, SHORT, SLIDING, TINY_LAYERS, V4Weights, v4_config
 from mla_conformance.model.v4_reference import EXACT, Variant, v4_attention_f64
 
@@ -233,7 +234,7 @@ def _judged_reference(w64, x, dtype, lengths, ref, traces, picks, where, figures
     if picks:
         own, wrong = own_selection_oracle(w64, x.to(dtype).to(torch.float64), lengths, traces, picks, dtype, store)
         if wrong:
-            raise AssertionError(_selection_failure(where, wrong) + cause())
+            raise AssertionError(failure(_selection_failure(where, wrong), cause=cause()))
         figures["own_selection_queries"] = len(picks)
         figures["tied_queries_not_compared"] = 0
         return (ref if own is None else own), valid
@@ -397,8 +398,9 @@ def check_cache_bytes(backend, layer_type: str, dtype: torch.dtype, device="cpu"
         elif comp in ("compressed", "indexer") and want and got % want == 0:
             hint = f"; {got // want} x the entries' bytes"
         also = f" (or {lean:,} B: sliding_window - 1 rows)" if comp == "window" else ""
-        raise AssertionError(f"{where}: {comp} holds {got:,} B, expected {want:,} B{also} "
-                             f"({_formula(cfg, comp, tokens, dtype, row)}){hint}")
+        raise AssertionError(failure(f"{where}: {comp} holds {got:,} B, expected {want:,} B{also}: "
+                                     f"{times(got / want) if want else 'inf x'} the format's",
+                                     f"format: {_formula(cfg, comp, tokens, dtype, row)}", cause=hint))
     return measured
 
 

@@ -20,7 +20,6 @@ import math
 
 import torch
 
-from mla_conformance.checks.messages import with_cause
 from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.checks.op.compare import bounds, check_against_oracle, compare, oracle_of, tolerance_for
 from mla_conformance.checks.op.inputs import (CANARY_BYTE, CANARY_BYTES, INVALID_BLOCK, Buffer, OpInputs, Spec, build,
@@ -28,6 +27,7 @@ from mla_conformance.checks.op.inputs import (CANARY_BYTE, CANARY_BYTES, INVALID
 from mla_conformance.checks.op.run import validate
 from mla_conformance.contract.op import D_V, OpCase, declared
 from mla_conformance.errors import BackendError
+from mla_conformance.messages import with_cause
 
 #: what an out / lse buffer holds before the call: 0xFF bytes, NaN in every float dtype and never a value a
 #: kernel writes (its NaN is the canonical 0x7FC0...), so an element still holding it was not written

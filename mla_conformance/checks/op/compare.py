@@ -7,7 +7,7 @@ the declared empty-row infinity; NaN in a query with keys fails; every other ele
 (:class:`Bounds`), derived per element from the oracle's magnitudes (:func:`bounds`, :func:`attention_bounds`,
 :class:`~mla_conformance.checks.tolerances.OpTolerance`) or a method's own rule (a merge's).
 
-Every failure message (:mod:`mla_conformance.checks.messages`) opens with one line: the op, the case
+Every failure message (:mod:`mla_conformance.messages`) opens with one line: the op, the case
 (:meth:`OpCase.describe`), the check, what differs and where its worst element is, measured against its bound and
 how many times over; then the likely cause when one is found, got / expected and how many values are over, and
 the bound's key in docs/tolerances.md (its derivation is there, not in the message). ``figures`` (the test's
@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 
 from mla_conformance.checks.metrics import OP_NAN_HINT as NAN_HINT
-from mla_conformance.checks.messages import bound_line, failure, over, split_cause, with_cause
 from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.checks.op.inputs import OpInputs, Spec, build, require, where
 from mla_conformance.checks.op.run import run_op
@@ -31,6 +30,7 @@ from mla_conformance.checks.tolerances import (OP_LSE_ROUNDING, OP_TOLERANCES, o
                                                unit_roundoff)
 from mla_conformance.contract.op import D_V, OpCase, declared
 from mla_conformance.impl.ops.reference import dequantize_cache, oracle
+from mla_conformance.messages import bound_line, failure, over, split_cause, with_cause
 from mla_conformance.model.attention_oracles import lse_to_natural, to_natural
 
 
@@ -47,7 +47,7 @@ def key_magnitudes(count_out: torch.Tensor, count_lse: torch.Tensor) -> dict:
     no attention sink, one head of zeros and the cache's |values| (every key weighs 1 / n): lse = ln n, out =
     mean_t |v_t|. A caller with its own oracle (prefill, merges) gets them the same way. (An oracle whose
     magnitudes carry ``keys`` and ``abs_v_sum`` itself -- two sums in its loop -- spares :func:`oracle_of` this
-    second pass: about 0.2 s of CPU per op suite run.)"""
+    second oracle pass over every case.)"""
     keys = torch.where(torch.isfinite(count_lse), torch.exp(count_lse).round(), torch.zeros_like(count_lse))
     return {"keys": keys, "abs_v_sum": count_out * keys.transpose(1, 2)[..., None]}
 

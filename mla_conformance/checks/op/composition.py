@@ -33,15 +33,15 @@ import math
 
 import torch
 
-from mla_conformance.checks.op import merge as mc
-from mla_conformance.checks import op as oc
-from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op import merge as merge_checks
+from mla_conformance.checks import op as op_checks
+from mla_conformance.checks.op import methods as method_checks
 from mla_conformance.checks.op.compare import Bounds, compare_attention
-from mla_conformance.checks.op import prefill as pc
+from mla_conformance.checks.op import prefill as prefill_checks
 from mla_conformance.checks.op.prefill import cu_seqlens
 from mla_conformance.checks.tolerances import unit_roundoff
 from mla_conformance.contract.op import MethodCase, declared, has_method
-from mla_conformance.model import attention_oracles as ao
+from mla_conformance.model import attention_oracles
 
 KV_LORA, ROPE, NOPE, V_DIM = 512, 64, 128, 128
 U32 = unit_roundoff(torch.float32)
@@ -148,9 +148,10 @@ def _fill_cache(op, spec: CompositionSpec, inp: CompositionInputs, figures: dict
     cache = torch.full((inp.num_blocks, spec.page, 1, KV_LORA + ROPE), float("nan"), dtype=dt)
     wcase = MethodCase("write", dt, d_qk=KV_LORA + ROPE, d_v=KV_LORA, tokens=int(inp.slots.numel()),
                        kv_format="latent", page_block_size=spec.page, device=spec.device)
-    if has_method(op, "write") and om.unsupported(op, wcase) is None:
-        bufs = om.buffers(spec.device, kv_c=inp.kv_c, k_pe=inp.k_pe, kv_cache=cache, slot_mapping=inp.slots)
-        om.call(op, "write", wcase, "composition step 0: write", bufs, ("kv_c", "k_pe", "kv_cache", "slot_mapping"),
+    if has_method(op, "write") and method_checks.unsupported(op, wcase) is None:
+        bufs = method_checks.buffers(spec.device, kv_c=inp.kv_c, k_pe=inp.k_pe, kv_cache=cache, slot_mapping=inp.slots)
+        method_checks.call(op, "write", wcase, "composition step 0: write", bufs,
+                           ("kv_c", "k_pe", "kv_cache", "slot_mapping"),
                 mutable=("kv_cache",), kv_format="latent")
         cache = bufs["kv_cache"].view.detach().cpu()
         got = cache.reshape(-1, KV_LORA + ROPE)[inp.slots]
@@ -159,7 +160,7 @@ def _fill_cache(op, spec: CompositionSpec, inp: CompositionInputs, figures: dict
             -1, (-1, got.element_size())).any(-1)
         if bool(differ.any()):
             t, j = (int(i) for i in differ.nonzero()[0])
-            raise AssertionError(f"{om.where(op, wcase, 'composition step 0: write of the cache')}: token {t} (slot "
+            raise AssertionError(f"{method_checks.where(op, wcase, 'composition step 0: write of the cache')}: token {t} (slot "
                                  f"{int(inp.slots[t])}) reads back {float(got[t, j])!r} at value {j}, written "
                                  f"{float(want[t, j])!r}: the chunks below would read another context "
                                  "(suites/test_op_write.py checks the writer byte by byte)")
@@ -206,7 +207,7 @@ def part_oracle(spec: CompositionSpec, p: int):
         lens, causal = spec.chunk_lens(p), False
     else:
         (k, v), lens, causal = _new_kv(spec), spec.new, True
-    return ao.prefill(inp.q, k, v, cu_seqlens(spec.new), cu_seqlens(lens), softmax_scale=spec.softmax_scale,
+    return attention_oracles.prefill(inp.q, k, v, cu_seqlens(spec.new), cu_seqlens(lens), softmax_scale=spec.softmax_scale,
                       causal=causal, magnitudes=True)
 
 
@@ -227,24 +228,24 @@ def merged_oracle(spec: CompositionSpec, p: int):
             ks[b].append(k[a:e])
             vs[b].append(v[a:e])
     lens = [sum(int(x.shape[0]) for x in row) for row in ks]
-    return ao.prefill(inp.q, torch.cat([torch.cat(r) for r in ks]), torch.cat([torch.cat(r) for r in vs]),
+    return attention_oracles.prefill(inp.q, torch.cat([torch.cat(r) for r in ks]), torch.cat([torch.cat(r) for r in vs]),
                       cu_seqlens(spec.new), cu_seqlens(lens), softmax_scale=spec.softmax_scale,
                       causal=p >= spec.chunks, magnitudes=True)
 
 
 def _natural(op, key: str, lse: torch.Tensor) -> torch.Tensor:
     """An op's lse (declared base ``key``) as a float64 natural log, both infinities kept."""
-    return ao.to_natural(lse, declared(op, key))
+    return attention_oracles.to_natural(lse, declared(op, key))
 
 
 def run_composition(op, spec: CompositionSpec, *, figures: dict):
     """Steps 0-3 of the module docstring, each checked as it is taken; returns the final (out, lse natural)."""
     __tracebackhide__ = True
-    om.require_method(op, "prefill", "merge")
-    pc.require_lse(op, "the composition (chunked prefill's partials merged by their lse)")
+    method_checks.require_method(op, "prefill", "merge")
+    prefill_checks.require_lse(op, "the composition (chunked prefill's partials merged by their lse)")
     merge_base = declared(op, "merge_lse_base")
     for case in (spec.prefill_case(False, [0]), spec.prefill_case(True, spec.new), spec.merge_case(merge_base, True)):
-        om.require(op, case)
+        method_checks.require(op, case)
     inp = build(spec)
     figures.update(op=op.name, case=f"composition: context {spec.context}, new {spec.new}, chunks of {spec.chunk} "
                                     f"({spec.chunks}), page {spec.page}, h={spec.heads}, {spec.dtype}",
@@ -281,10 +282,10 @@ def run_composition(op, spec: CompositionSpec, *, figures: dict):
 def _prefill_part(op, spec, case, what, k, v, cu_q, cu_k, causal, oracle):
     __tracebackhide__ = True
     inp = build(spec)
-    bufs = om.buffers(spec.device, q=inp.q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    result = om.call(op, "prefill", case, what, bufs, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
+    bufs = method_checks.buffers(spec.device, q=inp.q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    result = method_checks.call(op, "prefill", case, what, bufs, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
                      softmax_scale=spec.softmax_scale, causal=causal)
-    out, lse = pc.outputs(op, case, what, result)
+    out, lse = prefill_checks.outputs(op, case, what, result)
     empty = math.inf if declared(op, "prefill_empty_row") == "+inf" else -math.inf
     compare_attention(op, case, out, lse, oracle, check=what, figures={}, base=declared(op, "prefill_lse_base"),
                       base_key="prefill_lse_base", empty_lse=empty, empty_key="prefill_empty_row",
@@ -299,18 +300,20 @@ def _merge_step(op, spec, acc, part, p, what, figures):
     to_base = (lambda x: x / math.log(2.0)) if base == "2" else (lambda x: x)
     (a_out, a_lse), (b_out, b_lse) = acc, part
     case = spec.merge_case(base, bool((torch.isinf(a_lse) & torch.isinf(b_lse)).any()))
-    bufs = om.buffers(spec.device, out_a=a_out, lse_a=mc.marked(op, to_base(a_lse).to(torch.float32)), out_b=b_out,
-                      lse_b=mc.marked(op, to_base(b_lse).to(torch.float32)))
-    out, lse = mc.run(op, case, what, bufs, case.tokens, spec.heads, V_DIM)
+    bufs = method_checks.buffers(spec.device, out_a=a_out,
+                                 lse_a=merge_checks.marked(op, to_base(a_lse).to(torch.float32)), out_b=b_out,
+                      lse_b=merge_checks.marked(op, to_base(b_lse).to(torch.float32)))
+    out, lse = merge_checks.run(op, case, what, bufs, case.tokens, spec.heads, V_DIM)
     ref_out, ref_lse, mags = merged_oracle(spec, p)
     bounds = _composed_bounds(spec, p, mags, ref_lse, out.dtype)
-    mc.compare(op, case, out, lse, (ref_out, ref_lse, mags), bounds, check=what, figures=figures, locate=spec.locate,
+    merge_checks.compare(op, case, out, lse, (ref_out, ref_lse, mags), bounds, check=what, figures=figures,
+                         locate=spec.locate,
                against="the float64 attention over the parts merged so far")
     return out.detach().cpu(), _natural(op, "merge_lse_base", lse)
 
 
 def _composed_bounds(spec, p, mags, ref_lse, out_dtype) -> Bounds:
-    key, tol = oc.tolerance_for(spec.prefill_case(False, [1]))
+    key, tol = op_checks.tolerance_for(spec.prefill_case(False, [1]))
     k = p + 1
     deltas, lse_abs = [], []
     for o_out, o_lse, o_mags in (part_oracle(spec, j) for j in range(k)):

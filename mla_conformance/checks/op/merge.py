@@ -24,12 +24,12 @@ import math
 
 import torch
 
-from mla_conformance.checks.messages import with_cause
-from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op import methods as method_checks
 from mla_conformance.checks.op.compare import Bounds, compare_attention
 from mla_conformance.checks.tolerances import unit_roundoff
 from mla_conformance.contract.op import MethodCase, declared
-from mla_conformance.model import attention_oracles as ao
+from mla_conformance.messages import with_cause
+from mla_conformance.model import attention_oracles
 
 METHOD = "merge"
 U32 = unit_roundoff(torch.float32)
@@ -69,7 +69,7 @@ class MergeSpec:
 
 
 @functools.lru_cache(maxsize=32)
-def build(spec: MergeSpec) -> dict[str, om.Buffer]:
+def build(spec: MergeSpec) -> dict[str, method_checks.Buffer]:
     g = torch.Generator().manual_seed(5000 + spec.seed)
     dt = getattr(torch, spec.dtype)
     T, h, d = spec.tokens, spec.heads, spec.d
@@ -85,7 +85,7 @@ def build(spec: MergeSpec) -> dict[str, om.Buffer]:
                 out[t] = 0.0
     to_base = (lambda x: x / math.log(2.0)) if spec.base == "2" else (lambda x: x)
     strided = spec.strided
-    return om.buffers(spec.device, out_a=(out_a.to(dt), {"pad_last": 16} if strided else {}),
+    return method_checks.buffers(spec.device, out_a=(out_a.to(dt), {"pad_last": 16} if strided else {}),
                       lse_a=(to_base(lse_a).to(torch.float32), {"order": (1, 0)} if strided else {}),
                       out_b=(out_b.to(dt), {}), lse_b=(to_base(lse_b).to(torch.float32), {}))
 
@@ -93,7 +93,7 @@ def build(spec: MergeSpec) -> dict[str, om.Buffer]:
 @functools.lru_cache(maxsize=32)
 def oracle_of(spec: MergeSpec):
     t = {n: b.view.detach().cpu() for n, b in build(spec).items()}
-    return ao.merge(t["out_a"], t["lse_a"], t["out_b"], t["lse_b"], base=spec.base, magnitudes=True)
+    return attention_oracles.merge(t["out_a"], t["lse_a"], t["out_b"], t["lse_b"], base=spec.base, magnitudes=True)
 
 
 def empty_input(op) -> str:
@@ -141,11 +141,11 @@ def _marker_hint(op, spec: MergeSpec, out, lse) -> str:
 def run(op, case, check: str, bufs: dict, tokens: int, heads: int, d: int):
     """op.merge on the buffers (out_a, lse_a, out_b, lse_b): (out, lse) after the type / shape / dtype checks."""
     __tracebackhide__ = True
-    result = om.call(op, METHOD, case, check, bufs, ("out_a", "lse_a", "out_b", "lse_b"))
-    out, lse = om.tuple_out(op, case, check, METHOD, result, 2, "out, lse")
-    om.tensor_out(op, case, check, METHOD, "out", out, (tokens, heads, d), bufs["out_a"].view.dtype,
+    result = method_checks.call(op, METHOD, case, check, bufs, ("out_a", "lse_a", "out_b", "lse_b"))
+    out, lse = method_checks.tuple_out(op, case, check, METHOD, result, 2, "out, lse")
+    method_checks.tensor_out(op, case, check, METHOD, "out", out, (tokens, heads, d), bufs["out_a"].view.dtype,
                   why_dtype=OUT_DTYPE_RULE)
-    om.tensor_out(op, case, check, METHOD, "lse", lse, (tokens, heads), torch.float32)
+    method_checks.tensor_out(op, case, check, METHOD, "lse", lse, (tokens, heads), torch.float32)
     return out, lse
 
 
@@ -166,8 +166,8 @@ def empty_lse(op) -> float:
 def check_against_oracle(op, spec: MergeSpec, *, check: str, figures: dict):
     """Run op.merge; out / lse against the float64 merge of the same inputs, within :func:`merge_bounds`."""
     __tracebackhide__ = True
-    om.require_method(op, METHOD)
-    case = om.require(op, spec.case())
+    method_checks.require_method(op, METHOD)
+    case = method_checks.require(op, spec.case())
     figures.update(case=case.describe(), check=check, op=op.name)
     out, lse = run(op, case, check, build(spec), spec.tokens, spec.heads, spec.d)
     ref_out, ref_lse, mags = oracle_of(spec)
@@ -194,5 +194,6 @@ def compare(op, case, out, lse, oracle, bounds, *, check: str, figures: dict, lo
                       empty_key="merge_empty_row", locate=locate, against=against, bounds=bounds)
 
 
-__all__ = ["MergeSpec", "build", "oracle_of", "spec_for", "empty_input", "marked", "run", "merge_bounds", "check_against_oracle", "compare",
+__all__ = ["MergeSpec", "build", "oracle_of", "spec_for", "empty_input", "marked", "run", "merge_bounds",
+           "check_against_oracle", "compare",
            "ONE_SIDED", "BOTH_EMPTY", "empty_lse"]

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from mla_conformance.checks import op as oc
+from mla_conformance.checks import op as op_checks
 from mla_conformance.checks.op import inputs as op_inputs
 from mla_conformance.checks.op.inputs import declared_otherwise, not_declared, op_reason, where
 from mla_conformance.checks.op.run import permuted, raised
@@ -77,7 +77,7 @@ def first_supported(op, cases):
 # --------------------------------------------------------------------------- buffers
 
 
-class Buffer(oc.Buffer):
+class Buffer(op_checks.Buffer):
     """A canaried view (mla_conformance.checks.op.Buffer) allocated in dimension order ``order`` (a permutation:
     the view is the allocation permuted back) and padded by ``pad_last`` elements (NaN / 0xFF) in its last dim."""
 
@@ -90,7 +90,7 @@ class Buffer(oc.Buffer):
         alloc = [shape[i] for i in order]
         alloc[-1] += pad_last
         n = math.prod(alloc) * value.element_size()
-        self.base = torch.full((n + oc.CANARY_BYTES,), oc.CANARY_BYTE, dtype=torch.uint8, device=device)
+        self.base = torch.full((n + op_checks.CANARY_BYTES,), op_checks.CANARY_BYTE, dtype=torch.uint8, device=device)
         typed = self.base[:n].view(value.dtype).view(alloc)
         if pad_last:
             if value.is_floating_point():
@@ -127,7 +127,7 @@ def call(op, method: str, case, check: str, bufs: dict[str, Buffer], args: tuple
     __tracebackhide__ = True
     require(op, case)
     views = views or {}
-    kw = {k: (v.view if isinstance(v, oc.Buffer) else v) for k, v in kwargs.items()}
+    kw = {k: (v.view if isinstance(v, op_checks.Buffer) else v) for k, v in kwargs.items()}
     handed = {a: views[a] if a in views else bufs[a].view for a in args}
     try:
         result = getattr(op, method)(*handed.values(), **kw)
@@ -156,7 +156,7 @@ def tensor_out(op, case, check: str, method: str, what: str, value, shape: tuple
     want = dtype_name(dtype) if dtype is not None else "floating"
     layout = layout_of(method, what)
     expected = f"{want} {layout} = {tuple(shape)}" if layout else f"{want} {tuple(shape)}"
-    got = f"{oc.dtype_name(value.dtype)} {tuple(value.shape)}"
+    got = f"{op_checks.dtype_name(value.dtype)} {tuple(value.shape)}"
     if tuple(value.shape) != tuple(shape):
         raise BackendOutputError(f"{w}: {method}() returned {what} {got}, expected {expected}"
                                  f"{permuted(method, what, layout, tuple(value.shape), tuple(shape))}")
@@ -164,7 +164,7 @@ def tensor_out(op, case, check: str, method: str, what: str, value, shape: tuple
         extra = f" ({why_dtype})" if why_dtype else ""
         if dtype == torch.float32 and value.is_floating_point() and value.dtype != dtype:
             extra = (f" (the op contract's {what} is float32: partial results are merged by exp(lse_i - lse), and "
-                     f"{oc.dtype_name(value.dtype)} keeps {torch.finfo(value.dtype).nmant + 1} significant bits)")
+                     f"{op_checks.dtype_name(value.dtype)} keeps {torch.finfo(value.dtype).nmant + 1} significant bits)")
         raise BackendOutputError(f"{w}: {method}() returned {what} {got}, expected {expected}{extra}")
     return value
 

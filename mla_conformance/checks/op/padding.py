@@ -27,11 +27,11 @@ import math
 
 import torch
 
-from mla_conformance.checks.messages import failure, with_cause
 from mla_conformance.checks.op.compare import as_reference, bitwise_equal, compare, empty_row_sentences, oracle_of
 from mla_conformance.checks.op.inputs import INVALID_BLOCK, Buffer, OpInputs, Spec, build, where
 from mla_conformance.checks.op.run import run_op
 from mla_conformance.contract.op import declared
+from mla_conformance.messages import failure, with_cause
 
 #: what padding rows' block-table rows hold, one padding row of each in a batch (in this order, cycled): vLLM's -1,
 #: 0, stale ids of an earlier batch's pages (NaN-poisoned since), stale ids of pages another row uses now

@@ -17,12 +17,12 @@ import functools
 import pytest
 import torch
 
-from mla_conformance.checks.messages import with_cause
-from mla_conformance.checks.op import methods as om
+from mla_conformance.checks.op import methods as method_checks
 from mla_conformance.checks.op.compare import compare_attention
 from mla_conformance.contract.op import MethodCase, declared
 from mla_conformance.errors import BackendOutputError
-from mla_conformance.model import attention_oracles as ao
+from mla_conformance.messages import with_cause
+from mla_conformance.model import attention_oracles
 
 METHOD = "prefill"
 
@@ -87,7 +87,7 @@ def cu_seqlens(lens) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def build(spec: PrefillSpec) -> dict[str, om.Buffer]:
+def build(spec: PrefillSpec) -> dict[str, method_checks.Buffer]:
     g = torch.Generator().manual_seed(3000 + spec.seed)
     dt = getattr(torch, spec.dtype)
     tq, tk = sum(m for m, _ in spec.rows), sum(n for _, n in spec.rows)
@@ -96,7 +96,8 @@ def build(spec: PrefillSpec) -> dict[str, om.Buffer]:
     v = torch.randn(tk, spec.h_k, spec.d_v, generator=g, dtype=torch.float64).to(dt)
     pad_v = (spec.d_qk - spec.d_v) or 32
     opts = lambda **kw: kw if spec.strided else {}  # noqa: E731
-    return om.buffers(spec.device, q=(q, opts(pad_last=64)), k=(k, opts(order=(1, 0, 2))), v=(v, opts(pad_last=pad_v)),
+    return method_checks.buffers(spec.device, q=(q, opts(pad_last=64)), k=(k, opts(order=(1, 0, 2))),
+                                 v=(v, opts(pad_last=pad_v)),
                       cu_seqlens_q=cu_seqlens(m for m, _ in spec.rows), cu_seqlens_k=cu_seqlens(n for _, n in spec.rows))
 
 
@@ -107,7 +108,8 @@ def _inputs(bufs):
 @functools.lru_cache(maxsize=32)
 def oracle_of(spec: PrefillSpec, align: str = "bottom-right"):
     """(out, lse natural, magnitudes) of the float64 oracle over the values the op is handed."""
-    return ao.prefill(*_inputs(build(spec)), softmax_scale=spec.softmax_scale, causal=spec.causal, magnitudes=True,
+    return attention_oracles.prefill(*_inputs(build(spec)), softmax_scale=spec.softmax_scale, causal=spec.causal,
+                                     magnitudes=True,
                       align=align)
 
 
@@ -116,7 +118,7 @@ def run(op, spec: PrefillSpec, check: str, bufs=None, case=None):
     __tracebackhide__ = True
     bufs = build(spec) if bufs is None else bufs
     case = spec.case() if case is None else case
-    result = om.call(op, METHOD, case, check, bufs, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
+    result = method_checks.call(op, METHOD, case, check, bufs, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
                      softmax_scale=spec.softmax_scale, causal=spec.causal)
     return outputs(op, case, check, result)
 
@@ -125,15 +127,15 @@ def outputs(op, case, check: str, result):
     """A prefill's (out, lse) checked for type, shape and dtype (BackendOutputError); lse None for an op that
     declares ``prefill_returns_lse = False`` (whatever it returned in its place is not looked at)."""
     __tracebackhide__ = True
-    out, lse = om.tuple_out(op, case, check, METHOD, result, 2, "out, lse")
+    out, lse = method_checks.tuple_out(op, case, check, METHOD, result, 2, "out, lse")
     tq = case.tokens
-    om.tensor_out(op, case, check, METHOD, "out", out, (tq, case.h_q, case.d_v))
+    method_checks.tensor_out(op, case, check, METHOD, "out", out, (tq, case.h_q, case.d_v))
     if not declared(op, "prefill_returns_lse"):
         return out, None
     if lse is None:
-        raise BackendOutputError(f"{om.where(op, case, check)}: prefill() returned (Tensor, None), not (out, lse): "
+        raise BackendOutputError(f"{method_checks.where(op, case, check)}: prefill() returned (Tensor, None), not (out, lse): "
                                     "a prefill that returns no lse declares prefill_returns_lse = False")
-    om.tensor_out(op, case, check, METHOD, "lse", lse, (tq, case.h_q), torch.float32)
+    method_checks.tensor_out(op, case, check, METHOD, "lse", lse, (tq, case.h_q), torch.float32)
     return out, lse
 
 
@@ -153,8 +155,8 @@ def check_against_oracle(op, spec: PrefillSpec, *, check: str, figures: dict):
     """Run, compare with the oracle; a failing causal case with q_len != kv_len is compared once more with the
     oracle aligned top-left, to name that as the likely cause."""
     __tracebackhide__ = True
-    om.require_method(op, METHOD)
-    case = om.require(op, spec.case())
+    method_checks.require_method(op, METHOD)
+    case = method_checks.require(op, spec.case())
     figures.update(case=case.describe(), check=check, op=op.name)
     out, lse = run(op, spec, check)
     kw = dict(base=declared(op, "prefill_lse_base"), base_key="prefill_lse_base", empty_lse=empty_lse(op),

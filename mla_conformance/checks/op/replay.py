@@ -20,7 +20,6 @@ import math
 
 import torch
 
-from mla_conformance.checks.messages import with_cause
 from mla_conformance.checks.op.compare import bitwise_equal, compare, oracle_of_inputs
 from mla_conformance.checks.op.inputs import (INVALID_BLOCK, SOFTMAX_SCALE, Buffer, OpInputs, Spec,
                                               kinds_of_rows_without_keys)
@@ -28,6 +27,7 @@ from mla_conformance.checks.op.padding import real_rows_only
 from mla_conformance.checks.op.run import run_op
 from mla_conformance.contract.op import D_QK, OpCase, declared
 from mla_conformance.impl.ops.reference import encode_fp8_656
+from mla_conformance.messages import with_cause
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,11 +17,11 @@ import math
 
 import torch
 
-from mla_conformance.checks import op as oc
-from mla_conformance.checks.op import methods as om
+from mla_conformance.checks import op as op_checks
+from mla_conformance.checks.op import methods as method_checks
 from mla_conformance.checks.op.compare import compare_attention
 from mla_conformance.contract.op import MethodCase, declared
-from mla_conformance.model import attention_oracles as ao
+from mla_conformance.model import attention_oracles
 
 METHOD = "sparse_prefill"
 #: FlashMLA's tests/lib.py invalid index candidates (its 1919810 and 2147480000 are more of the same)
@@ -54,7 +54,7 @@ class SparseSpec:
 
 
 @functools.lru_cache(maxsize=32)
-def build(spec: SparseSpec) -> dict[str, om.Buffer]:
+def build(spec: SparseSpec) -> dict[str, method_checks.Buffer]:
     g = torch.Generator().manual_seed(4000 + spec.seed)
     dt = getattr(torch, spec.dtype)
     q = (torch.randn(spec.s_q, spec.h_q, spec.d_qk, generator=g, dtype=torch.float64) / 10).to(dt)
@@ -76,7 +76,7 @@ def build(spec: SparseSpec) -> dict[str, om.Buffer]:
     if spec.attn_sink:
         values = (0.0, 2.0, math.inf, -math.inf, -1.0, 4.0)
         tensors["attn_sink"] = torch.tensor([values[h % len(values)] for h in range(spec.h_q)], dtype=torch.float32)
-    return om.buffers(spec.device, **tensors)
+    return method_checks.buffers(spec.device, **tensors)
 
 
 def _kwargs(bufs) -> dict:
@@ -87,7 +87,7 @@ def _kwargs(bufs) -> dict:
 def oracle_of(spec: SparseSpec):
     """(out, max_logits, lse natural, magnitudes) of the float64 oracle over the values the op is handed."""
     t = {n: b.view.detach().cpu() for n, b in build(spec).items()}
-    return ao.sparse_prefill(t["q"], t["kv"], t["indices"], softmax_scale=SOFTMAX_SCALE, d_v=spec.d_v,
+    return attention_oracles.sparse_prefill(t["q"], t["kv"], t["indices"], softmax_scale=SOFTMAX_SCALE, d_v=spec.d_v,
                              topk_length=t.get("topk_length"), attn_sink=t.get("attn_sink"), magnitudes=True)
 
 
@@ -95,16 +95,16 @@ def check_against_oracle(op, spec: SparseSpec, *, check: str, figures: dict):
     """Run op.sparse_prefill; check out / lse (compare_attention) and max_logits (-inf where no index is valid,
     else within dot x A_max of the oracle's)."""
     __tracebackhide__ = True
-    om.require_method(op, METHOD)
-    case = om.require(op, spec.case())
+    method_checks.require_method(op, METHOD)
+    case = method_checks.require(op, spec.case())
     figures.update(case=case.describe(), check=check, op=op.name)
     bufs = build(spec)
-    result = om.call(op, METHOD, case, check, bufs, ("q", "kv", "indices"), softmax_scale=SOFTMAX_SCALE,
+    result = method_checks.call(op, METHOD, case, check, bufs, ("q", "kv", "indices"), softmax_scale=SOFTMAX_SCALE,
                      d_v=spec.d_v, **_kwargs(bufs))
-    out, max_logits, lse = om.tuple_out(op, case, check, METHOD, result, 3, "out, max_logits, lse")
-    om.tensor_out(op, case, check, METHOD, "out", out, (spec.s_q, spec.h_q, spec.d_v))
-    om.tensor_out(op, case, check, METHOD, "max_logits", max_logits, (spec.s_q, spec.h_q), torch.float32)
-    om.tensor_out(op, case, check, METHOD, "lse", lse, (spec.s_q, spec.h_q), torch.float32)
+    out, max_logits, lse = method_checks.tuple_out(op, case, check, METHOD, result, 3, "out, max_logits, lse")
+    method_checks.tensor_out(op, case, check, METHOD, "out", out, (spec.s_q, spec.h_q, spec.d_v))
+    method_checks.tensor_out(op, case, check, METHOD, "max_logits", max_logits, (spec.s_q, spec.h_q), torch.float32)
+    method_checks.tensor_out(op, case, check, METHOD, "lse", lse, (spec.s_q, spec.h_q), torch.float32)
     o_out, o_max, o_lse, mags = oracle_of(spec)
     valid = _valid_count(bufs, spec)
 
@@ -128,8 +128,8 @@ def _valid_count(bufs, spec: SparseSpec) -> list[int]:
 
 def _check_max_logits(op, case, check, got, ref, mags, figures, locate) -> None:
     __tracebackhide__ = True
-    w = om.where(op, case, check)
-    _, tol = oc.tolerance_for(case)
+    w = method_checks.where(op, case, check)
+    _, tol = op_checks.tolerance_for(case)
     got = got.detach().cpu().to(torch.float64)
     empty = torch.isneginf(ref)
     wrong = empty & (got != -math.inf)

@@ -29,8 +29,8 @@ import math
 import pytest
 import torch
 
-from mla_conformance.checks import op as oc
-from mla_conformance.checks.op import methods as om
+from mla_conformance.checks import op as op_checks
+from mla_conformance.checks.op import methods as method_checks
 from mla_conformance.checks.op.inputs import declared_otherwise
 from mla_conformance.contract.op import MethodCase, OpCase, declared
 from mla_conformance.errors import BackendOutputError
@@ -173,7 +173,7 @@ def build(spec: WriteSpec) -> WriteInputs:
     elem = torch.empty(0, dtype=dt).element_size()
     nbytes = cache_write.block_bytes(spec.kv_format, spec.page, elem)
     memory = torch.randint(0, 256, (num_blocks, nbytes), generator=g, dtype=torch.uint8)
-    bufs = om.buffers(spec.device, proj=(content.to(dt), {"pad_last": 32}), cache=memory,
+    bufs = method_checks.buffers(spec.device, proj=(content.to(dt), {"pad_last": 32}), cache=memory,
                       slot_mapping=torch.tensor(slots, dtype=torch.int64))
     blocks = bufs["cache"].view
     kvl, rope = spec.widths
@@ -210,11 +210,11 @@ def run(op, inp: WriteInputs, check: str) -> None:
     __tracebackhide__ = True
     cache = inp.bufs["cache"]
     cache.base.copy_(cache.snapshot)
-    result = om.call(op, METHOD, inp.case, check, inp.bufs, ("kv_c", "k_pe", "kv_cache", "slot_mapping"),
+    result = method_checks.call(op, METHOD, inp.case, check, inp.bufs, ("kv_c", "k_pe", "kv_cache", "slot_mapping"),
                      views={"kv_c": inp.kv_c, "k_pe": inp.k_pe, "kv_cache": inp.cache_view}, mutable=("cache",),
                      kv_format=inp.spec.kv_format)
     if result is not None:
-        raise BackendOutputError(f"{om.where(op, inp.case, check)}: write() returned {type(result).__name__}, not "
+        raise BackendOutputError(f"{method_checks.where(op, inp.case, check)}: write() returned {type(result).__name__}, not "
                                  "None (it writes into kv_cache)")
 
 
@@ -241,15 +241,15 @@ def dummy_mask(inp: WriteInputs) -> torch.Tensor:
 def check_write(op, spec: WriteSpec, *, check: str, figures: dict) -> WriteInputs:
     """Run the write and check every byte of the cache (module docstring)."""
     __tracebackhide__ = True
-    om.require_method(op, METHOD)
+    method_checks.require_method(op, METHOD)
     inp = build(spec)
-    case = om.require(op, inp.case)
+    case = method_checks.require(op, inp.case)
     fmt = scale_format(op)
     figures.update(case=case.describe(), check=check, op=op.name)
     if spec.kv_format != "latent":
         figures["scale_format"] = fmt if spec.kv_format == FP8_656 else "ue8m0"
     run(op, inp, check)
-    w = om.where(op, case, check)
+    w = method_checks.where(op, case, check)
     cache = inp.bufs["cache"]
     n = inp.blocks.numel()
     got = cache.base[:n].view(inp.blocks.shape).cpu()
@@ -462,7 +462,8 @@ def _field_message(op, inp: WriteInputs, t: int, slot: int, name: str, kind: str
             hint = (f"; the stored scales follow the {other!r} convention (amax / 448"
                     f"{' as is' if other == 'fp32' else ' rounded up to a power of two'}): declare "
                     f"write_fp8_scale_format = {other!r}, or write {fmt!r} scales")
-        if float(gv[i]) == 0.0 and float(wv[i]) > 0 and float(c.float().unflatten(-1, (-1, _tile(spec))).abs().amax(-1)[i]) == 0:
+        if float(gv[i]) == 0.0 and float(wv[i]) > 0 and float(c.float().unflatten(-1,
+                                                                                  (-1, _tile(spec))).abs().amax(-1)[i]) == 0:
             hint = "; likely cause: no 1e-4 floor on amax / 448 (an all-zero tile gets scale 0, its payload 0 / 0)"
         conv = "UE8M0 (power-of-two) scales only" if spec.kv_format == model1.NAME else \
             f"write_fp8_scale_format = {fmt!r} ({said})"
@@ -499,19 +500,19 @@ def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict
     decode bounds): write and decode agree on the layout. MODEL1 is read by sparse decode (FlashMLA's): top-``topk``
     indices over the written slots, a quarter of them -1."""
     __tracebackhide__ = True
-    om.require_method(op, METHOD, "decode")
+    method_checks.require_method(op, METHOD, "decode")
     assert spec.layout == "rows", spec
     dt = getattr(torch, spec.dtype)
     sparse = spec.kv_format == model1.NAME
     dcase = OpCase(batch=len(spec.rows), s_q=1, h_q=h_q, page_block_size=spec.page, dtype=dt,
                    kv_format=spec.kv_format, topk=topk if sparse else None, device=spec.device)
-    oc.require(op, dcase)
+    op_checks.require(op, dcase)
     inp = check_write(op, spec, check=check + " (the write)", figures=figures)
     g = torch.Generator().manual_seed(6500 + spec.seed)
     d_qk = sum(spec.widths)
     q = torch.randn(len(spec.rows), 1, h_q, d_qk, generator=g, dtype=torch.float64).to(dt)
     lens = torch.tensor(spec.rows, dtype=torch.int32)
-    cache = oc.Buffer("kv_cache", inp.blocks.detach().clone(), device=spec.device)  # the block memory as written
+    cache = op_checks.Buffer("kv_cache", inp.blocks.detach().clone(), device=spec.device)  # the block memory as written
     if spec.kv_format == "latent":
         cache.view = cache.view.view(dt).view(inp.cache_view.shape)
     elif spec.kv_format == FP8_656:
@@ -519,20 +520,20 @@ def check_round_trip(op, spec: WriteSpec, *, h_q: int, check: str, figures: dict
     else:
         cache.view = model1.cache_view(cache.view, spec.page)
     written = cache.view
-    bufs = {"q": oc.Buffer("q", q, device=spec.device), "kv_cache": cache,
-            "block_table": oc.Buffer("block_table", inp.block_table, device=spec.device),
-            "cache_seqlens": oc.Buffer("cache_seqlens", lens, device=spec.device)}
+    bufs = {"q": op_checks.Buffer("q", q, device=spec.device), "kv_cache": cache,
+            "block_table": op_checks.Buffer("block_table", inp.block_table, device=spec.device),
+            "cache_seqlens": op_checks.Buffer("cache_seqlens", lens, device=spec.device)}
     if sparse:
         valid = inp.real_slots[inp.real_slots >= 0]
         idx = torch.stack([valid[torch.randperm(valid.numel(), generator=g)[:topk]] for _ in spec.rows])
         idx[:, ::4] = -1
-        bufs["indices"] = oc.Buffer("indices", idx[:, None, :].to(torch.int32), device=spec.device)
-    dinp = oc.OpInputs(oc.Spec(dcase, spec.rows), bufs, oc.SOFTMAX_SCALE, [], [], inp.blocks.shape[0])
-    out, lse = oc.run_op(op, dinp, check + " (decode over the written cache)")
+        bufs["indices"] = op_checks.Buffer("indices", idx[:, None, :].to(torch.int32), device=spec.device)
+    dinp = op_checks.OpInputs(op_checks.Spec(dcase, spec.rows), bufs, op_checks.SOFTMAX_SCALE, [], [], inp.blocks.shape[0])
+    out, lse = op_checks.run_op(op, dinp, check + " (decode over the written cache)")
     # the encoding check_write accepted (the oracle's bytes, up to the fp32-scale allowances) is what decode reads
-    ref = oracle(q, written.detach().cpu(), inp.block_table, lens, softmax_scale=oc.SOFTMAX_SCALE, causal=False,
+    ref = oracle(q, written.detach().cpu(), inp.block_table, lens, softmax_scale=op_checks.SOFTMAX_SCALE, causal=False,
                  indices=bufs["indices"].view.cpu() if sparse else None, head_dim_v=d_qk if sparse else None,
                  magnitudes=True)
-    oc.compare(op, dcase, out, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref,
+    op_checks.compare(op, dcase, out, lse, ref[0], ref[1], check=check, figures=figures, oracle=ref,
                against="the float64 oracle over the encoded cache")
     return out, lse

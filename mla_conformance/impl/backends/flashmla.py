@@ -36,7 +36,7 @@ from mla_conformance.impl.ops.flashmla import DENSE_KERNEL, FlashMLAOp, FlashMLA
 from mla_conformance.impl.ops.layer import OpBackend
 from mla_conformance.kv.caches import FP8IndexerLatentCache
 from mla_conformance.kv.codecs import get_codec
-from mla_conformance.model import reference as ref
+from mla_conformance.model import reference
 
 KERNEL_ID = DENSE_KERNEL
 PAGE_BLOCK_SIZE = 64
@@ -142,7 +142,7 @@ class FlashMLASparse:
         cfg = weights.config
         B, S = hidden_states.shape[:2]
         lengths, new_lens = cache.write_plan(positions, lengths)
-        q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
+        q_nope, q_pe, c, k_pe = reference.project(weights, hidden_states, positions)
         cache.write_latent(c, k_pe, lengths)
         T = int(new_lens.max())
         allowed = cache.allowed(lengths, new_lens, S, T)
@@ -153,7 +153,7 @@ class FlashMLASparse:
         k_cache = kv.view(B * capacity, 1, 1, kv.shape[-1])                           # pages of one token
         rows = torch.arange(B, device=idx.device).view(B, 1, 1)
         flat = torch.where(idx >= 0, rows * capacity + idx, torch.full_like(idx, -1)).to(torch.int32)
-        w_uk, w_uv = ref.split_kv_b(weights)
+        w_uk, w_uv = reference.split_kv_b(weights)
         q = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_pe], dim=-1)  # [B, S, H, 576]
         block_table = torch.arange(B * capacity, dtype=torch.int32, device=kv.device).view(B, capacity)
         o_lat, _lse = self.op.decode(q.to(torch.bfloat16), k_cache, block_table, new_lens.to(torch.int32),

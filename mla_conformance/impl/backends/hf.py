@@ -75,10 +75,10 @@ def _hf_v32_config(config: MLAConfig):
 def v32_unavailable_reason() -> str | None:
     """The sentence when the installed transformers has no DeepseekV32Attention, naming the release."""
     try:
-        from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
+        from transformers.models.deepseek_v32 import modeling_deepseek_v32 as modeling
     except ImportError:
-        m = None
-    if m is not None and hasattr(m, "DeepseekV32Attention") and hasattr(m, "DeepseekV32Indexer"):
+        modeling = None
+    if modeling is not None and hasattr(modeling, "DeepseekV32Attention") and hasattr(modeling, "DeepseekV32Indexer"):
         return None
     import transformers
 
@@ -267,15 +267,15 @@ class HFTransformers:
         if hit is not None and hit[0] is weights:
             return hit[1], hit[2], hit[3]
         if weights.config.dsa:
-            from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
+            from transformers.models.deepseek_v32 import modeling_deepseek_v32 as modeling
 
             hf_config, cls, rotary_cls = _hf_v32_config(weights.config), "DeepseekV32Attention", "DeepseekV32RotaryEmbedding"
         else:
-            from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+            from transformers.models.deepseek_v2 import modeling_deepseek_v2 as modeling
 
             hf_config, cls, rotary_cls = _hf_config(weights.config), "DeepseekV2Attention", "DeepseekV2RotaryEmbedding"
         with torch.device("meta"):  # no random init of parameters that load_state_dict replaces
-            attn = getattr(m, cls)(hf_config, layer_idx=0)
+            attn = getattr(modeling, cls)(hf_config, layer_idx=0)
         missing, unexpected = attn.load_state_dict(dict(weights), strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"transformers' {cls} parameters do not match the weights: "
@@ -284,7 +284,7 @@ class HFTransformers:
         for buf_name, buf in list(attn.named_buffers()):  # non-persistent buffers load_state_dict left on meta
             if buf.is_meta:
                 raise ValueError(f"transformers' {cls} buffer {buf_name} was not loaded")
-        rotary = getattr(m, rotary_cls)(hf_config).to(weights.device)
+        rotary = getattr(modeling, rotary_cls)(hf_config).to(weights.device)
         self._modules = {key: (weights, attn, rotary, hf_config)}
         return attn, rotary, hf_config
 

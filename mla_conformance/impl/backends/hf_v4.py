@@ -54,19 +54,19 @@ def is_v4(config) -> bool:
     return getattr(config, "attention_kind", None) == V4_KIND
 
 
-def _module_file():
+def _modeling_module():
     try:
-        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling
     except ImportError:
         return None
     needed = ("DeepseekV4Attention", "DeepseekV4RotaryEmbedding", "DeepseekV4HCACache", "DeepseekV4CSACache",
               "DeepseekV4PreTrainedModel")
-    return m if all(hasattr(m, n) for n in needed) else None
+    return modeling if all(hasattr(modeling, n) for n in needed) else None
 
 
 def v4_unavailable_reason() -> str | None:
     """The sentence when the installed transformers has no DeepseekV4Attention, naming the release."""
-    if _module_file() is not None:
+    if _modeling_module() is not None:
         return None
     import transformers
 
@@ -100,8 +100,8 @@ def hf_v4_config(config):
 def _fp32_patterns(dtype: torch.dtype) -> list[str]:
     """The parameter-name patterns ``from_pretrained`` keeps in float32 at ``dtype`` (DeepseekV4PreTrainedModel's own
     lists, read from the class: PreTrainedModel._get_dtype_plan's rule)."""
-    m = _module_file()
-    cls = m.DeepseekV4PreTrainedModel
+    modeling = _modeling_module()
+    cls = modeling.DeepseekV4PreTrainedModel
     patterns: list[str] = []
     if dtype == torch.float16:
         patterns += list(cls._keep_in_fp32_modules or [])
@@ -175,14 +175,14 @@ class HFV4Cache:
         if self.shared is None:
             self.rows = [self._new_hf() for _ in range(self.batch_size)]
             return self.rows
-        m = _module_file()
+        modeling = _modeling_module()
         rows = []
         for b in range(self.batch_size):
             c = copy.deepcopy(self.shared)
             c.reorder_cache(torch.tensor([b], dtype=torch.long))
             # transformers' compressed-layer update keeps values *is* keys; index_select made them two tensors
             for layer in c.layers:
-                if isinstance(layer, m.DeepseekV4HCACache) and getattr(layer, "keys", None) is not None:
+                if isinstance(layer, modeling.DeepseekV4HCACache) and getattr(layer, "keys", None) is not None:
                     layer.values = layer.keys
             rows.append(c)
         self.rows, self.shared = rows, None
@@ -273,17 +273,17 @@ class HFV4:
         hit = self._modules.get(key)
         if hit is not None and hit[0] is weights:
             return hit[1], hit[2], hit[3]
-        m = _module_file()
+        modeling = _modeling_module()
         config = weights.config
         hf_config = hf_v4_config(config)
         dtype, device = weights.dtype, weights.device
         with torch.device("meta"):  # no random init of parameters that load_state_dict replaces
-            attn = m.DeepseekV4Attention(hf_config, layer_idx=config.layer)
+            attn = modeling.DeepseekV4Attention(hf_config, layer_idx=config.layer)
         # the rotary embeddings own non-persistent buffers (inv_freq) that no state dict carries: build them for real
         for name, sub in list(attn.named_modules()):
-            if isinstance(sub, m.DeepseekV4RotaryEmbedding):
+            if isinstance(sub, modeling.DeepseekV4RotaryEmbedding):
                 parent = attn.get_submodule(name.rsplit(".", 1)[0]) if "." in name else attn
-                setattr(parent, name.rsplit(".", 1)[-1], m.DeepseekV4RotaryEmbedding(hf_config, device=device))
+                setattr(parent, name.rsplit(".", 1)[-1], modeling.DeepseekV4RotaryEmbedding(hf_config, device=device))
         patterns = _fp32_patterns(dtype)
         prefix = f"model.layers.{config.layer}.self_attn."
         state = {k: v.to(device=device, dtype=_load_dtype(prefix + k, dtype, patterns)) for k, v in weights.items()}
@@ -292,7 +292,7 @@ class HFV4:
         for n, t in list(attn.named_parameters()) + list(attn.named_buffers()):
             if t.is_meta:
                 raise ValueError(f"transformers' DeepseekV4Attention tensor {n} was not loaded")
-        rotary = m.DeepseekV4RotaryEmbedding(hf_config, device=device)
+        rotary = modeling.DeepseekV4RotaryEmbedding(hf_config, device=device)
         self._modules = {key: (weights, attn, rotary, hf_config)}
         return attn, rotary, hf_config
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_conformance.model import reference as ref
+from mla_conformance.model import reference
 
 from mla_conformance.model import dsa_reference as dsa_ref
 from mla_conformance.contract.layer import dense_only_reason
@@ -57,14 +57,14 @@ class ReferenceNaive(_ReferenceBackend):
     def attend(self, weights, hidden_states, positions, cache, lengths=None):
         self._check(weights, hidden_states)
         lengths, new_lens = cache.write_plan(positions, lengths)
-        q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
-        k, v = ref.expand_kv(weights, c, k_pe)
+        q_nope, q_pe, c, k_pe = reference.project(weights, hidden_states, positions)
+        k, v = reference.expand_kv(weights, c, k_pe)
         cache.write("k", k, lengths)
         cache.write("v", v, lengths)
         T = int(new_lens.max())
         allowed = cache.allowed(lengths, new_lens, hidden_states.shape[1], T)
         k_all, v_all = cache.read("k", T, new_lens), cache.read("v", T, new_lens)
-        out = ref.naive_scores_and_mix(weights, q_nope, q_pe, k_all, v_all, allowed)
+        out = reference.naive_scores_and_mix(weights, q_nope, q_pe, k_all, v_all, allowed)
         cache.commit(new_lens)
         return out.to(hidden_states.dtype)
 
@@ -105,13 +105,13 @@ class ReferenceAbsorbed(_ReferenceBackend):
     def attend(self, weights, hidden_states, positions, cache, lengths=None):
         self._check(weights, hidden_states)
         lengths, new_lens = cache.write_plan(positions, lengths)
-        q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
+        q_nope, q_pe, c, k_pe = reference.project(weights, hidden_states, positions)
         cache.write_latent(c, k_pe, lengths)
         T = int(new_lens.max())
         allowed = cache.allowed(lengths, new_lens, hidden_states.shape[1], T)
         allowed = self.attended(weights, hidden_states, positions, cache, lengths, new_lens, allowed)
         c_all, kpe_all = cache.read_latent(T, new_lens)
-        out = ref.absorbed_scores_and_mix(weights, q_nope, q_pe, c_all, kpe_all, allowed)
+        out = reference.absorbed_scores_and_mix(weights, q_nope, q_pe, c_all, kpe_all, allowed)
         cache.commit(new_lens)
         return out.to(hidden_states.dtype)
 

@@ -53,10 +53,10 @@ import torch
 
 from mla_conformance.contract.layer import dense_only_reason, is_v4
 from mla_conformance.kv.codecs import get_codec
-from mla_conformance.model import reference as ref
+from mla_conformance.model import reference
 from mla_conformance.kv.caches import PagedLatentCache, to_flashmla_layout
 from mla_conformance.contract.op import D_QK, D_ROPE, D_V, OpCase, declared, takes_head_dims
-from mla_conformance.impl.ops import chunked_prefill as cp
+from mla_conformance.impl.ops import chunked_prefill
 from mla_conformance.impl.ops.reference import ReferenceOp
 
 FP8_CODEC = "fp8-e4m3-flashmla"
@@ -117,7 +117,7 @@ class OpBackend:
         self.page_block_size = int(page_block_size)
         formats = declared(op, "kv_formats")
         self.kv_codecs = tuple(codec for codec, fmt in CODEC_FORMATS.items() if fmt in formats)
-        self.context_chunk = cp.CONTEXT_CHUNK if context_chunk is None else int(context_chunk)
+        self.context_chunk = chunked_prefill.CONTEXT_CHUNK if context_chunk is None else int(context_chunk)
         if self.context_chunk <= 0:
             raise ValueError(f"{self.name}: context_chunk must be a positive number of tokens, got {context_chunk}")
 
@@ -146,12 +146,12 @@ class OpBackend:
 
     def prefill_route_reason(self, config, *, dtype, device) -> str | None:
         """Why prefill rows go through ``op.decode`` rather than the op's prefill and merge (None: they do not)."""
-        return cp.prefill_reason(self.op, config, dtype=dtype, device=device)
+        return chunked_prefill.prefill_reason(self.op, config, dtype=dtype, device=device)
 
     def write_route_reason(self, config, *, dtype, device, kv_codec="none", page_block_size=None) -> str | None:
         """Why the suite fills the cache rather than ``op.write`` (None: the op writes it)."""
         page = self.page_block_size if page_block_size is None else int(page_block_size)
-        return cp.write_reason(self.op, config, dtype=dtype, device=device,
+        return chunked_prefill.write_reason(self.op, config, dtype=dtype, device=device,
                                kv_format=CODEC_FORMATS.get(kv_codec, kv_codec), page_block_size=page)
 
     def multi_token_decode_reason(self, config, *, dtype, device, kv_codec="none") -> str | None:
@@ -264,16 +264,16 @@ class OpBackend:
         cfg = weights.config
         dt, dev = hidden_states.dtype, hidden_states.device
         lengths, new_lens = cache.write_plan(positions, lengths)
-        q_nope, q_pe, c, k_pe = ref.project(weights, hidden_states, positions)
+        q_nope, q_pe, c, k_pe = reference.project(weights, hidden_states, positions)
         context_lens = cache.seq_lens.clone()
         if self.write_route_reason(cfg, dtype=dt, device=dev, kv_codec=cache.kv_codec,
                                    page_block_size=cache.page_block_size) is None:
-            cp.write_latent(self.op, cache, c, k_pe, lengths, CODEC_FORMATS[cache.kv_codec])
+            chunked_prefill.write_latent(self.op, cache, c, k_pe, lengths, CODEC_FORMATS[cache.kv_codec])
         else:
             cache.write_latent(c, k_pe, lengths)
         route = self.multi_token_route(cfg, dtype=dt, device=dev, kv_codec=cache.kv_codec)
         multi = (lengths > 1) if route == "prefill" else torch.zeros_like(lengths, dtype=torch.bool)
-        w_uk, w_uv = ref.split_kv_b(weights)
+        w_uk, w_uv = reference.split_kv_b(weights)
         q = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_pe], dim=-1)  # [B, S, H, 576]
         kv_cache, block_table, cache_seqlens = to_flashmla_layout(cache, new_lens)
 
@@ -304,7 +304,7 @@ class OpBackend:
         ctx_c = ctx_kpe = None
         if max(C) > 0:  # the context as the cache holds it (written by op.write or the suite), dequantized
             ctx_c, ctx_kpe = cache.read_latent(max(C))
-        out = cp.mha_prefill(self.op, weights, q, new_c, new_kpe, n,
+        out = chunked_prefill.mha_prefill(self.op, weights, q, new_c, new_kpe, n,
                              lambda r, a, e: (ctx_c[rows[r], a:e], ctx_kpe[rows[r], a:e]), C,
                              chunk=self.context_chunk)
         o = o.clone()

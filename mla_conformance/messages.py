@@ -40,9 +40,9 @@ def over(measured: float, bound: float) -> str:
     return f"{num(measured)} vs bound {num(bound)}, {times(ratio)} over"
 
 
-def bound_line(key: str, extra: str = "") -> str:
+def bound_line(key: str, extra: str = "", doc: str = TOLERANCES_DOC) -> str:
     """``bound: OP_TOLERANCES["bfloat16"] (docs/tolerances.md)``: the bound's key, where its derivation lives."""
-    return f"bound: {key} ({TOLERANCES_DOC})" + (f"; {extra}" if extra else "")
+    return f"bound: {key} ({doc})" + (f"; {extra}" if extra else "")
 
 
 def cause_text(cause: str) -> str:
