@@ -163,8 +163,9 @@ def _run_case(backend, case: DistCase, rank: int, world_size: int, group, tmp: P
     if case.plan not in declared_plans(backend):
         return {"skip": f"{backend.name} does not declare distributed plan {case.plan!r}"}
     backend.distribute(par)
-    weights = shard_weights(full_weights(case).to(torch.float32), par)
-    reason = backend.unsupported_reason(weights.config, dtype=torch.float32, device="cpu", kv_codec="none")
+    full = full_weights(case).to(torch.float32)
+    reason = backend.unsupported_reason(full.config, dtype=torch.float32, device="cpu", kv_codec="none")
+    weights = shard_weights(full, par)
     if reason:
         return {"skip": f"{backend.name}: {reason}"}
     x = hidden_states(case).to(torch.float32)
