@@ -96,7 +96,9 @@ def run_options(args, suites) -> tuple[list[str], list[str], bool]:
             raise MLAInputError(f"--engine: {exc}") from None
     engine_only = bool(specs) and not args.backend and not args.op
     paths = [str(suites / "test_engine.py")] if engine_only else [str(suites)]
-    return paths, [opt for spec in specs for opt in ("--mla-engine", spec)], engine_only
+    opts = [opt for spec in specs for opt in ("--mla-engine", spec)]
+    # serial: each xdist worker would start the engines again (the engines run in subprocesses of their own anyway)
+    return paths, opts + (["-p", "no:xdist"] if engine_only else []), engine_only
 
 
 def print_engine_rows(report: dict) -> None:

@@ -23,7 +23,9 @@ from mla_conformance.resources import fixtures_dir
 #: the pinned models: name -> whether an engine must take it (the 576-dim model is at DeepSeek's MLA dims; tiny-mla's
 #: head of 80 is one an engine may refuse: its refusal is reported as the engine's sentence)
 ENGINE_MODELS = {"tiny-mla-576": True, "tiny-mla": False}
-#: the pinned prompt sets (fixtures/prompts.json; the 576-dim model answers the same tasks over the same vocabulary)
+#: each model's pinned prompts (fixtures/; fixtures/train_tiny.py writes them with the model, the same tasks)
+PROMPT_FILES = {"tiny-mla-576": "prompts-576.json", "tiny-mla": "prompts.json"}
+#: the pinned prompt sets used
 PROMPT_SETS = ("tiny-short", "tiny-long")
 #: tokens generated per prompt (fewer where the model's max_position_embeddings ends first)
 NEW_TOKENS = 32
@@ -37,6 +39,10 @@ VARIANTS = ("cold", "chunked", "fp8", "expanded")
 
 def model_dir(name: str) -> Path:
     return fixtures_dir() / "models" / name
+
+
+def prompts_path(model: str) -> Path:
+    return fixtures_dir() / PROMPT_FILES[model]
 
 
 @dataclasses.dataclass
@@ -57,7 +63,7 @@ class EngineSession:
 
         cfg = json.loads((model_dir(model) / "config.json").read_text(encoding="utf-8"))
         limit = int(cfg.get("max_position_embeddings", 1 << 20))
-        eps = episodes(load_prompts(), list(PROMPT_SETS))
+        eps = episodes(load_prompts(prompts_path(model)), list(PROMPT_SETS))
         return Prompts([e["id"] for e in eps], [e["token_ids"] for e in eps],
                        [max(1, min(NEW_TOKENS, limit - len(e["token_ids"]))) for e in eps])
 

@@ -11,7 +11,7 @@ import pytest
 from mla_conformance.engine import checks
 from mla_conformance.engine.contract import EngineSpec, parse_engine_spec
 from mla_conformance.engine.run import EngineRun
-from mla_conformance.engine.session import ENGINE_MODELS, EngineSession, model_dir
+from mla_conformance.engine.session import ENGINE_MODELS, EngineSession, model_dir, prompts_path
 from mla_conformance.errors import BackendError, MLAInputError
 
 NO_ENGINE = ("no engine under test: pass --mla-engine SPEC (e.g. vllm:attention_backend=CPU_MLA,dtype=float32; "
@@ -68,6 +68,8 @@ def _cold(session: EngineSession, spec: EngineSpec | None, model: str) -> Engine
         pytest.skip(NO_ENGINE)
     if not (model_dir(model) / "config.json").is_file():
         pytest.skip(f"the pinned model {model} is not in fixtures/models of this checkout")
+    if not prompts_path(model).is_file():
+        pytest.skip(f"the pinned model {model}'s prompts ({prompts_path(model).name}) are not in fixtures/")
     return _usable(session.run(spec, model, "cold"), spec, model)
 
 

@@ -116,7 +116,7 @@ def run_command(args) -> int:
             cmd += ["--mla-device", device]
         if args.timeout is not None:
             cmd += ["--mla-timeout", f"{args.timeout:g}"]
-        cmd += isolation_args(user_args) + threads_args(user_args) + user_args
+        cmd += isolation_args(user_args + engine_opts) + threads_args(user_args) + user_args
         print(f"mla-conformance run: {' '.join(cmd[2:])}", flush=True)
         journal = isolation.journal_path(results_path)
         stall = DEFAULT_STALL_S if args.stall_timeout is None else args.stall_timeout
