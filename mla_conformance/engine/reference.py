@@ -25,13 +25,20 @@ class ReferenceCompletion:
         return float(top2[0] - top2[1])
 
 
+#: a quantized latent cache's reference: the codec runs in reference-absorbed, in the dtype its layout is defined for
+#: (fp8-e4m3-flashmla: FlashMLA's bfloat16-model layout), as the per-codec goldens run it
+CODEC_REFERENCE = ("reference-absorbed", torch.bfloat16)
+
+
 def reference_greedy(model_dir, prompts: list[list[int]], max_new_tokens: list[int], *, kv_codec: str = "none",
                      model=None) -> list[ReferenceCompletion]:
+    """The float64 reference's greedy generation (``kv_codec`` none), or the codec's (CODEC_REFERENCE)."""
     from mla_conformance.generation.generate import greedy_generate, load_model
     from mla_conformance.specs import get_backend
 
+    backend, dtype = (REFERENCE_BACKEND, torch.float64) if kv_codec == "none" else CODEC_REFERENCE
     if model is None:
-        model = load_model(model_dir, torch.float64)
+        model = load_model(model_dir, dtype)
         if hasattr(model, "set_experts_implementation"):  # transformers' grouped_mm MoE takes no float64
             model.set_experts_implementation("eager")
     steps: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -42,6 +49,6 @@ def reference_greedy(model_dir, prompts: list[list[int]], max_new_tokens: list[i
             if on:
                 steps[b].append(lp[b])
 
-    gen = greedy_generate(model, get_backend(REFERENCE_BACKEND), prompts, max_new_tokens, kv_codec=kv_codec,
+    gen = greedy_generate(model, get_backend(backend), prompts, max_new_tokens, kv_codec=kv_codec,
                           on_logits=record)
     return [ReferenceCompletion(toks, lps) for toks, lps in zip(gen.tokens, steps)]
