@@ -89,3 +89,28 @@ def test_logprobs_off_from_the_first_token_name_the_prefill():
         checks.assert_logprobs([c], dtype="float32")
     tau = checks.logprob_tolerance("float32", 2, _dist(3, 0.5))
     assert math.isclose(tau, 2 * math.sqrt(3) * 1e-5 * math.log(8) * float(_dist(3, 0.5).std()))
+
+
+def test_a_warm_run_off_the_cold_one_fails_naming_what_differs():
+    ref = ReferenceCompletion([3, 4], [_dist(3, 0.5), _dist(4, 0.5)])
+    cold = Completion([3, 4], [-0.4, -0.4], [{3: -0.4, 2: -0.9}, {4: -0.4, 5: -0.9}])
+    same = Completion([3, 4], [-0.4, -0.4], [{3: -0.4, 2: -0.9}, {4: -0.4, 5: -0.9}])
+    assert checks.assert_same_as_cold(["p0"], [ref], [cold], [same], dtype="float32", layers=2,
+                                      what="chunked prefill") == 0.0
+    off = Completion([3, 4], [-0.4, -0.41], [{3: -0.4, 2: -0.9}, {4: -0.41, 5: -0.9}])
+    with pytest.raises(AssertionError, match=r"chunked prefill: log-probabilities differ from the cold run by 0.01 "
+                                             r"> .* at position 1 of prompt p0"):
+        checks.assert_same_as_cold(["p0"], [ref], [cold], [off], dtype="float32", layers=2, what="chunked prefill")
+    other = Completion([3, 5], [-0.4, -0.9], [{3: -0.4, 2: -0.9}, {5: -0.9, 4: -0.4}])
+    with pytest.raises(AssertionError, match=r"token 5 at position 1 of prompt p0, the cold run chose 4 by a margin 0.5"):
+        checks.assert_same_as_cold(["p0"], [ref], [cold], [other], dtype="float32", layers=2, what="prefix-cache reuse")
+
+
+def test_an_expanded_cache_fails_the_latent_bytes():
+    kv = {"bytes_per_token_per_layer": 3072.0, "layout": "expanded",
+          "tensors": [{"layer": "model.layers.0.self_attn.attn", "shape": [85, 2, 128, 384], "dtype": "float32"}]}
+    with pytest.raises(AssertionError, match=r"(?s)KV cache bytes per token per layer 3072 != the latent's 2304 \(576 "
+                                             r"elements x 4 bytes\) by 1.33x.*caches the expanded K/V"):
+        checks.assert_latent_cache(kv, latent_elements=576, dtype_bytes=4)
+    assert checks.assert_latent_cache({**kv, "bytes_per_token_per_layer": 2304.0}, latent_elements=576,
+                                      dtype_bytes=4) == 2304.0
