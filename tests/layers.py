@@ -15,6 +15,8 @@ Why each layer is where it is (what it needs below it):
 * ``schema`` -- the declared sections and figure keys of a run's results; needs nothing (pure python: no torch,
   no pytest), so the plugin that fills a test's ``Figures`` and the report's renderers (``merge`` among them,
   which imports neither torch nor pytest) both read it from below.
+* ``messages`` -- how a failure message reads (headline with the margin, likely cause, details, the bound's key);
+  needs nothing (pure python), so the contract's call boundary and every check write their messages through it.
 * ``arch`` -- devices, capabilities and kernel gating (the support matrix); raises ``errors``.
 * ``contract`` -- what a backend and an op provide, and the call boundary (``contract.calls``: a backend's
   exception is a BackendError, a bad result an error or a failure); names dtypes, raises errors. Above
@@ -49,6 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtypes",),
     ("resources",),
     ("schema",),
+    ("messages",),
     ("arch",),
     ("contract",),
     ("model",),

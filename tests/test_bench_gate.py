@@ -117,7 +117,7 @@ def test_score_rounding_term_scales_with_the_unit_roundoff(long_row):
     """At float32 (u = 2^-24 against bfloat16's 2^-8) the first-order spread is 2^-16 of bfloat16's, and the whole term
     (its second-order parts shrink as u^2) at most that fraction."""
     _, o, bf16 = long_row
-    f32 = gate.sr.score_rounding(o.weights, o.q_nope, o.q_pe, o.c, o.k_pe, o.allowed, o.out, torch.float32)
+    f32 = gate.score_rounding.score_rounding(o.weights, o.q_nope, o.q_pe, o.c, o.k_pe, o.allowed, o.out, torch.float32)
     for a, b in zip(f32, bf16):
         assert a["sigma_rel"] == pytest.approx(b["sigma_rel"] * 2.0 ** -16, rel=1e-9)
         assert a["rel_fro"] <= b["rel_fro"] * 2.0 ** -16 and a["max_rel"] <= b["max_rel"] * 2.0 ** -16

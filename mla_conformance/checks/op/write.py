@@ -38,6 +38,7 @@ from mla_conformance.kv import cache_write, model1
 from mla_conformance.checks.tolerances import WRITE_FP32_SCALE_REL
 from mla_conformance.dtypes import FP8_E4M3_MAX
 from mla_conformance.kv.codecs import FLASHMLA_SCALE_FLOOR, flashmla_fp8_scales
+from mla_conformance.messages import failure
 from mla_conformance.impl.ops.reference import oracle
 
 METHOD = "write"
@@ -264,7 +265,7 @@ def check_write(op, spec: WriteSpec, *, check: str, figures: dict) -> WriteInput
     stray = (got != before) & ~mask & ~dummy_mask(inp)
     figures["stray_bytes"] = int(stray.sum())
     if bool(stray.any()):
-        raise AssertionError(f"{w}: {_stray_message(inp, stray, mask)}")
+        raise AssertionError(failure(f"{w}: {_stray_message(inp, stray, mask)}"))
     _check_fields(op, case, w, inp, got, want, mask, fmt, figures)
     return inp
 
@@ -356,13 +357,13 @@ def _check_fields(op, case, w, inp: WriteInputs, got, want, mask, fmt, figures) 
                     if name == "tile scales" else None
                 if problem:
                     figures["mismatched_fields"] = 1
-                    raise AssertionError(f"{w}: {problem}")
+                    raise AssertionError(failure(f"{w}: {problem}"))
                 continue
             if torch.equal(g_bytes, w_bytes):
                 continue
             mismatched += 1
             figures["mismatched_fields"] = mismatched
-            raise AssertionError(f"{w}: {_field_message(op, inp, t, slot, name, kind, g_bytes, w_bytes, fmt)}")
+            raise AssertionError(failure(f"{w}: {_field_message(op, inp, t, slot, name, kind, g_bytes, w_bytes, fmt)}"))
     figures["mismatched_fields"] = mismatched
 
 
