@@ -7,6 +7,8 @@ by the cases. The backends: those of --mla-backend that declare ``distributed`` 
 built-in reference-tp, reference-dcp and reference-tp-dcp. World sizes: --mla-world-size (default 2); W > 2 carry
 the ``distributed`` marker (.ci/run runs W = 4 and 8). See mla_conformance.checks.layer.distributed."""
 
+import dataclasses
+
 import pytest
 
 from mla_conformance.checks.layer import distributed as dc
@@ -16,12 +18,22 @@ BUILTIN = ("reference-tp", "reference-dcp", "reference-tp-dcp")
 _LAUNCHES: dict = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class DistParam:
+    """One test's backend (``name``: the report counts the test as that backend's), its spec, W and case."""
+
+    name: str
+    spec: str
+    world_size: int
+    case: object
+
+
 def _specs(config) -> list[str]:
     return list(config.getoption("--mla-backend") or ()) or ([] if config.getoption("--mla-op") else list(BUILTIN))
 
 
 def pytest_generate_tests(metafunc):
-    if "dist_case" not in metafunc.fixturenames:
+    if "backend" not in metafunc.fixturenames:
         return
     from mla_conformance.specs import get_backend
 
@@ -35,8 +47,8 @@ def pytest_generate_tests(metafunc):
             marks = [pytest.mark.distributed] if w > 2 else []
             for case in cases:
                 cid = f"{backend.name}-W{w}-{case.name if case else 'none'}"
-                params.append(pytest.param((spec, backend.name, w, case), id=cid, marks=marks))
-    metafunc.parametrize("dist_case", params)
+                params.append(pytest.param(DistParam(backend.name, spec, w, case), id=cid, marks=marks))
+    metafunc.parametrize("backend", params)
 
 
 def _launch(config, spec: str, w: int):
@@ -51,8 +63,8 @@ def _launch(config, spec: str, w: int):
     return _LAUNCHES[key]
 
 
-def _case(request, dist_case):
-    spec, name, w, case = dist_case
+def _case(request, backend: DistParam):
+    spec, name, w, case = backend.spec, backend.name, backend.world_size, backend.case
     if case is None:
         pytest.skip(f"{name}: does not declare distributed (the layer contract's optional declaration "
                     "`distributed = (\"tp\", \"dcp\", \"tp+dcp\")`: mla_conformance.contract.distributed), so it is "
@@ -61,16 +73,16 @@ def _case(request, dist_case):
 
 
 @pytest.mark.mla_section("distributed")
-def test_rank_outputs(request, dist_case, mla_figures):
+def test_rank_outputs(request, backend, mla_figures):
     """Every rank's output equals the single-process float64 reference (float32 layer bounds)."""
-    spec, name, run, case = _case(request, dist_case)
+    spec, name, run, case = _case(request, backend)
     mla_figures.update(launch_wall_s=round(run.wall_s, 2), rank_pids=list(run.pids))
     dc.assert_rank_outputs(run, spec, case, name=name, figures=mla_figures)
 
 
 @pytest.mark.mla_section("distributed")
-def test_rank_cache_bytes(request, dist_case, mla_figures):
+def test_rank_cache_bytes(request, backend, mla_figures):
     """Every rank's cache holds exactly its tokens: all of them under TP (W x the bytes of one cache over the
     ranks), its owned ones under DCP."""
-    spec, name, run, case = _case(request, dist_case)
+    spec, name, run, case = _case(request, backend)
     dc.assert_rank_cache(run, spec, case, name=name, figures=mla_figures)

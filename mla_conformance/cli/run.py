@@ -41,6 +41,10 @@ def add_cli(sub) -> None:
                    help="a serving engine run end to end on the pinned models (suites/test_engine.py): "
                         "ENGINE[:key=value,...], e.g. vllm:attention_backend=CPU_MLA,dtype=float32 (repeatable; "
                         "docs/engines.md); alone, only the engine suite runs")
+    p.add_argument("--world-size", type=int, action="append", metavar="W",
+                   help="run the distributed layer cases (suites/test_distributed.py: W spawned gloo ranks, TP, "
+                        "DCP, TP x DCP) at W ranks (repeatable; without it W = 2); the report "
+                        "shows each rank's cache bytes and the verdict")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a real DeepSeek checkpoint for the checkpoint tests (config, weights and tokenizer "
                         "are checked before any test runs)")

@@ -141,6 +141,9 @@ Padded batches and state between calls (true of every op, nothing to declare but
   engine replays a captured graph on the *same* tensors (same storage, shapes sized for its largest batch)
   refilled in place with every step's batch, smaller ones padded up. A plan keyed on a tensor's storage
   (``data_ptr``) or identity is stale after the refill; one keyed on the values, or recomputed per call, is not.
+Decode context parallelism (opt-in, ``dcp``: :mod:`mla_conformance.contract.dcp`): a row's tokens sharded over W
+ranks, the op called once per rank on its shard (``"local"`` lengths, or ``"global"`` ones with ``dcp_world_size`` /
+``dcp_rank`` / ``dcp_interleave``), its partials merged by lse in ``dcp_lse_base`` (or by its own ``dcp_combine``).
 An op is named on the command line by a spec (``--mla-op``): a built-in name (:data:`BUILTIN_OPS`),
 ``package.module:attr`` or ``path/to/file.py:attr``, as backends are.
 

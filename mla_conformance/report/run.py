@@ -40,6 +40,7 @@ from mla_conformance.errors import MLAInputError
 from mla_conformance.model.checkpoint import validate_checkpoint
 from mla_conformance.pytest_plugin import isolation
 from mla_conformance.report.build import build_report, timings_of
+from mla_conformance.report.distributed import distributed_markdown
 from mla_conformance.report.environment import environment
 from mla_conformance.report.markdown import render_markdown
 from mla_conformance.report.outdir import check_out_dir, write_file_atomically, write_owned_dir
@@ -65,7 +66,8 @@ def write_report(out: Path, results: dict, *, name: str, env: dict, wall: float,
     report = add_engine_rows(build_report(results, name=name, env=env), results)  # --engine's rows
     timings = timings_of(results)
     files = {"conformance.json": json.dumps(report, indent=1, sort_keys=True) + "\n",
-             "conformance.md": lambda plots: render_markdown(report, plots=plots) + engine_markdown(report),
+             "conformance.md": lambda plots: (render_markdown(report, plots=plots) + engine_markdown(report) +
+                                              distributed_markdown(report)),
              "timings.json": json.dumps({"wall_s": round(wall, 3), "pytest_exit": pytest_exit,
                                          "finished_unix": int(time.time()), "benchmarks": timings},
                                         indent=1, sort_keys=True) + "\n"}
@@ -110,6 +112,8 @@ def run_command(args) -> int:
         for spec in args.op or []:
             cmd += ["--mla-op", spec]
         cmd += engine_opts
+        for w in args.world_size or []:  # the distributed layer cases at W ranks (suites/test_distributed.py)
+            cmd += ["--mla-world-size", str(w)]
         if args.checkpoint:
             cmd += ["--mla-checkpoint", args.checkpoint]
         if device:
