@@ -126,6 +126,8 @@ ELSEWHERE = {
     "suites/test_v4_golden.py": f"{HERE}/test_v4_meta.py",
     "suites/test_layer_generated.py": f"{HERE}/test_generated_meta.py",
     "suites/test_op_generated.py": f"{HERE}/test_generated_meta.py",
+    "suites/test_op_dcp.py": f"{HERE}/test_dcp_meta.py",
+    "suites/test_distributed.py": f"{HERE}/test_distributed_meta.py",
     **{f"suites/{name}": f"{HERE}/test_op_methods_meta.py" for name in METHOD_SUITES},
 }
 
