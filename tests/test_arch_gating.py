@@ -475,7 +475,7 @@ def test_cli_matrix_text_without_a_terminal_is_100_columns(capsys, monkeypatch):
 
 
 def test_cli_matrix_markdown_is_the_full_table(capsys):
-    from mla_conformance.report.docs import support_matrix_table
+    from mla_conformance.cli.matrix import support_matrix_table
 
     rc, out, _ = _cli_main(["matrix", "--capability", "12.0", "--format", "md"], capsys)
     assert rc == 0

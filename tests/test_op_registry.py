@@ -270,7 +270,7 @@ def test_every_op_suite_is_one_method_s_or_a_composition_s():
 
 
 def test_every_declaration_is_in_the_docs():
-    """docs/op-contract.md's generated table (``mla-conformance docs --check`` holds it current) lists each with its
+    """docs/op-contract.md's generated table (``python tools/docs.py --check`` holds it current) lists each with its
     default, and the contract's prose (contract/op.py's docstring) names each."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "op-contract.md").read_text(encoding="utf-8")
     for spec in METHOD_SPECS:

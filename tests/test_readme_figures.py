@@ -149,7 +149,7 @@ def test_isolation_defaults_are_the_plugins():
 
 def test_anchor_tolerances_are_the_tables():
     from mla_conformance.checks import ANCHOR_TOLERANCES as A
-    from mla_conformance.report.docs import num
+    from tools.docs import num
 
     assert A["reference-naive"] == A["reference-absorbed"]
     assert (f"reference-naive and reference-absorbed to {num(A['reference-naive'])}, hf-transformers to "
@@ -158,7 +158,7 @@ def test_anchor_tolerances_are_the_tables():
 
 def test_op_contract_figures_are_the_contracts():
     """The op contract's dims (576 = 512 + 64, the 656-byte FP8 row), as contract/op.py has them (its methods and
-    declaration defaults are a generated table: mla-conformance docs)."""
+    declaration defaults are a generated table: python tools/docs.py)."""
     from mla_conformance.contract.op import D_QK, D_ROPE, D_V, FP8_ROW_BYTES
 
     text = _text("docs/op-contract.md")

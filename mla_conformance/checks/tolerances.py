@@ -21,7 +21,7 @@ class Tolerance:
     reason: str
 
 
-#: The one tolerance table (markers.md's is generated from it: `mla-conformance docs`), derived from the unit
+#: The one tolerance table (markers.md's is generated from it: `python tools/docs.py`), derived from the unit
 #: roundoff u of the dtype (2^-8 bfloat16, 2^-11 float16, 2^-24 float32) and the number of roundings on the way
 #: from the layer input to its output: the input, five weights (q path, kv_a, kv_b, o_proj) and about six
 #: intermediate results (projections, the two norms, RoPE, scores / probabilities, P.V, o_proj) are each rounded

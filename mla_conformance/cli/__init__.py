@@ -25,7 +25,6 @@ COMMANDS = {
     "matrix": "mla_conformance.cli.matrix",
     "budget": "mla_conformance.cli.budget",
     "bench": "mla_conformance.cli.bench",
-    "docs": "mla_conformance.cli.docs",
 }
 
 #: What a command's process sets before its module (and so torch) is imported: bench's timed CPU threads wait

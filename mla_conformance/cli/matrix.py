@@ -1,7 +1,7 @@
 """``mla-conformance matrix``: the kernel support matrix and a verdict per kernel, for this host or a stated device.
 
 The text fits the terminal (:func:`shutil.get_terminal_size`, 100 columns when there is none): one block per
-kernel, long sentences wrapped. ``--format md`` prints the full table (the one ``mla-conformance docs`` writes
+kernel, long sentences wrapped. ``--format md`` prints the full table (the one ``python tools/docs.py`` writes
 into markers.md), ``--format json`` (or ``--json``) every field with its upstream sources.
 """
 
@@ -188,10 +188,40 @@ def render_text(report: dict[str, Any], columns: int = FALLBACK_COLUMNS) -> str:
 # --------------------------------------------------------------------------- markdown: the full table
 
 
+def _table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    def cell(text: str) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    return "\n".join([*lines, *("| " + " | ".join(cell(c) for c in row) + " |" for row in rows)]) + "\n"
+
+
+def _ver(v: tuple[int, int] | None) -> str:
+    return "not stated" if v is None else f"{v[0]}.{v[1]}"
+
+
+def _min_cuda(targets) -> str:
+    first = _ver(targets[0].min_cuda)
+    rest = [f"{_ver(t.min_cuda)} on {t.name}" for t in targets[1:] if t.min_cuda != targets[0].min_cuda]
+    return "; ".join([first, *rest])
+
+
+def support_matrix_table() -> str:
+    """The full support table (docs/support-matrix.md carries it: tools/docs.py), one row per kernel of MATRIX."""
+    rows = []
+    for row in MATRIX:
+        runs_on = ", ".join(f"{t.name} ({', '.join(f'{c[0]}.{c[1]}' for c in t.capabilities)})"
+                            for t in row.targets)
+        dims = " or ".join(map(str, row.head_dim_k)) + "/" + " or ".join(map(str, row.head_dim_v))
+        page = "-" if row.page_block_size is None else "/".join(map(str, row.page_block_size))
+        rows.append((f"`{row.kernel_id}`", runs_on, _min_cuda(row.targets), row.kv_dtype, page,
+                     f"{row.mode}, {dims}", row.confidence))
+    return _table(("kernel id", "runs on (compute capability)", "min CUDA", "KV cache", "page block",
+                   "mode, head dims K/V", "confidence"), rows)
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The full support table (as markers.md has it), then the device, a verdict per kernel and the adapters."""
-    from mla_conformance.report.docs import support_matrix_table  # imports the report package (pytest): md only
-
     lines = ["# MLA kernel support matrix", "", support_matrix_table().rstrip("\n"), "", device_label(report)]
     extra = packages_line(report)
     if extra:

@@ -6,7 +6,7 @@ and every per-method table of the package is derived from it: :data:`METHODS`, :
 :mod:`mla_conformance.contract.op`, whose docstring is the contract's prose) and :data:`METHOD_SUITES`, the method
 tests' skips (``mla_conformance.checks.op.methods``), the report's generic sections
 (``mla_conformance.report.markdown.GENERIC_SECTIONS``) and the docs tables of docs/op-contract.md
-(``mla-conformance docs``). Section names are declared, with their meaning, in :data:`mla_conformance.schema.SECTIONS`
+(``python tools/docs.py``). Section names are declared, with their meaning, in :data:`mla_conformance.schema.SECTIONS`
 (below this package); tests/test_op_registry.py holds each spec's sections to that and to its suites' markers.
 
 A name that is not a method (:func:`method_spec`) or not a declaration (:func:`declaration`) is a ValueError naming
@@ -24,7 +24,7 @@ To add a method:
 4. the method on ReferenceOp (impl/ops/reference.py, calling the oracle) and on the independent op
    (tests/meta/impls/independent/op_methods.py), and a broken op for each of its tests
    (tests/meta/impls/broken/op_methods.py, a cell in tests/meta/test_op_methods_meta.py);
-5. ``mla-conformance docs``: it rewrites the tables (docs/op-contract.md, markers.md).
+5. ``python tools/docs.py``: it rewrites the tables (docs/op-contract.md, markers.md).
 
 Pure python (no torch): the report's renderers read it.
 """

@@ -504,7 +504,7 @@ class ErrorBound:
 
 
 #: The one table of codec error bounds (markers.md's codec table is generated from it and CODECS:
-#: `mla-conformance docs`); tests/test_quantized_kv.py holds every codec to it. Uniform rounding with step s has
+#: `python tools/docs.py`); tests/test_quantized_kv.py holds every codec to it. Uniform rounding with step s has
 #: rms error s / sqrt(12); the bounds follow the step each layout gives a group of values, at about 2x the worst
 #: relative Frobenius error of N(0, 1) latents [2 x 128 x 512] in BF16, of the attention output of V2-Lite random
 #: weights in BF16 (varlen prefill 13/6 + 1 decode step) and of both layers of the tiny trained model

@@ -8,7 +8,6 @@
 * :mod:`~mla_conformance.report.suites` -- the installed suites;
 * :mod:`~mla_conformance.report.run` -- ``run``: pytest in a subprocess, interrupts, the report;
 * :mod:`~mla_conformance.report.merge` -- ``merge``: several reports in one matrix;
-* :mod:`~mla_conformance.report.docs` -- the generated tables of the docs.
 
 The declared sections and figure keys the renderers read are :mod:`mla_conformance.schema` (below the plugin that
 records them). The commands' options are in :mod:`mla_conformance.cli.run` and :mod:`mla_conformance.cli.merge`.

@@ -1,12 +1,12 @@
-"""The generated tables of markers.md and docs/*.md come from the code (``mla-conformance docs``); this fails when
-they differ, and when a generated section sits in a file other than the one report.docs.FILES names."""
+"""The generated tables of markers.md and docs/*.md come from the code (``python tools/docs.py``); this fails when
+they differ, and when a generated section sits in a file other than the one tools/docs.py's FILES names (a
+maintainer's script of the checkout, not in the wheel)."""
 
 import shutil
 
 import pytest
 
-from mla_conformance.cli import main
-from mla_conformance.report import docs
+from tools import docs
 
 pytestmark = pytest.mark.meta
 
@@ -19,7 +19,7 @@ def test_every_generated_table_matches_the_code():
 
 
 def test_docs_check_command_passes(capsys):
-    assert main(["docs", "--check"]) == 0, capsys.readouterr().err
+    assert docs.main(["--check"]) == 0, capsys.readouterr().err
 
 
 def test_every_section_has_one_file():
@@ -36,13 +36,13 @@ def test_docs_check_names_stale_sections_and_rewrite_fixes_them(tmp_path, capsys
     path = tmp_path / "docs" / "tolerances.md"
     path.parent.mkdir()
     path.write_text(stale, encoding="utf-8")
-    assert main(["docs", "--check", "--path", str(path)]) == 1
+    assert docs.main(["--check", "--path", str(path)]) == 1
     err = capsys.readouterr().err
     assert "tolerances" in err and "op_tolerances" not in err and docs.REGENERATE in err
     assert path.read_text(encoding="utf-8") == stale  # --check writes nothing
-    assert main(["docs", "--path", str(path)]) == 0
+    assert docs.main(["--path", str(path)]) == 0
     assert path.read_text(encoding="utf-8") == text
-    assert main(["docs", "--check", "--path", str(path)]) == 0
+    assert docs.main(["--check", "--path", str(path)]) == 0
 
 
 def test_update_checks_every_file_and_names_the_stale_one(tmp_path):
@@ -59,7 +59,7 @@ def test_update_checks_every_file_and_names_the_stale_one(tmp_path):
 def test_docs_missing_markers_is_an_input_error(tmp_path, capsys):
     path = tmp_path / "markers.md"
     path.write_text("# no generated sections\n", encoding="utf-8")
-    assert main(["docs", "--check", "--path", str(path)]) == 2
+    assert docs.main(["--check", "--path", str(path)]) == 2
     assert "no markers for section(s)" in capsys.readouterr().err
 
 

@@ -1,18 +1,20 @@
-"""``mla-conformance docs``: the generated tables of markers.md and docs/*.md, written from the code that owns them.
+"""``python tools/docs.py [--check] [--path FILE]``: the generated tables of markers.md and docs/*.md, written from the
+code that owns them. A maintainer's script of the checkout, not part of the wheel; CI checks the docs with ``--check``
+(.ci/run) and tests/meta/test_docs.py.
 
 Each file keeps its prose by hand; its tables are written between marker comments::
 
-    <!-- generated: tolerances (mla-conformance docs) -->
+    <!-- generated: tolerances (python tools/docs.py) -->
     | ... |
     <!-- end generated -->
 
-and rewritten in place by ``mla-conformance docs`` (:func:`update`) from the pytest options the plugin registers
+and rewritten in place by ``python tools/docs.py`` (:func:`update`) from the pytest options the plugin registers
 (:func:`mla_conformance.pytest_plugin.pytest_addoption`), :data:`mla_conformance.checks.TOLERANCES` and
 ``OP_TOLERANCES``, :data:`mla_conformance.kv.codecs.CODECS` (bytes per token at DeepSeek-V2-Lite dims in BF16)
 with :data:`mla_conformance.kv.codecs.ERROR_BOUNDS`, :data:`mla_conformance.arch.MATRIX`, the presets
 (:data:`mla_conformance.model.config.PRESETS`), the op contract's methods and declarations, and the op suite's
 sections (the ``mla_section("op-...")`` markers of ``suites/test_op_*.py``, read from the source). :data:`FILES`
-says which file holds which section. ``mla-conformance docs --check`` changes nothing and exits 1 naming the
+says which file holds which section. ``python tools/docs.py --check`` changes nothing and exits 1 naming the
 files and sections that differ.
 """
 
@@ -28,7 +30,7 @@ from typing import Any, Callable
 from mla_conformance.resources import source_checkout, suites_dir
 from mla_conformance import checks
 from mla_conformance import pytest_plugin as plugin
-from mla_conformance.arch import MATRIX
+from mla_conformance.cli.matrix import support_matrix_table
 from mla_conformance.checks import TOLERANCES
 from mla_conformance.contract.methods import METHOD_SPECS
 from mla_conformance.kv.codecs import CODECS, ERROR_BOUNDS
@@ -49,7 +51,7 @@ FILES: dict[str, tuple[str, ...]] = {
     "docs/op-contract.md": ("op_methods", "op_tensors"),
 }
 
-REGENERATE = "mla-conformance docs"
+REGENERATE = "python tools/docs.py"
 BEGIN = "<!-- generated: {name} (" + REGENERATE + ") -->"
 END = "<!-- end generated -->"
 _BLOCK_RE = re.compile(r"<!-- generated: (?P<name>[a-z_]+) \([^)]*\) -->\n(?P<body>.*?)<!-- end generated -->",
@@ -186,29 +188,6 @@ def codecs_table() -> str:
                    "bound latent / attention", "why"), ("l", "l", "r", "l", "l", "r", "l"), rows)
 
 
-def _ver(v: tuple[int, int] | None) -> str:
-    return "not stated" if v is None else f"{v[0]}.{v[1]}"
-
-
-def _min_cuda(targets) -> str:
-    first = _ver(targets[0].min_cuda)
-    rest = [f"{_ver(t.min_cuda)} on {t.name}" for t in targets[1:] if t.min_cuda != targets[0].min_cuda]
-    return "; ".join([first, *rest])
-
-
-def support_matrix_table() -> str:
-    rows = []
-    for row in MATRIX:
-        runs_on = ", ".join(f"{t.name} ({', '.join(f'{c[0]}.{c[1]}' for c in t.capabilities)})"
-                            for t in row.targets)
-        dims = " or ".join(map(str, row.head_dim_k)) + "/" + " or ".join(map(str, row.head_dim_v))
-        page = "-" if row.page_block_size is None else "/".join(map(str, row.page_block_size))
-        rows.append((f"`{row.kernel_id}`", runs_on, _min_cuda(row.targets), row.kv_dtype, page,
-                     f"{row.mode}, {dims}", row.confidence))
-    return _table(("kernel id", "runs on (compute capability)", "min CUDA", "KV cache", "page block",
-                   "mode, head dims K/V", "confidence"), ("l",) * 7, rows)
-
-
 def op_methods_table() -> str:
     """The op contract's methods: signature and declarations with their defaults (contract/methods.py METHOD_SPECS)."""
     def value(v: Any) -> str:
@@ -336,3 +315,32 @@ def update(paths: list[Path] | None = None, *, check: bool) -> tuple[int, list[s
             path.write_text(new, encoding="utf-8")
             out.append(f"{path}: rewrote {', '.join(stale) or 'marker lines'}")
     return rc, out, err
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python tools/docs.py", description=(
+        "Rewrite the tables between '<!-- generated: NAME (...) -->' and '<!-- end generated -->' from the plugin's "
+        "options, TOLERANCES and OP_TOLERANCES, the op suite's sections, CODECS + ERROR_BOUNDS, the presets, the op "
+        "methods and the kernel support matrix, in " + ", ".join(FILES) + " of this checkout (or the files given); "
+        "with --check, change nothing and exit 1 naming the stale sections."))
+    p.add_argument("--check", action="store_true", help="exit 1 when a generated section differs from the code")
+    p.add_argument("--path", action="append", metavar="FILE",
+                   help="a markdown file to rewrite (repeatable; default: every file above, in this checkout)")
+    args = p.parse_args(argv)
+    try:
+        rc, out, err = update([Path(x) for x in args.path] if args.path else None, check=args.check)
+    except ValueError as exc:  # a file that cannot be read, wrong markers, or no checkout: one line, exit 2
+        print(f"python tools/docs.py: {exc}", file=sys.stderr)
+        return 2
+    for line in out:
+        print(line)
+    for line in err:
+        print(line, file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
