@@ -141,3 +141,22 @@ def test_goldens_576(backend, prompt_set, model_576, request, snapshot, mla_devi
     golden.check_golden_generation(BACKENDS[backend](), request, snapshot, prompt_set=prompt_set, device=mla_device,
                                    figures=figures, model=lambda name: model_576)
     assert figures["golden_model"] == "tiny-mla-576" and figures["accuracy"] >= 0.99, figures
+
+
+class RopeDropped576(only_576.ReferenceOp576):
+    """Broken: its decode drops the query's rope part (positions), as a kernel reading only the latent would."""
+
+    name = "broken-576-decode-without-rope"
+
+    def decode(self, q, *args, **kwargs):
+        q = q.clone()
+        q[..., 512:] = 0
+        return super().decode(q, *args, **kwargs)
+
+
+def test_a_broken_576_op_fails_its_golden(model_576, request, snapshot, mla_device):
+    """The check can fail: a decode without rope through the same path (tiny-mla-576 picked, prefill through the
+    op's prefill) collapses the answers (measured: 0.11 on both sets)."""
+    with pytest.raises(AssertionError, match=r"op:broken-576-decode-without-rope: accuracy 0\.\d+ on tiny-mla-576"):
+        golden.check_golden_generation(OpBackend(RopeDropped576()), request, snapshot, prompt_set="tiny-short",
+                                       device=mla_device, figures={}, model=lambda name: model_576)
