@@ -196,7 +196,7 @@ def _failure_lines(report) -> list[str]:
         return []
     groups: dict[tuple[str, str], list[str]] = {}
     for t in failed:
-        msg = (t.get("reason") or "").replace("|", "\\|")
+        msg = (t.get("reason") or "").strip().replace("|", "\\|")
         cause = (t.get("figures") or {}).get("likely_cause")
         if cause and "likely cause:" not in msg:
             msg += f"\n*Likely cause:* {cause}"

@@ -381,7 +381,8 @@ def _judge(op, w: str, lay: Layout, c: _Compared, figures: dict, *, late: dict, 
             i = _first(bad)
             raise AssertionError(failure(
                 f"{w}: lse has {int(bad.sum())} non-finite value(s) in queries with keys: {float(raw[i])} at "
-                f"{lay.at(lay.lse_names, i)}, expected {float(c.ref_lse[i]):.6g} (natural log)", cause=lay.nan_lse))
+                f"{lay.at(lay.lse_names, i)}, expected {float(c.ref_lse[i]):.6g} (natural log)",
+                cause=lay.cause_at(i) or lay.nan_lse))
     if bool(empty.any()):
         nonzero = (got != 0) & ~valid
         if bool(nonzero.any()):
@@ -397,7 +398,7 @@ def _judge(op, w: str, lay: Layout, c: _Compared, figures: dict, *, late: dict, 
                           empty_row_sentences(op, empty_key, value))
             raise AssertionError(failure(
                 f"{w}: query {lay.query_lse(i)} has no keys: lse must be {empty_lse}, got {value} at head {i[1]}",
-                f"{empty_lse} is {said}; {int(wrong.sum())} such value(s)", cause=hint))
+                f"{empty_lse} is {said}; {int(wrong.sum())} such value(s)", cause=hint or lay.cause_at(i)))
     if raw is not None:
         lse_err, lse_b, nat = c.lse_err, c.bounds.lse, c.nat
         over_b = lse_err > lse_b
