@@ -4,7 +4,8 @@
 
 1. resolves the backend from its spec (as ``--mla-backend`` names it), calls ``backend.distribute(parallel)`` with a
    :class:`Parallel` (the plan, W, this rank, the group, the TP and DCP sizes and ranks, the DCP interleave);
-2. hands ``attend`` this rank's shard of the weights by :data:`TP_PLAN` (Megatron / vLLM's plan for MLA: the query
+2. hands ``attend`` this rank's shard of the weights by the backend's ``tp_plan`` (weight name -> "heads-rows",
+   "heads-cols" or "replicate"; any it leaves out as in :data:`TP_PLAN`) or :data:`TP_PLAN` (Megatron / vLLM's plan for MLA: the query
    and kv_b projections split by heads -- column-parallel --, o_proj split by its input columns -- row-parallel, the
    backend all-reducing its output --, the latent projection and norms replicated), an ``MLAWeights`` whose config
    has ``num_attention_heads = H / tp_size``; the same hidden states on every rank;

@@ -92,10 +92,12 @@ def hidden_states(case: DistCase) -> torch.Tensor:
                        dtype=torch.float64)
 
 
-def shard_weights(weights, par: Parallel):
-    """This rank's shard by TP_PLAN (heads split over tp_size; the rest replicated), as MLAWeights of H / tp heads."""
+def shard_weights(weights, par: Parallel, plan: dict | None = None):
+    """This rank's shard by ``plan`` (the backend's ``tp_plan``, else TP_PLAN: heads split over tp_size, the rest
+    replicated), as MLAWeights of H / tp heads."""
     from mla_conformance.model.weights import MLAWeights
 
+    plan = TP_PLAN if plan is None else {**TP_PLAN, **plan}
     cfg = weights.config
     tp, r = par.tp_size, par.tp_rank
     if tp == 1:
@@ -103,7 +105,7 @@ def shard_weights(weights, par: Parallel):
     local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp)
     out = {}
     for name, t in weights.items():
-        how = TP_PLAN.get(name, "replicate")
+        how = plan.get(name, "replicate")
         if how == "heads-rows":
             out[name] = t.unflatten(0, (tp, -1))[r].clone()
         elif how == "heads-cols":
@@ -165,7 +167,7 @@ def _run_case(backend, case: DistCase, rank: int, world_size: int, group, tmp: P
     backend.distribute(par)
     full = full_weights(case).to(torch.float32)
     reason = backend.unsupported_reason(full.config, dtype=torch.float32, device="cpu", kv_codec="none")
-    weights = shard_weights(full, par)
+    weights = shard_weights(full, par, getattr(backend, "tp_plan", None))
     if reason:
         return {"skip": f"{backend.name}: {reason}"}
     x = hidden_states(case).to(torch.float32)

@@ -640,7 +640,7 @@ def assert_dcp_write(op, sh: Sharding, *, page: int, dtype, device: str, check: 
             found = {t for t in range(T) if bytes(mine[t].numpy()) in rows_got}
             s1 = {t for t in range(T) if owner(int(positions[t]), sh.world_size, 1) == r}
             owned_set = {t for t in range(T) if bool(own[t])}
-            if sh.interleave > 1 and found and found <= s1 and not found <= owned_set:
+            if sh.interleave > 1 and found and found <= s1 and found != owned_set:
                 strays, what = [], what + ("; likely cause: ownership computed for S = 1 at S = "
                                            f"{sh.interleave} (ATOM #2087): the rank wrote exactly the tokens g with "
                                            f"g % W == {r}")
