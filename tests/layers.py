@@ -37,11 +37,11 @@ Why each layer is where it is (what it needs below it):
   ``generation``.
 * ``pytest_plugin`` -- the suites' options, fixtures, isolation and the results a run records (under
   ``schema``'s keys); ``checks`` and ``specs`` below it, never the report it feeds.
-* ``report`` -- the plugin's results into conformance.json / .md, plots, merge; the generated docs tables (from
-  the plugin's options among others) and ``run``'s work (``report.run``: pytest in a subprocess, watched through
-  the plugin's journal): all read the plugin, so above it. The command's options are ``cli.run``, one layer up
-  past ``perf``, which neither uses.
+* ``report`` -- the plugin's results rendered: conformance.json / .md, plots, merge; reads the plugin's results
+  and sections, so above it.
 * ``perf`` -- timings and the bench's gate: ``checks``' correctness before any clock.
+* ``runner`` -- ``run``'s work: pytest in a subprocess, watched through the plugin's journal (``runner.watchdog``),
+  then the report it renders; the command's options are ``cli.run``, one layer up.
 * ``cli`` -- the commands' options (argparse lives here only), each calling into the layer that does the work.
 """
 
@@ -64,5 +64,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_plugin",),
     ("report",),
     ("perf",),
+    ("runner",),
     ("cli",),
 )

@@ -1,4 +1,4 @@
-"""``mla-conformance run``: the options; the run itself is :func:`mla_conformance.report.run.run_command`."""
+"""``mla-conformance run``: the options; the run itself is :func:`mla_conformance.runner.run.run_command`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 from mla_conformance.contract.op import BUILTIN_OPS, DEFAULT_OPS
 from mla_conformance.pytest_plugin.isolation import DEFAULT_TIMEOUT_S
-from mla_conformance.report.run import run_command
-from mla_conformance.report.watchdog import DEFAULT_STALL_S
+from mla_conformance.runner.run import run_command
+from mla_conformance.runner.watchdog import DEFAULT_STALL_S
 
 
 def _seconds(text: str) -> float:
@@ -59,6 +59,6 @@ def add_cli(sub) -> None:
                    help=f"bound on the whole run making no progress (default {DEFAULT_STALL_S:g} s, 0 = none): no "
                         "test started or finished and no worker started or collected for this long (beyond what "
                         "a running test's --timeout allows) ends the run with the report of what was recorded, "
-                        "the tests not reached as errors 'not run' (mla_conformance.report.watchdog)")
+                        "the tests not reached as errors 'not run' (mla_conformance.runner.watchdog)")
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS")
     p.set_defaults(func=run_command)

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mla_conformance.report.suites import find_suites
+from mla_conformance.runner.suites import find_suites
 from mla_conformance.resources import pytest_location_args
 from mla_conformance.specs import OP_PREFIX, spec_name
 

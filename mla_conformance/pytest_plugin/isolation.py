@@ -19,7 +19,7 @@ The plugin (:mod:`mla_conformance.pytest_plugin`) uses these pieces; ``mla-confo
   result and per test finished, the run's collection, and each xdist worker's start, collection and end,
   written as they happen by the process that writes the results file: what a run that was killed had
   gathered (:func:`read_journal`), and what ``run``'s watch over the whole run reads to see it make progress
-  (:mod:`mla_conformance.report.watchdog`).
+  (:mod:`mla_conformance.runner.watchdog`).
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ class JournalState:
     ``collection`` (the node ids the run collected, or None), ``workers`` {id: the worker's last event, with
     its pid, test count and error}, ``last_test`` (nodeid, "started" or "finished") and
     ``deaths_before_collection`` (workers in a row that went down before collecting). One reader for `run`'s
-    report of a dead pytest and for its watch over a live one (:mod:`mla_conformance.report.watchdog`)."""
+    report of a dead pytest and for its watch over a live one (:mod:`mla_conformance.runner.watchdog`)."""
 
     def __init__(self):
         self.header: dict | None = None

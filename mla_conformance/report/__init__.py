@@ -1,12 +1,11 @@
-"""Reports: what ``mla-conformance run`` and ``merge`` write for people and CI. One job per module:
+"""Reports: what ``mla-conformance run`` and ``merge`` write for people and CI, rendered from a run's results (the run
+itself is :mod:`mla_conformance.runner`). One job per module:
 
 * :mod:`~mla_conformance.report.environment` -- the environment block (the device under test, kernel gating);
 * :mod:`~mla_conformance.report.build` -- the plugin's results into a report: rows, verdicts, op results;
 * :mod:`~mla_conformance.report.markdown` and :mod:`~mla_conformance.report.sections` -- conformance.md;
 * :mod:`~mla_conformance.report.plots` -- the PNG plots;
 * :mod:`~mla_conformance.report.outdir` -- the owned, atomic output directory (and single files);
-* :mod:`~mla_conformance.report.suites` -- the installed suites;
-* :mod:`~mla_conformance.report.run` -- ``run``: pytest in a subprocess, interrupts, the report;
 * :mod:`~mla_conformance.report.merge` -- ``merge``: several reports in one matrix;
 
 The declared sections and figure keys the renderers read are :mod:`mla_conformance.schema` (below the plugin that

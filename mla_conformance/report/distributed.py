@@ -1,7 +1,7 @@
 """The report's distributed rows (issue 44): the layer across W ranks (section ``distributed``: each rank's cache
 bytes, the redundancy over the ranks, each rank's error against the single-process reference, the verdict) and the
 ops under decode context parallelism (section ``op-dcp``: the merged verdict per op, W and S). Appended to
-conformance.md by mla_conformance.report.run; reads only the tests' figures (mla_conformance.schema.FIGURES)."""
+conformance.md by mla_conformance.runner.run; reads only the tests' figures (mla_conformance.schema.FIGURES)."""
 
 from __future__ import annotations
 

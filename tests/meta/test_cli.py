@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.report import plots
-from mla_conformance.report import run as report_run
+from mla_conformance.runner import run as report_run
 from mla_conformance.report.build import build_report
 from mla_conformance.report.outdir import MARKER
 from mla_conformance.perf import bench

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance.report.run import OWN_PROCESS_GROUP
+from mla_conformance.runner.run import OWN_PROCESS_GROUP
 
 
 HERE = Path(__file__).resolve().parent
@@ -87,7 +87,7 @@ class Scenario:
 
 P, C, T, S, N = "passed", "crashed", "timeout", "stalled", "not-run"
 ONE_CRASH = {P: 2, C: 1}  # a process's 2nd call dies (which test that is depends on xdist's batches); the rest pass
-#: one xdist worker, chosen (run's default is a worker per core, at most two: report.run.default_workers; the
+#: one xdist worker, chosen (run's default is a worker per core, at most two: runner.run.default_workers; the
 #: scenarios "n2" and "n2-stopped" run two)
 ONE_WORKER = ("-n", "1")
 
@@ -335,7 +335,7 @@ def test_the_run_ends_with_the_verdict_the_dead_test_named_and_nothing_left(faul
 def _watch(tmp_path, lines, **kw):
     import json
 
-    from mla_conformance.report.watchdog import RunWatch
+    from mla_conformance.runner.watchdog import RunWatch
 
     journal = tmp_path / "r.json.journal"
     journal.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
@@ -347,7 +347,7 @@ def test_the_watch_fires_on_no_progress_beyond_what_is_allowed(tmp_path):
     """Times are the watch's clock, passed in: no test here waits. Idle with every worker collected: the stall
     bound; a test running: plus its --timeout and the C watchdog's margin; a process starting: STARTUP_S."""
     from mla_conformance.pytest_plugin.isolation import hard_deadline
-    from mla_conformance.report.watchdog import STARTUP_S
+    from mla_conformance.runner.watchdog import STARTUP_S
 
     (tmp_path / "none").mkdir()
     before = _watch(tmp_path / "none", [])  # pytest starting: no line yet

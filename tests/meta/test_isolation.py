@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.report import build, outdir
-from mla_conformance.report import run as run_command
+from mla_conformance.runner import run as run_command
 from mla_conformance.pytest_plugin import isolation
 from mla_conformance.cli import main
 
@@ -239,7 +239,7 @@ def terminal_run(tmp_path) -> dict:
 def test_run_typed_at_a_terminal_with_tostop_ends(terminal_run):
     """`mla-conformance run` at a terminal under ``stty tostop``: its pytest writes to the terminal without being
     stopped (a background process group of the terminal's session would be: SIGTTOU), and the run ends with its
-    report (report/run.pytest_group)."""
+    report (runner/run.pytest_group)."""
     got = terminal_run
     assert got["ended"], f"the run had not ended (its pytest stopped on writing the terminal?):\n{got['shown'][-2000:]}"
     assert got["returncode"] == 0 and got["report"], got["shown"][-2000:]

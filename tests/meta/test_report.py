@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance.report import run as report_run
+from mla_conformance.runner import run as report_run
 from mla_conformance.report.build import INDEPENDENT, build_report, formula_bytes, measured_bytes, round_floats
 from mla_conformance.report.markdown import render_markdown
 from mla_conformance.report.merge import MATRIX_SCHEMA_VERSION, merge_reports

@@ -13,7 +13,7 @@ Inputs are checked first; a run that fails before pytest writes nothing (not eve
 ``run`` exits non-zero when a backend or op fails or is NOT TESTED (unless it was not named and the pytest
 arguments narrowed the selection). A test whose worker died, that timed out or hit a CUDA fault is an error
 with a ``fault`` (:mod:`mla_conformance.pytest_plugin.isolation`); a run that makes no progress is ended by
-its watch (:mod:`mla_conformance.report.watchdog`) and reported from the journal; SIGINT / SIGTERM keep the
+its watch (:mod:`mla_conformance.runner.watchdog`) and reported from the journal; SIGINT / SIGTERM keep the
 results gathered so far beside ``--out`` and leave the previous report as it was.
 """
 
@@ -45,8 +45,8 @@ from mla_conformance.report.environment import environment
 from mla_conformance.report.markdown import render_markdown
 from mla_conformance.report.outdir import check_out_dir, write_file_atomically, write_owned_dir
 from mla_conformance.report.plots import safe_plots
-from mla_conformance.report.suites import find_suites
-from mla_conformance.report.watchdog import DEFAULT_STALL_S, RunWatch
+from mla_conformance.runner.suites import find_suites
+from mla_conformance.runner.watchdog import DEFAULT_STALL_S, RunWatch
 from mla_conformance.resources import pytest_location_args
 from mla_conformance.specs import spec_name
 
@@ -334,7 +334,7 @@ def _run_pytest(cmd: list[str], watch: RunWatch | None = None) -> tuple[int, int
 
     SIGINT, SIGTERM or SIGHUP to ``run`` is forwarded to the whole group as SIGINT (pytest stops after
     saying where it was); a second signal, or pytest still running :data:`STOP_GRACE_S` later, kills the
-    group. The ``watch`` (:mod:`mla_conformance.report.watchdog`) is polled meanwhile: when the run has
+    group. The ``watch`` (:mod:`mla_conformance.runner.watchdog`) is polled meanwhile: when the run has
     stalled the group is killed (``watch.fired`` says why). Whatever the group left running when pytest exits
     (a worker, a test's child) is killed too.
     """
