@@ -126,6 +126,8 @@ def _local_case(case: OpCase, lens, query_keys: torch.Tensor, *, batch=None, s_q
     """The case a rank's call is: its own rows without keys (an empty shard is a zero-length row)."""
     zero = any(L == 0 for L in lens)
     before = bool(((query_keys == 0) & (torch.tensor(lens)[:, None] > 0)).any()) if query_keys.numel() else False
+    if case.sparse:  # a sparse query none of whose selected tokens is here: a row with no valid index
+        zero, before = zero or bool((query_keys == 0).any()), False
     return dataclasses.replace(case, batch=case.batch if batch is None else batch, s_q=case.s_q if s_q is None else s_q,
                                causal=case.causal if causal is None else causal, attn_sink=False,
                                rows_without_keys=zero or before, zero_length_rows=zero,
