@@ -69,7 +69,7 @@ def worker_pid(node) -> int | None:
 def message_lines(msg: str) -> str:
     """A failure's reason: its message's first line (the headline: what failed, where, by how much) and the
     indented lines after it (the likely cause, got / expected, the bound's key:
-    :mod:`mla_conformance.checks.messages`); pytest's own ``assert ...`` explanation after them is left out."""
+    :mod:`mla_conformance.messages`); pytest's own ``assert ...`` explanation after them is left out."""
     lines = msg.strip().splitlines() or [""]
     kept = [lines[0].rstrip()]
     for line in lines[1:]:
