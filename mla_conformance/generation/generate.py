@@ -26,7 +26,7 @@ import torch
 
 from mla_conformance.contract.calls import call_backend, check_output
 from mla_conformance.contract.layer import support_reason
-from mla_conformance.model import reference as ref
+from mla_conformance.model import reference
 from mla_conformance.model import dsa_reference as dsa_ref
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.config import MLAConfig
@@ -107,9 +107,9 @@ def layer_weights(model, config: MLAConfig, model_dir: str | Path | None = None)
             if not model_dir or not Path(model_dir).is_dir():
                 raise CheckpointError(f"layer {i}: this config has DeepSeek Sparse Attention but no model directory "
                                       "to read the indexer tensors from")
-            ref = next(iter(tensors.values()))
+            like = next(iter(tensors.values()))
             ckpt = MLAWeights.from_checkpoint(model_dir, layer=i, config=config)
-            tensors.update({n: ckpt[n].to(device=ref.device, dtype=ref.dtype) for n in names if n.startswith("indexer.")})
+            tensors.update({n: ckpt[n].to(device=like.device, dtype=like.dtype) for n in names if n.startswith("indexer.")})
         out.append(MLAWeights(config, tensors, source=f"model.layers.{i}.self_attn"))
     return out
 
@@ -320,11 +320,11 @@ def _dense_attention_targets(model, config: MLAConfig, ids: torch.Tensor, length
             config, index_n_heads=None, index_head_dim=None, index_topk=None)), hidden):
         with torch.no_grad():
             x = layer.input_layernorm(h)
-            q_nope, q_pe, c, k_pe = ref.project(w, x, t.expand(B, T))
-            k, _ = ref.expand_kv(w, c, k_pe)
+            q_nope, q_pe, c, k_pe = reference.project(w, x, t.expand(B, T))
+            k, _ = reference.expand_kv(w, c, k_pe)
             q = torch.cat([q_nope, q_pe], dim=-1)
             scores = torch.einsum("bshd,bthd->bsht", q, k) * config.softmax_scale
-            p = ref.masked_softmax(scores, allowed, torch.float32).mean(2)
+            p = reference.masked_softmax(scores, allowed, torch.float32).mean(2)
         out.append((x, p))
     return out, allowed
 
