@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from mla_conformance.kv import budget as B
+from mla_conformance.kv import budget
 from mla_conformance.model.config import MLAConfig
 
 V32 = MLAConfig.preset("deepseek-v3.2")
@@ -17,7 +17,7 @@ V32 = MLAConfig.preset("deepseek-v3.2")
 
 @pytest.fixture(scope="module")
 def report():
-    return B.budget(V32, 8192, preset="deepseek-v3.2")
+    return budget.budget(V32, 8192, preset="deepseek-v3.2")
 
 
 def test_kv_bytes_per_token_per_layer(report):
@@ -32,16 +32,16 @@ def test_whole_model_and_one_sequence(report):
     assert report["kv_bytes_per_token_model"]["mha_128x128"] == 3_997_696
     assert report["sequence_bytes"]["mla_latent"] == 575_668_224
     assert report["sequence_bytes"]["mla_latent"] / 2**20 == 549.0
-    assert B.fmt_bytes(report["sequence_bytes"]["mla_latent"]) == "549.00 MiB"
+    assert budget.fmt_bytes(report["sequence_bytes"]["mla_latent"]) == "549.00 MiB"
     assert report["fraction_of_mha"]["mla_latent"] == pytest.approx(0.0176, abs=5e-5)
 
 
 def test_arithmetic_intensity(report):
     ai = report["arithmetic_intensity"]
     assert round(ai["mla_latent"], 1) == 241.8
-    assert ai["mla_latent"] == pytest.approx(B.mla_decode_ai(128, 512, 64, 2))
+    assert ai["mla_latent"] == pytest.approx(budget.mla_decode_ai(128, 512, 64, 2))
     assert ai["mha_128x128"] == ai["mla_expanded_naive"] == 1.0
-    assert ai["gqa_8"] == B.mha_decode_ai(128, 8, 2) == 16.0
+    assert ai["gqa_8"] == budget.mha_decode_ai(128, 8, 2) == 16.0
     assert ai["gqa_1"] == 128.0
 
 
@@ -65,16 +65,16 @@ def test_tile_account(report):
 
 
 def test_extra_codec_rows():
-    rows = B.kv_rows(V32, "bfloat16", extra_codecs=[("fp8_latent", 656)])
+    rows = budget.kv_rows(V32, "bfloat16", extra_codecs=[("fp8_latent", 656)])
     extra = rows[-1]
     assert (extra.key, extra.bytes_per_token_per_layer) == ("fp8_latent", 656)
     assert extra.flops_per_token_per_layer == rows[3].flops_per_token_per_layer  # the latent's FLOPs
     with pytest.raises(Exception, match="duplicates"):
-        B.kv_rows(V32, "bfloat16", extra_codecs=[("mla_latent", 1)])
+        budget.kv_rows(V32, "bfloat16", extra_codecs=[("mla_latent", 1)])
 
 
 def test_small_preset_drops_meaningless_gqa_rows():
-    keys = [r.key for r in B.kv_rows(MLAConfig.preset("tiny"), "float32")]
+    keys = [r.key for r in budget.kv_rows(MLAConfig.preset("tiny"), "float32")]
     assert keys == ["mha_4x32", "gqa_1", "mla_latent", "mla_expanded_naive"]
 
 
@@ -84,7 +84,7 @@ def test_cli_json(capsys):
     assert main(["budget", "--preset", "deepseek-v3.2", "--seq", "8192", "--json"]) == 0
     text = capsys.readouterr().out
     data = json.loads(text)
-    assert text == B.to_json(data) + "\n"  # sorted keys, stable layout
+    assert text == budget.to_json(data) + "\n"  # sorted keys, stable layout
     assert data["kv_bytes_per_token_per_layer"]["mla_latent"] == 1_152
     assert data["kv_bytes_per_token_per_layer"]["mla_expanded_naive"] == 81_920
     assert data["sequence_bytes"]["mla_latent"] == 575_668_224
@@ -121,7 +121,7 @@ def test_cli_table(capsys):
 
 
 def test_dense_config_has_no_dsa_block():
-    assert B.budget(MLAConfig.preset("deepseek-v3"), 1024)["dsa"] is None
+    assert budget.budget(MLAConfig.preset("deepseek-v3"), 1024)["dsa"] is None
 
 
 def test_cli_unknown_preset(capsys):
@@ -144,7 +144,7 @@ def test_codec_rows_are_the_codecs_formulas():
 
     from mla_conformance.kv.codecs import CODECS
 
-    rows = dict(B.codec_rows(V32, "bfloat16"))
+    rows = dict(budget.codec_rows(V32, "bfloat16"))
     assert rows and "none" not in rows
     for name, nbytes in rows.items():
         assert nbytes == int(CODECS[name].bytes_per_token(V32, torch.bfloat16)["total"])

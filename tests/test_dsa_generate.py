@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mla_conformance import MLAConfig
-from mla_conformance.generation import generate as G
+from mla_conformance.generation import generate
 from mla_conformance.specs import get_backend
 from mla_conformance.cli import main
 from mla_conformance.errors import MLAInputError
@@ -25,9 +25,9 @@ from mla_conformance.errors import MLAInputError
 def wide_variant(tmp_path_factory):
     """index_topk 256 (>= every tiny sequence) and 2 warm-up steps on 4 short held-out episodes."""
     out = tmp_path_factory.mktemp("dsa") / "tiny-dsa-256"
-    seqs = [s[:24] for s in G.tiny_training_sequences()[::16]]
-    figures = G.make_dsa_variant(G.DEFAULT_MODEL, out, index_topk=256, sequences=seqs, steps=2)
-    return out, figures, G.load_model(out)
+    seqs = [s[:24] for s in generate.tiny_training_sequences()[::16]]
+    figures = generate.make_dsa_variant(generate.DEFAULT_MODEL, out, index_topk=256, sequences=seqs, steps=2)
+    return out, figures, generate.load_model(out)
 
 
 def test_variant_reads_as_dsa_with_its_indexer(wide_variant):
@@ -38,11 +38,11 @@ def test_variant_reads_as_dsa_with_its_indexer(wide_variant):
     from safetensors.torch import load_file
 
     saved = load_file(str(out / "model.safetensors"))
-    w = G.layer_weights(model, config)
+    w = generate.layer_weights(model, config)
     assert torch.equal(w[1]["indexer.wq_b.weight"], saved["model.layers.1.self_attn.indexer.wq_b.weight"])
     assert torch.equal(w[0]["q_a_proj.weight"], saved["model.layers.0.self_attn.q_a_proj.weight"])
     with pytest.raises(MLAInputError, match="reference-absorbed does not declare DeepSeek Sparse Attention"):
-        G.run_generation(out, get_backend("reference-absorbed"), prompt_sets=["tiny-long"], max_new_tokens=1,
+        generate.run_generation(out, get_backend("reference-absorbed"), prompt_sets=["tiny-long"], max_new_tokens=1,
                          model=model)
 
 

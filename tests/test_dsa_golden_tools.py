@@ -14,7 +14,7 @@ import pytest
 
 from mla_conformance import MLAConfig
 from mla_conformance.checks.layer.golden import PROMPT_SETS, load_tiny_model, model_dtype
-from mla_conformance.generation import generate as G
+from mla_conformance.generation import generate
 from mla_conformance.generation.generate import DSA_MODEL
 from mla_conformance.model.weights import MLAWeights
 from mla_conformance.specs import get_backend
@@ -38,14 +38,14 @@ def test_random_indexer_collapses_the_answers(tiny_dsa_model, mla_device, mla_fi
     config = MLAConfig.from_hf(DSA_MODEL)
     assert config.index_topk == 6
     drawn = MLAWeights.random(config, seed=0, dtype=dtype)
-    trained = G.layer_weights
+    trained = generate.layer_weights
 
     def random_indexer(model, cfg, model_dir=None):
         return [MLAWeights(cfg, {**dict(w), **{n: drawn[n].to(w[n].device) for n in w if n.startswith("indexer.")}},
                            source=f"{w.source} (random indexer)") for w in trained(model, cfg, model_dir)]
 
-    monkeypatch.setattr(G, "layer_weights", random_indexer)
-    result = G.run_generation(DSA_MODEL, get_backend("reference-dsa"), prompt_sets=PROMPT_SETS, dtype=dtype,
+    monkeypatch.setattr(generate, "layer_weights", random_indexer)
+    result = generate.run_generation(DSA_MODEL, get_backend("reference-dsa"), prompt_sets=PROMPT_SETS, dtype=dtype,
                               device=mla_device, model=tiny_dsa_model)
     per_set = {s: _accuracy([o for o in result["outputs"] if o["set"] == s]) for s in PROMPT_SETS}
     recalls = [o for o in result["outputs"] if "recall" in o["id"]]

@@ -26,7 +26,7 @@ from mla_conformance.impl.ops.flashinfer import FlashInferFA2Op, FlashInferOp
 from mla_conformance.impl.ops.flashmla import FlashMLAOp, FlashMLASparseOp
 from mla_conformance.impl.ops.reference import ReferenceOp, encode_fp8_656
 from mla_conformance.model.attention_oracles import lse_to_natural
-from mla_conformance.model import attention_oracles as ao
+from mla_conformance.model import attention_oracles as oracles
 
 BF16 = torch.bfloat16
 INT_MAX = 2**31 - 1
@@ -372,7 +372,7 @@ def fake_vllm(calls: list | None = None):
         T, h, _ = output.shape
         assert prefix_lse.shape == suffix_lse.shape == (h, T) and prefix_lse.dtype == torch.float32
         calls.append(("merge_attn_states", T, h))
-        o, l = ao.merge(prefix_output, prefix_lse.t(), suffix_output, suffix_lse.t(), base="e")
+        o, l = oracles.merge(prefix_output, prefix_lse.t(), suffix_output, suffix_lse.t(), base="e")
         output.copy_(o.to(output.dtype))
         if output_lse is not None:
             output_lse.copy_(torch.where(torch.isinf(l), -math.inf, l).t().float())

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from mla_conformance.checks import op as oc
-from mla_conformance.checks.op import prefill as pc
-from mla_conformance.checks.op import sparse_prefill as sc
+from mla_conformance.checks import op as op_checks
+from mla_conformance.checks.op import prefill as prefill_checks
+from mla_conformance.checks.op import sparse_prefill as sparse_prefill_checks
 from mla_conformance.contract.op import OpCase
 from mla_conformance.kv import model1
-from mla_conformance.model import attention_oracles as ao
+from mla_conformance.model import attention_oracles as oracles
 from mla_conformance.impl.ops.reference import ReferenceOp, decode_fp8_656, encode_fp8_656, fp8_scales, oracle
 from mla_conformance.model.attention_oracles import lse_to_natural, merge_by_lse, natural_to_base
 
@@ -28,11 +28,11 @@ def _case(**kw):
 
 
 ANCHOR_SPECS = {
-    "dense-causal-s_q4": oc.Spec(_case(s_q=4, causal=True), (3, 40, 17)),
-    "dense-page1-empty": oc.Spec(_case(batch=4, page_block_size=1), (0, 1, 5, 9)),
-    "sparse-topk_length-sink": oc.Spec(_case(s_q=2, topk=16, attn_sink=True, h_q=6), (30, 20, 10), invalid="int-max",
+    "dense-causal-s_q4": op_checks.Spec(_case(s_q=4, causal=True), (3, 40, 17)),
+    "dense-page1-empty": op_checks.Spec(_case(batch=4, page_block_size=1), (0, 1, 5, 9)),
+    "sparse-topk_length-sink": op_checks.Spec(_case(s_q=2, topk=16, attn_sink=True, h_q=6), (30, 20, 10), invalid="int-max",
                                        topk_length=True),
-    "fp8-fp32-scales": oc.Spec(_case(s_q=2, causal=True, kv_format="fp8-e4m3-flashmla"), (37, 64, 5),
+    "fp8-fp32-scales": op_checks.Spec(_case(s_q=2, causal=True, kv_format="fp8-e4m3-flashmla"), (37, 64, 5),
                                scale_format="fp32", magnitude=16.0),
 }
 
@@ -42,9 +42,9 @@ def test_reference_op_matches_the_oracle(name):
     """reference-op (batched, torch.where masking) and the oracle (row by row) agree in float64 to 1e-12 on out;
     lse is float32 by contract (half a step, 6e-8 relative)."""
     spec = ANCHOR_SPECS[name]
-    inp = oc.build(spec)
-    out, lse = oc.run_op(ReferenceOp(), inp, "anchor")
-    ref_out, ref_lse, _ = oc.oracle_of(spec)
+    inp = op_checks.build(spec)
+    out, lse = op_checks.run_op(ReferenceOp(), inp, "anchor")
+    ref_out, ref_lse, _ = op_checks.oracle_of(spec)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), name
     assert float((out.double() - ref_out).abs().max()) <= 1e-12 * max(1.0, float(ref_out.abs().max())), name
     finite = torch.isfinite(ref_lse)
@@ -114,15 +114,15 @@ def test_fp8_scale_formats_on_the_probes():
 # --------------------------------------------------------------------------- merge_by_lse
 
 
-MERGE_SPEC = oc.Spec(_case(batch=3, s_q=2), (40, 16, 7))
+MERGE_SPEC = op_checks.Spec(_case(batch=3, s_q=2), (40, 16, 7))
 
 
 @functools.lru_cache(maxsize=1)
 def _merge_parts():
     """The oracle of each row's keys split at a page boundary (row 2, one page: its first part is empty)."""
-    inp = oc.build(MERGE_SPEC)
+    inp = op_checks.build(MERGE_SPEC)
     parts = []
-    for part in oc.split_at_pages(inp):
+    for part in op_checks.split_at_pages(inp):
         t = {n: b.view for n, b in part.buffers.items()}
         parts.append(oracle(t["q"], t["kv_cache"], t["block_table"], t["cache_seqlens"],
                             softmax_scale=part.softmax_scale, causal=False))
@@ -134,7 +134,7 @@ def _merge_parts():
 def test_merge_by_lse_round_trip(base, empty):
     """Keys split in two and merged by LSE (in either base, an empty part's lse either infinity) give the oracle
     of all the keys."""
-    whole_out, whole_lse, _ = oc.oracle_of(MERGE_SPEC)
+    whole_out, whole_lse, _ = op_checks.oracle_of(MERGE_SPEC)
     parts = []
     for o, l in _merge_parts():
         l = natural_to_base(l, base)
@@ -158,14 +158,14 @@ def test_merge_by_lse_round_trip(base, empty):
 
 
 def test_inputs_are_poisoned_shuffled_and_canaried():
-    spec = oc.Spec(OpCase(batch=3, s_q=2, h_q=4, page_block_size=16, dtype=torch.bfloat16), (37, 32, 0),
+    spec = op_checks.Spec(OpCase(batch=3, s_q=2, h_q=4, page_block_size=16, dtype=torch.bfloat16), (37, 32, 0),
                    noncontig_q=True, spare_pages=3)
-    inp = oc.build(spec)
+    inp = op_checks.build(spec)
     kv, bt = inp.tensor("kv_cache"), inp.tensor("block_table")
     assert bt.dtype == torch.int32 and inp.tensor("cache_seqlens").dtype == torch.int32
     assert bt[0, :3].tolist() != sorted(bt[0, :3].tolist()) or bt[1, :2].tolist() != sorted(bt[1, :2].tolist())
-    assert (bt[0, 3:] == oc.INVALID_BLOCK).all() and (bt[2] == oc.INVALID_BLOCK).all()
-    used = set(bt[bt != oc.INVALID_BLOCK].tolist())
+    assert (bt[0, 3:] == op_checks.INVALID_BLOCK).all() and (bt[2] == op_checks.INVALID_BLOCK).all()
+    used = set(bt[bt != op_checks.INVALID_BLOCK].tolist())
     unused = [b for b in range(kv.shape[0]) if b not in used]
     assert len(unused) == 3 and torch.isnan(kv[unused].float()).all()
     assert torch.isnan(kv[int(bt[0, 2]), 37 - 32:].float()).all()     # row 0's last page: 5 keys, then NaN
@@ -174,8 +174,8 @@ def test_inputs_are_poisoned_shuffled_and_canaried():
     q = inp.tensor("q")
     assert not q.is_contiguous() and q.shape == (3, 2, 4, 576)
     for name, buf in inp.buffers.items():
-        assert (buf.base[-oc.CANARY_BYTES:] == oc.CANARY_BYTE).all(), name
-    fp8 = oc.build(oc.Spec(OpCase(batch=1, s_q=1, h_q=1, page_block_size=16, dtype=torch.bfloat16,
+        assert (buf.base[-op_checks.CANARY_BYTES:] == op_checks.CANARY_BYTE).all(), name
+    fp8 = op_checks.build(op_checks.Spec(OpCase(batch=1, s_q=1, h_q=1, page_block_size=16, dtype=torch.bfloat16,
                                   kv_format="fp8-e4m3-flashmla"), (5,)))
     kv8 = fp8.tensor("kv_cache")
     assert kv8.dtype == torch.uint8 and kv8.shape[-1] == 656
@@ -253,11 +253,11 @@ def _flashmla_ref_sparse_fwd(q, kv, indices, sm_scale, d_v, topk_length=None, at
 
 
 def test_sparse_prefill_oracle_and_reference_match_flashmla_ref():
-    spec = sc.SparseSpec(s_q=5, s_kv=40, topk=16, h_q=8, invalid_share=0.3, all_invalid_rows=(2,), topk_length=True,
+    spec = sparse_prefill_checks.SparseSpec(s_q=5, s_kv=40, topk=16, h_q=8, invalid_share=0.3, all_invalid_rows=(2,), topk_length=True,
                          attn_sink=True, dtype="float64")
-    t = {n: b.view for n, b in sc.build(spec).items()}
+    t = {n: b.view for n, b in sparse_prefill_checks.build(spec).items()}
     theirs = _flashmla_ref_sparse_fwd(t["q"], t["kv"], t["indices"], 0.5, 512, t["topk_length"], t["attn_sink"])
-    ours = ao.sparse_prefill(t["q"], t["kv"], t["indices"], softmax_scale=0.5, d_v=512, topk_length=t["topk_length"],
+    ours = oracles.sparse_prefill(t["q"], t["kv"], t["indices"], softmax_scale=0.5, d_v=512, topk_length=t["topk_length"],
                              attn_sink=t["attn_sink"])
     ref = ReferenceOp().sparse_prefill(t["q"], t["kv"], t["indices"], softmax_scale=0.5, d_v=512,
                                        topk_length=t["topk_length"], attn_sink=t["attn_sink"])
@@ -273,10 +273,10 @@ def test_sparse_prefill_oracle_and_reference_match_flashmla_ref():
 def test_reference_prefill_matches_the_oracle(causal):
     """reference-op's prefill (heads batched, torch.where masking) and the oracle (query by query) in float64:
     bottom-right causal, GQA, a row with no keys."""
-    spec = pc.PrefillSpec(((5, 5), (3, 0), (6, 4), (2, 11)), h_q=6, h_k=2, dtype="float64", causal=causal)
-    t = [pc.build(spec)[n].view for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
+    spec = prefill_checks.PrefillSpec(((5, 5), (3, 0), (6, 4), (2, 11)), h_q=6, h_k=2, dtype="float64", causal=causal)
+    t = [prefill_checks.build(spec)[n].view for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
     out, lse = ReferenceOp().prefill(*t, softmax_scale=spec.softmax_scale, causal=causal)
-    ref_out, ref_lse = ao.prefill(*t, softmax_scale=spec.softmax_scale, causal=causal)
+    ref_out, ref_lse = oracles.prefill(*t, softmax_scale=spec.softmax_scale, causal=causal)
     assert float((out - ref_out).abs().max()) < 1e-12
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     fin = torch.isfinite(ref_lse)
@@ -292,7 +292,7 @@ def test_merge_oracle_and_reference_treat_both_infinities_as_empty(empty_a, empt
         if mark:
             lse[0] = math.inf if mark == "+inf" else -math.inf
             out[0] = 0.0
-    out, lse = ao.merge(oa, la, ob, lb)
+    out, lse = oracles.merge(oa, la, ob, lb)
     ref_out, ref_lse = ReferenceOp().merge(oa, la, ob, lb)
     assert float((out - ref_out).abs().max()) < 1e-12
     if empty_a and empty_b:

@@ -148,12 +148,12 @@ def test_isolation_defaults_are_the_plugins():
 
 
 def test_anchor_tolerances_are_the_tables():
-    from mla_conformance.checks import ANCHOR_TOLERANCES as A
+    from mla_conformance.checks import ANCHOR_TOLERANCES as anchors
     from tools.docs import num
 
-    assert A["reference-naive"] == A["reference-absorbed"]
-    assert (f"reference-naive and reference-absorbed to {num(A['reference-naive'])}, hf-transformers to "
-            f"{num(A['hf-transformers'])}") in _text("docs/tolerances.md")
+    assert anchors["reference-naive"] == anchors["reference-absorbed"]
+    assert (f"reference-naive and reference-absorbed to {num(anchors['reference-naive'])}, hf-transformers to "
+            f"{num(anchors['hf-transformers'])}") in _text("docs/tolerances.md")
 
 
 def test_op_contract_figures_are_the_contracts():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mla_conformance.errors import MLAInputError
-from mla_conformance.kv import budget as B
+from mla_conformance.kv import budget
 from mla_conformance.kv import v4_budget as V
 from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.v4_config import CSA, HCA, SLIDING, V4Config
@@ -86,7 +86,7 @@ def test_row_bytes_come_from_their_owners():
     assert model1.bytes_per_token()["total"] == 448 + 64 * 2 + 8 == 584
     assert V.row_bytes(PRO, "fp8") == {"row": 584, "indexer_key": 256}
     # the FP8 indexer key is the DSA budget's: 128 e4m3 + one float32 scale per 128 values
-    v32 = B.dsa_bytes(MLAConfig.preset("deepseek-v3.2"), 1, 2)
+    v32 = budget.dsa_bytes(MLAConfig.preset("deepseek-v3.2"), 1, 2)
     assert V.row_bytes(PRO, "fp8+fp8-indexer") == {"row": 584, "indexer_key": v32["fp8"]["indexer_bytes_per_token_per_layer"]}
     assert v32["fp8"]["indexer_bytes_per_token_per_layer"] == 128 + 4
     with pytest.raises(MLAInputError, match="MODEL1"):
@@ -134,8 +134,8 @@ def test_layer_counts_are_the_presets():
 def test_v3_rows_are_the_budgets_own(report):
     for t in report["contexts"]:
         rows = report["v3"][str(t)]
-        v3 = B.budget(MLAConfig.preset("deepseek-v3"), t, extra_codecs=B.codec_rows(MLAConfig.preset("deepseek-v3"), "bfloat16"))
-        v32 = B.budget(MLAConfig.preset("deepseek-v3.2"), t)
+        v3 = budget.budget(MLAConfig.preset("deepseek-v3"), t, extra_codecs=budget.codec_rows(MLAConfig.preset("deepseek-v3"), "bfloat16"))
+        v32 = budget.budget(MLAConfig.preset("deepseek-v3.2"), t)
         assert rows["deepseek-v3"]["formats"]["bf16"]["total"] == v3["sequence_bytes"]["mla_latent"] == 61 * t * 1152
         assert rows["deepseek-v3"]["formats"]["fp8"]["total"] == v3["sequence_bytes"]["fp8-e4m3-flashmla"]
         assert rows["deepseek-v3.2"]["formats"]["bf16"]["total"] == v32["dsa"]["cache_dtype"]["total_sequence_bytes"]
@@ -172,7 +172,7 @@ def test_cli_prints_the_v4_rows_and_the_claim(printed, report):
     assert f"V4-Pro: {pro['verdict']}" in printed and f"{pro['measured']:.1%} measured vs 10% claimed" in printed
     assert f"V4-Pro = {V.derivation(PRO, M1, 'fp8+fp8-indexer')}" in printed
     assert f"V3.2 = 61 x 1,048,576 x 788 = {61 * M1 * 788:,} B" in printed
-    assert B.fmt_bytes(V.model_bytes(PRO, M1, "bf16")["total"]) in printed
+    assert budget.fmt_bytes(V.model_bytes(PRO, M1, "bf16")["total"]) in printed
 
 
 def test_cli_json(capsys):
@@ -181,7 +181,7 @@ def test_cli_json(capsys):
     assert main(["budget", "--v4", "--json"]) == 0
     text = capsys.readouterr().out
     data = json.loads(text)
-    assert text == B.to_json(data) + "\n"
+    assert text == budget.to_json(data) + "\n"
     assert data["contexts"] == [K128, M1]
     pro = data["models"]["deepseek-v4-pro"]
     assert pro["layer_counts"] == {"csa": 30, "hca": 31}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mla_conformance.checks import generated
-from mla_conformance.checks import op as oc
+from mla_conformance.checks import op as op_checks
 from mla_conformance.checks.strategies import parse_case
 from mla_conformance.checks.tolerances import (OP_ACC_ROUNDINGS, OP_TOLERANCES, TOLERANCES, op_acc_roundings,
                                                row_tolerance, underflow)
@@ -41,11 +41,11 @@ def test_float16_subnormal_out_is_bounded_by_half_its_step():
     those outs to zero fails it by far more than the bound."""
     assert underflow(torch.float16) == 2.0 ** -25 and underflow(torch.bfloat16) == 2.0 ** -126
     good: dict = {}
-    oc.check_against_oracle(PRoundingFp16Op(), _spec(PRoundingFp16Op()), check="subnormal out", figures=good)
+    op_checks.check_against_oracle(PRoundingFp16Op(), _spec(PRoundingFp16Op()), check="subnormal out", figures=good)
     assert 0.05 < good["out_error_over_bound"] <= 1.0, good["out_error_over_bound"]
     bad: dict = {}
     with pytest.raises(AssertionError, match="out differs from the float64 oracle"):
-        oc.check_against_oracle(FlushesFp16Subnormals(), _spec(FlushesFp16Subnormals()), check="subnormal out",
+        op_checks.check_against_oracle(FlushesFp16Subnormals(), _spec(FlushesFp16Subnormals()), check="subnormal out",
                                 figures=bad)
     assert bad["out_error_over_bound"] > 20, bad["out_error_over_bound"]
 

@@ -198,7 +198,7 @@ def test_make_case_variants():
     """make_case: an op that takes s_q 2 gets today's case; a decode-only op the s_q 1 variant; an op that declines the
     s_q 2 case for another reason (a causal query before the first key) keeps today's skip; a test about multi-token
     decode never falls back; a page size the op declines for this case is replaced by another it declares."""
-    from mla_conformance.checks import op as oc
+    from mla_conformance.checks import op as op_checks
     from mla_conformance.impl.ops.reference import ReferenceOp
 
     def op_of(name, reason, **decl):
@@ -206,21 +206,21 @@ def test_make_case_variants():
 
     lens = (0, 1, 20)
     reference = ReferenceOp()
-    assert oc.make_case(reference, lens=lens, s_q=2, causal=True).s_q == 2
+    assert op_checks.make_case(reference, lens=lens, s_q=2, causal=True).s_q == 2
     one = op_of("one", lambda c: "one query only" if c.s_q > 1 else None)
-    case = oc.make_case(one, lens=lens, s_q=2, causal=True)
+    case = op_checks.make_case(one, lens=lens, s_q=2, causal=True)
     assert (case.s_q, case.dtype, case.zero_length_rows, case.queries_before_first_key) == \
-        (1, oc.make_case(reference, lens=lens, s_q=2).dtype, True, False)
+        (1, op_checks.make_case(reference, lens=lens, s_q=2).dtype, True, False)
     with pytest.raises(pytest.skip.Exception, match="^one: one query only$"):
-        oc.make_case(one, lens=lens, s_q=2, causal=True, multi_token=True)
+        op_checks.make_case(one, lens=lens, s_q=2, causal=True, multi_token=True)
     no_qbfk = op_of("no-qbfk", lambda c: "no causal query before the first key" if c.queries_before_first_key else None)
     with pytest.raises(pytest.skip.Exception, match="^no-qbfk: no causal query before the first key$"):
-        oc.make_case(no_qbfk, lens=lens, s_q=2, causal=True)
+        op_checks.make_case(no_qbfk, lens=lens, s_q=2, causal=True)
     page64 = op_of("page-64", lambda c: "pages of 64 only here" if c.page_block_size != 64 else None)
-    assert oc.make_case(page64, lens=lens, s_q=2).page_block_size == 64
+    assert op_checks.make_case(page64, lens=lens, s_q=2).page_block_size == 64
     neither = op_of("neither", lambda c: f"not s_q {c.s_q}" if c.s_q > 1 else "not float32" if c.dtype.is_floating_point
                     and c.dtype.itemsize == 4 else None, page_block_sizes=(64,))
-    case = oc.make_case(neither, lens=lens, s_q=2)
+    case = op_checks.make_case(neither, lens=lens, s_q=2)
     assert dataclasses.astuple(case)[:2] == (3, 1) and str(case.dtype) == "torch.bfloat16", case
     with pytest.raises(pytest.skip.Exception, match=r"^neither: not s_q 2; s_q 1: not float32$"):
-        oc.make_case(neither, lens=lens, s_q=2, dtypes=("float32",))
+        op_checks.make_case(neither, lens=lens, s_q=2, dtypes=("float32",))

@@ -44,7 +44,7 @@ from mla_conformance.model.config import MLAConfig
 from mla_conformance.model.reference import reference_attention_f64
 from mla_conformance.model.weights import MLAWeights
 
-from .impls.broken import backends as bb
+from .impls.broken import backends as broken_backends
 
 pytestmark = pytest.mark.meta
 
@@ -66,21 +66,21 @@ SCENARIOS = {s.name: s for s in (MIXED, LONG)}
 
 #: broken backend -> the bug class diagnose must name (and the scenario it is checked on, per preset)
 EXPECTED = {
-    bb.MissingMscaleSquared: ("missing-yarn-mscale2",),
+    broken_backends.MissingMscaleSquared: ("missing-yarn-mscale2",),
     # MissingMscale multiplies q by sqrt(1/mscale²): the scores lose one factor mscale, not both
-    bb.MissingMscale: ("yarn-mscale-not-squared", "missing-yarn-mscale2"),
-    bb.WrongSoftmaxScale: ("softmax-scale-from-nope",),
-    bb.SoftmaxScaleFrom576: ("softmax-scale-from-576",),
-    bb.RopeLayoutMixup: ("rope-rotate-half",),
-    bb.YarnRampIgnored: ("yarn-ramp-ignored",),
-    bb.UnrotatedKpe: ("unrotated-k-pe",),
-    bb.LatentBeforeNorm: ("latent-before-norm",),
-    bb.WrongKvBSlice: ("kv-b-wrong-axis-order",),
-    bb.KvBSwapped: ("kv-b-uk-uv-swapped",),
-    bb.NoCausalMask: ("no-causal-mask",),
-    bb.ChunkMaskTopLeft: ("chunk-mask-top-left",),
-    bb.ShiftedDecodePosition: ("decode-position-off-by-one",),
-    bb.CausalExcludesSelf: ("causal-mask-excludes-self",),
+    broken_backends.MissingMscale: ("yarn-mscale-not-squared", "missing-yarn-mscale2"),
+    broken_backends.WrongSoftmaxScale: ("softmax-scale-from-nope",),
+    broken_backends.SoftmaxScaleFrom576: ("softmax-scale-from-576",),
+    broken_backends.RopeLayoutMixup: ("rope-rotate-half",),
+    broken_backends.YarnRampIgnored: ("yarn-ramp-ignored",),
+    broken_backends.UnrotatedKpe: ("unrotated-k-pe",),
+    broken_backends.LatentBeforeNorm: ("latent-before-norm",),
+    broken_backends.WrongKvBSlice: ("kv-b-wrong-axis-order",),
+    broken_backends.KvBSwapped: ("kv-b-uk-uv-swapped",),
+    broken_backends.NoCausalMask: ("no-causal-mask",),
+    broken_backends.ChunkMaskTopLeft: ("chunk-mask-top-left",),
+    broken_backends.ShiftedDecodePosition: ("decode-position-off-by-one",),
+    broken_backends.CausalExcludesSelf: ("causal-mask-excludes-self",),
 }
 
 
@@ -95,7 +95,7 @@ def _one_thread():
 
 
 def _scenario_for(broken, preset: str, dtype: torch.dtype) -> checks.Scenario:
-    return LONG if broken is bb.YarnRampIgnored and preset == LITE and dtype == BF16 else MIXED
+    return LONG if broken is broken_backends.YarnRampIgnored and preset == LITE and dtype == BF16 else MIXED
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,7 +169,7 @@ def test_mscale_instead_of_mscale_all_dim(dtype):
     """Class 2 exists only when mscale != mscale_all_dim (mscale(40, 1.0)² / mscale(40, 0.5)² = 1.34;
     with mscale_all_dim 0.707, 1.18, the bf16 ratio is 5.4: too close to the rule's 5 for a test)."""
     config = _yarn_config(mscale=1.0, mscale_all_dim=0.5)
-    oracles, found = _run_config(config, bb.MscaleNotAllDim(), DTYPES[dtype])
+    oracles, found = _run_config(config, broken_backends.MscaleNotAllDim(), DTYPES[dtype])
     assert found is not None and found["cause"] == "mscale-not-mscale-all-dim" and not found["also"], found
     _, found = _run_config(config, get_backend("reference-absorbed"), DTYPES[dtype])
     assert found is None, diagnose.format_cause(found)
@@ -186,7 +186,7 @@ def test_tied_classes_are_named_together():
     """A YaRN dict without ``mscale``: mscale(factor, mscale)² is 1 and class 2 gives exactly class 1's
     output, so a backend without mscale² matches both and both are named."""
     config = _yarn_config(mscale_all_dim=0.707)
-    oracles, found = _run_config(config, bb.MissingMscaleSquared(), F32)
+    oracles, found = _run_config(config, broken_backends.MissingMscaleSquared(), F32)
     assert found is not None
     named = {found["cause"]} | {name for name, _, _ in found["also"]}
     assert named == {"missing-yarn-mscale2", "mscale-not-mscale-all-dim"}, found
@@ -244,9 +244,9 @@ def test_scenario_calls_are_run_scenarios_calls():
 
 def test_format_cause_sentence():
     w, x, w64, x64, lengths, calls, oracles = _setup("tiny", MIXED.name, F32)
-    found = _diagnose(bb.MissingMscaleSquared(), w, x, w64, x64, lengths, calls, oracles, MIXED, F32)
+    found = _diagnose(broken_backends.MissingMscaleSquared(), w, x, w64, x64, lengths, calls, oracles, MIXED, F32)
     text = diagnose.format_cause(found)
     assert text.startswith("likely cause: matches the reference without YaRN mscale²"), text
     assert f"the correct reference: {found['correct_rel_fro']:.1e}" in text
-    found = _diagnose(bb.ShiftedDecodePosition(), w, x, w64, x64, lengths, calls, oracles, MIXED, F32)
+    found = _diagnose(broken_backends.ShiftedDecodePosition(), w, x, w64, x64, lengths, calls, oracles, MIXED, F32)
     assert "on the 4 of 25 positions where the two differ" in diagnose.format_cause(found)

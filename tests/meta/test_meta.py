@@ -11,7 +11,7 @@ from mla_conformance.checks.layer.conventions import check_yarn_rope_attention_f
 
 from mla_conformance.errors import BackendError
 
-from .impls.broken import caches as bc
+from .impls.broken import caches as broken_caches
 from .impls.broken.backends import CAUGHT_BY, ERRORS_BY
 from .impls.independent.backend import IndependentMLA
 
@@ -35,13 +35,13 @@ CHECKS = {
 
 #: broken backends of tests/meta/impls/broken/caches.py -> (check, a phrase its failure must say)
 CACHE_BUGS = {
-    bc.ExpandedUint8ClaimsLatent: ("bytes-bf16-lite", r"'pool' \(327680,\) uint8: 10,240 B/token.*the format is wrong"),
-    bc.ShortAllocation: ("bytes-bf16-lite", r"room for 28 tokens.*the slot count is wrong"),
-    bc.CopiesTensors: ("bytes-bf16-lite", r"tensors\(\) must return the cache's own buffers, not copies"),
-    bc.MasksByMultiply: ("numerics-fp32-tiny-varlen_batch", r"NaN at row 1, position 0.*zero-filled cache gives finite outputs: the backend reads cache slots no "
+    broken_caches.ExpandedUint8ClaimsLatent: ("bytes-bf16-lite", r"'pool' \(327680,\) uint8: 10,240 B/token.*the format is wrong"),
+    broken_caches.ShortAllocation: ("bytes-bf16-lite", r"room for 28 tokens.*the slot count is wrong"),
+    broken_caches.CopiesTensors: ("bytes-bf16-lite", r"tensors\(\) must return the cache's own buffers, not copies"),
+    broken_caches.MasksByMultiply: ("numerics-fp32-tiny-varlen_batch", r"NaN at row 1, position 0.*zero-filled cache gives finite outputs: the backend reads cache slots no "
                                                    r"token was written to.*multiplying with 0"),
-    bc.MutatesWeights: ("numerics-fp32-tiny-prefill_decode", r"changed the weights tensor\(s\) \['o_proj.weight'\]"),
-    bc.ScalesNotCounted: ("codec-bytes-int8-g32", r"active_nbytes\(\) says 960 B .* 1,040 B"),
+    broken_caches.MutatesWeights: ("numerics-fp32-tiny-prefill_decode", r"changed the weights tensor\(s\) \['o_proj.weight'\]"),
+    broken_caches.ScalesNotCounted: ("codec-bytes-int8-g32", r"active_nbytes\(\) says 960 B .* 1,040 B"),
 }
 
 
@@ -82,7 +82,7 @@ def test_crash_is_an_error_not_a_failure(broken):
 def test_overallocating_backend_passes_and_reports_overhead():
     """4x the requested slots is an allocation policy: every byte check passes, the overhead is a figure."""
     for check in ("bytes-bf16-lite", "bytes-f32-tiny-batch3"):
-        got = CHECKS[check](bc.OverAllocating())
+        got = CHECKS[check](broken_caches.OverAllocating())
         assert got["slot_overhead"] == 4.0 and got["allocated_slots"] == 4 * got["requested_slots"], got
         assert got["bytes_per_token"] == got["format_bytes_per_token"]
 

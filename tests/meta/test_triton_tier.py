@@ -75,7 +75,7 @@ def _run(targets, **kw):
 #: the interpreter with the emulation on and off, measured against torch; prints one JSON object
 SEMANTICS = r"""
 import json, numpy as np, torch, triton, triton.language as tl
-from mla_conformance.impl.ops import triton_faithful as tf
+from mla_conformance.impl.ops import triton_faithful as triton_faithful
 
 @triton.jit
 def dot(a_ptr, b_ptr, c_ptr, N: tl.constexpr, PREC: tl.constexpr):
@@ -106,7 +106,7 @@ a, b = torch.randn(N, N, generator=g), torch.randn(N, N, generator=g)
 def rel(x, ref):
     return float((x.double() - ref).abs().max() / ref.abs().max())
 def tf32(t, mode):
-    return torch.from_numpy(tf.tf32_round(t.numpy(), mode)).double()
+    return torch.from_numpy(triton_faithful.tf32_round(t.numpy(), mode)).double()
 ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130 * 3, float("inf"), float("nan"),
                      3.4e38, 1.0 + 2 ** -9])
 m = 4096 - ties.numel()  # tl.arange: a power of two
@@ -114,8 +114,8 @@ x = torch.cat([torch.randn(m, generator=g) * 10.0 ** torch.randint(-30, 30, (m,)
 n = x.numel()
 res = {}
 for on in (True, False):
-    with tf.emulation(on):
-        r = res["on" if on else "off"] = {"installed": tf.installed()}
+    with triton_faithful.emulation(on):
+        r = res["on" if on else "off"] = {"installed": triton_faithful.installed()}
         for prec in (None, "tf32", "ieee", "tf32x3"):
             c = torch.empty(N, N)
             dot[(1,)](a, b, c, N, prec)
@@ -139,7 +139,7 @@ for on in (True, False):
         arith[(1,)](xb, yb, o, n)
         r["bf16 arithmetic"] = bool(torch.equal(o, xb * yb + xb))
 one = np.float32([1 + 2 ** -11, 1 + 3 * 2 ** -11, -(1 + 2 ** -11)])
-res["tf32_round"] = {m: [float(v) for v in tf.tf32_round(one, m)] for m in tf.TF32_MODES}
+res["tf32_round"] = {m: [float(v) for v in triton_faithful.tf32_round(one, m)] for m in triton_faithful.TF32_MODES}
 print(json.dumps(res))
 """
 
