@@ -45,7 +45,7 @@ def test_attend(mla_backend, k):
     assert mla_backend.attend(None, None, None, None) == "ok"
 '''
 
-#: Plugins the workers need not load (hypothesis alone costs a worker start ~1 s here).
+#: Plugins the workers need not load (hypothesis's is imported and assertion-rewritten in every worker start).
 LEAN = ["-p", "no:hypothesispytest", "-p", "no:randomly"]
 
 #: Seconds a scenario's process may take before it counts as hung (and is killed): a bound on ending at all.

@@ -86,8 +86,8 @@ def _sigterm_process(tmp_path: Path) -> dict:
             "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and cmdline_has(p, str(suite))]}
 
 
-#: How long terminal_run waits for the run (three tests on one good backend, LEAN, one worker: 1.4 s wall on an idle
-#: 2-core machine); a run whose pytest is stopped by SIGTTOU never ends.
+#: How long the terminal run is waited for (three tests on one good backend, LEAN, one worker: seconds, far below
+#: this); a run whose pytest is stopped by SIGTTOU never ends, so a bound there must be.
 TERMINAL_BOUND_S = 60
 
 #: Started in a session of its own by terminal_run: makes the terminal (argv[1], a pty's slave) its controlling
