@@ -28,9 +28,11 @@ PROMPT_FILES = {"tiny-mla-576": "prompts-576.json", "tiny-mla": "prompts.json"}
 #: the pinned prompt sets used
 PROMPT_SETS = ("tiny-short", "tiny-long")
 #: tokens generated per prompt: its pinned answer's length (max_new_tokens, as the goldens generate), 2 to 24 here.
-#: Not beyond: past the answer (an EOS for a recall) the tiny models are off their training distribution, where a
-#: bfloat16 rounding flips an MoE routing choice and moves a log-probability by several units in any bfloat16
-#: implementation (the project's own bfloat16 references too): no engine's property
+#: Not beyond: past the answer (an EOS for a recall) the tiny models are off their training distribution, where
+#: bfloat16 roundings move the hidden state far (tiny-mla-576, tiny-short-06-recall, the step fed its EOS: layer 1's
+#: router logits 1.74 in float64, 2.12 in bfloat16) and a log-probability by several units in any bfloat16
+#: implementation (the project's own bfloat16 references too: -4.32 in float64, -11.66 through reference-absorbed):
+#: no engine's property
 #: top-k log-probabilities asked for at each position
 TOP_K = 5
 #: the chunked configuration's token budget per engine step: every tiny-long prompt (163-218 tokens) is prefilled
