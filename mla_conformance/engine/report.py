@@ -109,3 +109,25 @@ def print_engine_rows(report: dict) -> None:
         if r.get("bytes_per_token_per_layer"):
             figures += f"{', ' if figures else ''}{r['bytes_per_token_per_layer']:g} KV bytes / token / layer"
         print(f"  engine {r['spec']} on {r['model']}: {', '.join(outcomes)}{f' ({figures})' if figures else ''}")
+
+
+def merged_engine_rows(labelled: list[tuple[str, dict]]) -> list[dict]:
+    """``mla-conformance merge``: every report's engine rows, each with the report (host) it came from."""
+    return [{"report": label, **row} for label, report in sorted(labelled, key=lambda lr: lr[0])
+            for row in report.get("engines") or []]
+
+
+def merged_engine_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    out = ["", "## Engines", "", "Rows: report (host) and engine configuration on a pinned model (suites/test_engine.py).",
+           "", "| report | engine configuration | model | tokens matched | ties | worst logprob delta "
+           "| KV bytes / token / layer | checks |", "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        matched = f"{r['tokens_matched']} / {r['tokens_compared']}" if "tokens_matched" in r else ""
+        ties = len(r.get("ties") or []) if "ties" in r else ""
+        checks = "; ".join(f"{k} {v['outcome']}" for k, v in sorted(r["checks"].items()))
+        out.append(f"| {r['report']} | `{r['spec']}` | {r['model']} | {matched} | {ties} "
+                   f"| {_num(r.get('worst_logprob_delta'))} | {_num(r.get('bytes_per_token_per_layer'), '{:g}')} "
+                   f"| {checks} |")
+    return out

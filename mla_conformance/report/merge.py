@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from mla_conformance.engine.report import merged_engine_markdown, merged_engine_rows
 from mla_conformance.errors import MLAInputError
 from mla_conformance.report.build import INDEPENDENT, SCHEMA, SCHEMA_VERSION, op_of, run_id, verdict_of
 from mla_conformance.report.fmt import cell, declared_cell
@@ -115,6 +116,10 @@ def merge_reports(reports: list[tuple[str, dict]], warn=None) -> tuple[dict, str
                   "Rows: op checks; columns: report / op, with the LSE base and empty-row convention each op "
                   "declared in that run.", ""]
         lines += ops.markdown(extra)
+    engines = merged_engine_rows([(label[rid], r) for rid, (_, r) in by_id.items()])  # --engine's rows
+    if engines:
+        matrix["engines"] = engines
+        lines += merged_engine_markdown(engines)
     return matrix, "\n".join(lines) + "\n"
 
 
