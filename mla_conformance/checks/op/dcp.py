@@ -21,9 +21,8 @@ import math
 import pytest
 import torch
 
-from mla_conformance.checks.op.compare import as_reference, compare, oracle_of, oracle_of_inputs
-from mla_conformance.checks.op.inputs import (INVALID_BLOCK, Buffer, OpInputs, Spec, build, op_reason, require,
-                                              unsupported, where)
+from mla_conformance.checks.op.compare import compare, oracle_of_inputs
+from mla_conformance.checks.op.inputs import INVALID_BLOCK, Buffer, OpInputs, Spec, build, op_reason, require, where
 from mla_conformance.checks.op.run import raised, validate
 from mla_conformance.contract.dcp import dcp_declared, local_index, owned_count, owner
 from mla_conformance.contract.op import D_V, OpCase, declared
