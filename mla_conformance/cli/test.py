@@ -113,8 +113,10 @@ def pytest_args_from(args: list[str], suites: Path, here: Path) -> tuple[list[st
 def pytest_command(args: Any, suites: Path, tmpdir: str | Path, here: Path) -> tuple[list[str], Path, dict[str, str]]:
     """(the pytest command, the directory it runs in: the suites' parent, its environment) for ``args``."""
     ids, extra = pytest_args_from(list(args.pytest_args or []), suites, here)
+    # pytest's cache in the run's temporary directory (nothing left where the suites are); none of a checkout's
+    # own addopts (its choice of xdist workers is for the checkout's tests)
     cmd = [sys.executable, "-m", "pytest", *(ids or [suites.name]), *pytest_location_args(suites, tmpdir),
-           "-p", "no:cacheprovider", "-rfE"]
+           "-o", "addopts=", "-o", f"cache_dir={Path(tmpdir) / 'pytest-cache'}", "-rfE"]
     if importlib.util.find_spec("pytest_benchmark"):  # its storage would land in the suites' directory
         cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
     for spec in args.backend or []:

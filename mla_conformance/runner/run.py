@@ -103,8 +103,10 @@ def run_command(args) -> int:
     partial = partial_results_path(out)
     with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
         results_path = Path(tmpdir) / "results.json"
-        cmd = [sys.executable, "-m", "pytest", *suite_paths, *pytest_location_args(suites, tmpdir), "-p", "no:cacheprovider",
-               "--mla-results", str(results_path), "-rfE"]
+        # pytest's cache in the run's temporary directory; none of a checkout's own addopts (its xdist choice is for
+        # the checkout's tests: run chooses its own distribution, isolation_args)
+        cmd = [sys.executable, "-m", "pytest", *suite_paths, *pytest_location_args(suites, tmpdir), "-o", "addopts=",
+               "-o", f"cache_dir={Path(tmpdir) / 'pytest-cache'}", "--mla-results", str(results_path), "-rfE"]
         if importlib.util.find_spec("pytest_benchmark"):  # its storage, or an empty .benchmarks/ lands in the cwd
             cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
         for spec in args.backend or []:
