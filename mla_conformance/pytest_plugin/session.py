@@ -66,17 +66,23 @@ def worker_pid(node) -> int | None:
     return getattr(worker_popen(node), "pid", None)
 
 
+#: A reason's line longer than this is cut (a long likely cause must not push the case off the reason).
+REASON_LINE_CHARS = 600
+
+
 def message_lines(msg: str) -> str:
     """A failure's reason: its message's first line (the headline: what failed, where, by how much) and the
-    indented lines after it (the likely cause, got / expected, the bound's key:
-    :mod:`mla_conformance.messages`); pytest's own ``assert ...`` explanation after them is left out."""
+    indented lines after it (the likely cause, got / expected, the bound's key, the case:
+    :mod:`mla_conformance.messages`), each cut at :data:`REASON_LINE_CHARS`; pytest's own ``assert ...``
+    explanation after them is left out."""
     lines = msg.strip().splitlines() or [""]
     kept = [lines[0].rstrip()]
     for line in lines[1:]:
         if not line.startswith(" "):
             break
         kept.append(line.rstrip())
-    return "\n".join(kept)
+    return "\n".join(line if len(line) <= REASON_LINE_CHARS else line[:REASON_LINE_CHARS - 1] + "…"
+                     for line in kept[:12])
 
 
 class ResultsSession:
@@ -155,7 +161,7 @@ class ResultsSession:
             if fault is not None:
                 msg = fault.pop("reason")
                 entry["fault"] = fault
-            entry["reason"] = message_lines(msg)[:1000]
+            entry["reason"] = message_lines(msg)
         figures = item.stash.get(_FIGURES_KEY, None)
         if figures:
             entry["figures"] = dict(figures)
