@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from mla_conformance.checks.layer import distributed as dc
+from mla_conformance.checks.layer import distributed as distributed_checks
 from mla_conformance.contract.distributed import declared_plans
 
 BUILTIN = ("reference-tp", "reference-dcp", "reference-tp-dcp")
@@ -33,7 +33,7 @@ def _specs(config) -> list[str]:
 
 
 def pytest_generate_tests(metafunc):
-    if "backend" not in metafunc.fixturenames:
+    if "distributed_backend" not in metafunc.fixturenames:
         return
     from mla_conformance.specs import get_backend
 
@@ -42,13 +42,13 @@ def pytest_generate_tests(metafunc):
     for spec in _specs(metafunc.config):
         backend = get_backend(spec)
         plans = declared_plans(backend)
-        cases = dc.cases_for(plans) or [None]
+        cases = distributed_checks.cases_for(plans) or [None]
         for w in sizes:
             marks = [pytest.mark.distributed] if w > 2 else []
             for case in cases:
                 cid = f"{backend.name}-W{w}-{case.name if case else 'none'}"
                 params.append(pytest.param(DistParam(backend.name, spec, w, case), id=cid, marks=marks))
-    metafunc.parametrize("backend", params)
+    metafunc.parametrize("distributed_backend", params)
 
 
 def _launch(config, spec: str, w: int):
@@ -58,13 +58,14 @@ def _launch(config, spec: str, w: int):
     if key not in _LAUNCHES:
         from mla_conformance.specs import get_backend
 
-        jobs = [(s, case) for s in group for case in dc.cases_for(declared_plans(get_backend(s)))]
-        _LAUNCHES[key] = dc.launch(jobs, w)
+        jobs = [(s, case) for s in group for case in distributed_checks.cases_for(declared_plans(get_backend(s)))]
+        _LAUNCHES[key] = distributed_checks.launch(jobs, w)
     return _LAUNCHES[key]
 
 
-def _case(request, backend: DistParam):
-    spec, name, w, case = backend.spec, backend.name, backend.world_size, backend.case
+def _case(request, distributed_backend: DistParam):
+    spec, name, w, case = (distributed_backend.spec, distributed_backend.name, distributed_backend.world_size,
+                           distributed_backend.case)
     if case is None:
         pytest.skip(f"{name}: does not declare distributed (the layer contract's optional declaration "
                     "`distributed = (\"tp\", \"dcp\", \"tp+dcp\")`: mla_conformance.contract.distributed), so it is "
@@ -73,16 +74,16 @@ def _case(request, backend: DistParam):
 
 
 @pytest.mark.mla_section("distributed")
-def test_rank_outputs(request, backend, mla_figures):
+def test_rank_outputs(request, distributed_backend, mla_figures):
     """Every rank's output equals the single-process float64 reference (float32 layer bounds)."""
-    spec, name, run, case = _case(request, backend)
+    spec, name, run, case = _case(request, distributed_backend)
     mla_figures.update(launch_wall_s=round(run.wall_s, 2), rank_pids=list(run.pids))
-    dc.assert_rank_outputs(run, spec, case, name=name, figures=mla_figures)
+    distributed_checks.assert_rank_outputs(run, spec, case, name=name, figures=mla_figures)
 
 
 @pytest.mark.mla_section("distributed")
-def test_rank_cache_bytes(request, backend, mla_figures):
+def test_rank_cache_bytes(request, distributed_backend, mla_figures):
     """Every rank's cache holds exactly its tokens: all of them under TP (W x the bytes of one cache over the
     ranks), its owned ones under DCP."""
-    spec, name, run, case = _case(request, backend)
-    dc.assert_rank_cache(run, spec, case, name=name, figures=mla_figures)
+    spec, name, run, case = _case(request, distributed_backend)
+    distributed_checks.assert_rank_cache(run, spec, case, name=name, figures=mla_figures)

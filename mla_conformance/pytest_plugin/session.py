@@ -29,7 +29,7 @@ _KEY = pytest.StashKey["ResultsSession"]()
 _FIGURES_KEY = pytest.StashKey[dict]()
 
 #: the results' names of the plugin's parametrised fixtures
-PARAM_NAMES = {"mla_backend": "backend", "mla_op": "op"}
+PARAM_NAMES = {"mla_backend": "backend", "mla_op": "op", "distributed_backend": "backend"}
 
 
 def is_failure(excinfo) -> bool:

@@ -2,8 +2,10 @@
 (tests/meta/impls/broken/distributed_backends.py), each run as a user runs it (pytester, a pytest process of its own):
 
 * a rank that raises, one killed by a signal, one that hangs: the tests fail naming rank 1 and what it did, the run
-  ends within a minute, and no process of the launch is left -- ten times in a row each (``-m distributed``:
-  .ci/run runs it; the hang verdict comes after the stall, shortened here to 5 s by MLA_DIST_STALL_S);
+  ends within :data:`BOUND_S` (a run that has not ended by then is killed and fails the test), and no process of the
+  launch is left -- ``MLA_DIST_REPEAT`` times in a row each (default 1; ``-m distributed``: .ci/run runs it once;
+  ``MLA_DIST_REPEAT=10`` for ten in a row; the hang verdict comes after the stall, shortened here to 5 s by
+  MLA_DIST_STALL_S);
 * TP without the output's all-reduce fails the output test naming a rank; DCP keeping every token on every rank
   fails the cache-bytes test naming the rank, its bytes and its owned tokens.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,9 @@ pytestmark = pytest.mark.distributed
 
 def _run(pytester, cls: str, *extra: str):
     results = pytester.path / "results.json"
-    args = ["-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(SUITE), "-q", "-rfE",
+    args = ["-p", "no:xdist", "--rootdir", str(ROOT), str(SUITE), "-q", "-rfE",
             "--mla-results", str(results), "--mla-backend", f"{BROKEN}:{cls}", *extra]
-    t0 = time.monotonic()
-    result = pytester.runpytest_subprocess(*args, timeout=120)
-    return result, time.monotonic() - t0
+    return pytester.runpytest_subprocess(*args, timeout=BOUND_S)
 
 
 def _ranks_left(pytester) -> list[int]:
@@ -56,6 +55,11 @@ def _ranks_left(pytester) -> list[int]:
     return left
 
 
+#: a run with a faulty rank must have ended by then (the issue's minute): a bound on ending at all, not a speed claim
+BOUND_S = 60
+#: how many times in a row each faulty rank runs (MLA_DIST_REPEAT=10: the ten-in-a-row check)
+REPEAT = int(os.environ.get("MLA_DIST_REPEAT", "1"))
+
 FAULTS = {
     "RaisesOnRank1": "rank 1 raised RuntimeError: injected failure on rank 1",
     "CrashesOnRank1": "rank 1 crashed: killed by signal SIGKILL",
@@ -64,20 +68,19 @@ FAULTS = {
 
 
 @pytest.mark.parametrize("cls", list(FAULTS))
-def test_faulty_rank_is_a_verdict_ten_times(pytester, cls, monkeypatch):
+def test_faulty_rank_is_a_verdict_every_time(pytester, cls, monkeypatch):
     monkeypatch.setenv("MLA_DIST_STALL_S", "5")
-    for attempt in range(10):
-        result, wall = _run(pytester, cls)
+    for attempt in range(REPEAT):
+        result = _run(pytester, cls)
         text = "\n".join(result.outlines)
         assert result.ret == 1, f"attempt {attempt}: exit {result.ret}:\n{text[-3000:]}"
         assert FAULTS[cls] in text, f"attempt {attempt}: the verdict does not say {FAULTS[cls]!r}:\n{text[-3000:]}"
-        assert wall < 60, f"attempt {attempt}: the run took {wall:.0f} s"
         assert "error" not in result.parseoutcomes(), f"attempt {attempt}: an error, not a failure:\n{text[-2000:]}"
         assert not _ranks_left(pytester), f"attempt {attempt}: rank processes left: {_ranks_left(pytester)}"
 
 
 def test_tp_without_allreduce_fails_outputs(pytester):
-    result, _ = _run(pytester, "TPWithoutAllReduce")
+    result = _run(pytester, "TPWithoutAllReduce")
     text = "\n".join(result.outlines)
     assert "rank 0's output differs from the single-process float64 reference" in text, text[-3000:]
     outcomes = result.parseoutcomes()
@@ -85,7 +88,7 @@ def test_tp_without_allreduce_fails_outputs(pytester):
 
 
 def test_dcp_keeping_every_token_fails_bytes(pytester):
-    result, _ = _run(pytester, "DCPKeepsEveryToken")
+    result = _run(pytester, "DCPKeepsEveryToken")
     text = "\n".join(result.outlines)
     assert "rank 0's cache holds" in text and "its owned tokens" in text, text[-3000:]
     outcomes = result.parseoutcomes()

@@ -252,12 +252,17 @@ def test_crash_is_recorded_as_error(run, spec, name, nodeid):
     run.assert_error(nodeid, "BackendError", "BackendOutputError")
 
 
+#: the fixtures that hand a test what it judges: a backend, an op, an engine, a backend across ranks
+SUBJECTS = {"mla_backend", "mla_op", "mla_engine", "distributed_backend"}
+
+
 def test_suites_hold_conformance_tests_only():
-    """Every test function in suites/ judges a backend (requests mla_backend); the tool's own tests are in tests/."""
+    """Every test function in suites/ judges an implementation (requests one of :data:`SUBJECTS`); the tool's own
+    tests are in tests/."""
     tool = []
     for path in sorted((ROOT / "suites").glob("test_*.py")):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and \
-                    not {"mla_backend", "mla_op"} & {a.arg for a in node.args.args}:
+                    not SUBJECTS & {a.arg for a in node.args.args}:
                 tool.append(f"suites/{path.name}::{node.name}")
     assert not tool, f"tests in suites/ that judge no backend (move them to tests/): {tool}"
