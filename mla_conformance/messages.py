@@ -9,6 +9,7 @@ named (:func:`bound_line`): docs/tolerances.md derives it, under the key the mes
 from __future__ import annotations
 
 import math
+import re
 
 #: A headline longer than this is a paragraph: details go on the lines after it.
 HEADLINE_CHARS = 200
@@ -25,9 +26,11 @@ def num(v: float) -> str:
 
 
 def times(ratio: float) -> str:
-    """How many times a bound a figure is: ``3.47x``, ``22,000x`` (two significant digits from 100 up)."""
+    """How many times a bound a figure is: ``3.47x``, ``22,000x`` (two significant digits from 100 up), ``8.0e+35x``."""
     if math.isnan(ratio) or math.isinf(ratio):
         return "inf x" if ratio > 0 else f"{ratio} x"
+    if ratio >= 1e6:
+        return f"{ratio:.1e}x"
     if ratio >= 100:
         digits = int(math.floor(math.log10(ratio))) - 1
         return f"{int(round(ratio, -digits)):,}x"
@@ -51,6 +54,22 @@ def cause_text(cause: str) -> str:
     return text.removeprefix(CAUSE)
 
 
+def located(name: str, case: str, check: str) -> str:
+    """``name [case] check``: where a check ran, as an op failure message begins (:func:`failure` keeps the name and
+    the check on the headline and gives the case a line of its own)."""
+    return f"{name} [{case}] {check}"
+
+
+#: a headline that begins as :func:`located` writes it
+_LOCATED = re.compile(r"^(?P<name>\S+) \[(?P<case>[^\[\]]+)\] (?P<rest>.*)$", re.S)
+
+
+def split_case(headline: str) -> tuple[str, str]:
+    """(``headline`` without the bracketed case :func:`located` put after the name, that case); ('', ...) untouched."""
+    m = _LOCATED.match(headline)
+    return (f"{m['name']} {m['rest']}", m["case"]) if m else (headline, "")
+
+
 def split_cause(text: str) -> tuple[str, str]:
     """(``text`` before ``'; likely cause: '``, the cause after it): a location or hint written with its cause inline."""
     head, sep, cause = text.partition(f"; {CAUSE}")
@@ -59,14 +78,17 @@ def split_cause(text: str) -> tuple[str, str]:
 
 def failure(headline: str, *details: str, cause: str = "") -> str:
     """The message: ``headline``, then ``likely cause: ...`` when ``cause`` (or an inline ``'; likely cause: ...'``
-    of the headline, moved here) says one, then each non-empty detail, each on its own line (indented, as pytest
-    prints an AssertionError's lines under ``E``)."""
+    of the headline, moved here) says one, then each non-empty detail, then the case a :func:`located` headline
+    named (``case: ...``), each on its own line (indented, as pytest prints an AssertionError's lines under ``E``)."""
     headline, inline = split_cause(headline)
+    headline, case = split_case(headline)
     causes = [c for c in (cause_text(inline), cause_text(cause)) if c]
     lines = [headline]
     if causes:
         lines.append(f"  {CAUSE}{'; '.join(causes)}")
     lines += [f"  {d}" for d in details if d]
+    if case:
+        lines.append(f"  case: {case}")
     return "\n".join(lines)
 
 
@@ -75,6 +97,9 @@ def with_cause(message: str, cause: str) -> str:
     if not cause_text(cause):
         return message
     head, _, rest = str(message).partition("\n")
+    first, _, after = rest.partition("\n")
+    if first.startswith(f"  {CAUSE}"):  # one cause line: this cause first, the message's own after it
+        return f"{head}\n  {CAUSE}{cause_text(cause)}; {first.removeprefix(f'  {CAUSE}')}" + (f"\n{after}" if after else "")
     return failure(head, cause=cause) + (f"\n{rest}" if rest else "")
 
 

@@ -90,7 +90,8 @@ def test_broken_geometry_is_failed_with_a_shrunk_case_showing_it(run, key):
     assert got is not None, f"{CELLS[key]} did not run"
     assert got["outcome"] == "failed", f"{CELLS[key]}: expected a failure of {name}, got {got['outcome']}: " \
                                        f"{got.get('reason', '')}"
-    assert got.get("reason", "").startswith(f"{name} ["), f"the failure does not name the implementation: {got}"
+    assert got.get("reason", "").startswith(f"{name} ") and "\n  case: " in got["reason"], \
+        f"the failure does not name the implementation and (on a line of its own) the case: {got}"
     figures = got.get("figures", {})
     case = parse_case(figures.get("generated_case", ""))
     assert shows(case), f"{name}: the shrunk case {figures['generated_case']!r} does not show {words}"

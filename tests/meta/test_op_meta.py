@@ -218,7 +218,8 @@ def test_broken_op_fails_its_check(run, key, test, nodeid):
     name = BROKEN_OPS[key][1]
     reason = run.assert_failed(nodeid, name)
     got = run.result(nodeid)
-    assert reason.startswith(f"{name} [B="), f"{nodeid}: the failure does not name the op and the case: {reason}"
+    assert reason.startswith(f"{name} ") and "\n  case: B=" in reason, \
+        f"{nodeid}: the failure does not name the op and (on a line of its own) the case: {reason}"
     assert got.get("figures", {}).get("case"), f"{nodeid}: no case figure recorded: {got}"
     if key in HINTS:
         assert HINTS[key] in reason, f"{nodeid}: the failure does not name the likely cause {HINTS[key]!r}: {reason}"

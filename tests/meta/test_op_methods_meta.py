@@ -195,7 +195,8 @@ def test_broken_method_fails_its_check(run, key, test, nodeid):
     _, name, _, text = BROKEN_OPS[key]
     reason = run.assert_failed(nodeid, name)
     got = run.result(nodeid)
-    assert reason.startswith(f"{name} ["), f"{nodeid}: the failure does not name the op and the case: {reason}"
+    assert reason.startswith(f"{name} ") and "\n  case: " in reason, \
+        f"{nodeid}: the failure does not name the op and (on a line of its own) the case: {reason}"
     assert got.get("figures", {}).get("case"), f"{nodeid}: no case figure recorded: {got}"
     expected = STEP_TEXT.get(key, "") if "composition" in test else text
     assert expected in reason, f"{nodeid}: the failure does not say {expected!r}: {reason}"

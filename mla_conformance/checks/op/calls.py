@@ -27,7 +27,7 @@ from mla_conformance.checks.op.inputs import (CANARY_BYTE, CANARY_BYTES, INVALID
 from mla_conformance.checks.op.run import validate
 from mla_conformance.contract.op import D_V, OpCase, declared
 from mla_conformance.errors import BackendError
-from mla_conformance.messages import with_cause
+from mla_conformance.messages import failure, with_cause
 
 #: what an out / lse buffer holds before the call: 0xFF bytes, NaN in every float dtype and never a value a
 #: kernel writes (its NaN is the canonical 0x7FC0...), so an element still holding it was not written
@@ -122,10 +122,11 @@ def _call_with_buffers(op, inp: OpInputs, given: dict, check: str):
         finally:
             for buf in inp.buffers.values():
                 buf.base.copy_(buf.snapshot)
-        raise AssertionError(
-            f"{w}: decode() raised {type(exc).__name__}: {exc} when handed {handed}, and ran without them: the op "
-            "declares out_buffers = True but rejects a legal preallocated buffer (FlashInfer #2856 / #2876 rejected "
-            "an out of [B, q_len, H, 512] at q_len > 1)") from None
+        raise AssertionError(failure(
+            f"{w}: decode() raised {type(exc).__name__} when handed out= / lse= buffers, and ran without them",
+            f"{type(exc).__name__}: {exc}", f"handed: {handed}",
+            cause="the op declares out_buffers = True but rejects a legal preallocated buffer (FlashInfer #2856 / "
+                  "#2876 rejected an out of [B, q_len, H, 512] at q_len > 1)")) from None
 
 
 def _positions(mask: torch.Tensor) -> str:
@@ -134,19 +135,18 @@ def _positions(mask: torch.Tensor) -> str:
     return ", ".join(map(str, pairs[:8])) + (f", ... ({len(pairs)} in all)" if len(pairs) > 8 else "")
 
 
-def _unwritten_sentence(name: str, buf: OutBuffer) -> str | None:
+def _unwritten_sentence(name: str, buf: OutBuffer) -> tuple[str, str, str] | None:
     missing = buf.unwritten()
     if not bool(missing.any()):
         return None
     per_query = missing.flatten(2).any(-1) if name == "out" else missing.any(1)        # [B, s_q]
     B, s_q = per_query.shape
     only_first = s_q > 1 and not bool(per_query[:, 0].any()) and bool(per_query[:, 1:].all())
-    cause = ("; only query position 0 of each row was written: a kernel that writes a multi-token out as if s_q "
+    cause = ("only query position 0 of each row was written: a kernel that writes a multi-token out as if s_q "
              "were 1 (FlashInfer #2856 / #2876: a preallocated [B, q_len, H, 512] out at q_len > 1)"
              if only_first else "")
-    return (f"the op left {int(missing.sum())} of {missing.numel()} elements of its {name} buffer "
-            f"{_describe(buf.view)} unwritten (still the suite's 0xFF fill), in queries (b, s) = "
-            f"{_positions(per_query)}{cause}")
+    return (f"the op left {int(missing.sum())} of {missing.numel()} elements of its {name} buffer unwritten (still the "
+            f"suite's 0xFF fill)", f"buffer {_describe(buf.view)}; queries (b, s) = {_positions(per_query)}", cause)
 
 
 def check_out_buffers(op, spec: Spec, layout: str, *, check: str, figures: dict) -> None:
@@ -168,24 +168,26 @@ def check_out_buffers(op, spec: Spec, layout: str, *, check: str, figures: dict)
         got, v = returned[name], buf.view
         if got.data_ptr() != v.data_ptr() or tuple(got.shape) != tuple(v.shape) or got.stride() != v.stride():
             written = int((~buf.unwritten()).sum())
-            raise AssertionError(
-                f"{w}: decode(..., {name}=) returned an {name} that is not the buffer it was handed ({_describe(got)} "
-                f"at 0x{got.data_ptr():x}; the buffer: {_describe(v)} at 0x{v.data_ptr():x}; {written} of "
-                f"{v.numel()} of the buffer's elements written): an op that declares out_buffers = True writes into "
-                "the caller's buffer and returns it (a captured CUDA graph's consumers read the buffer; a new tensor "
-                "is never seen)")
+            raise AssertionError(failure(
+                f"{w}: decode(..., {name}=) returned an {name} that is not the buffer it was handed",
+                f"returned {_describe(got)} at 0x{got.data_ptr():x}; the buffer: {_describe(v)} at 0x{v.data_ptr():x}; "
+                f"{written} of {v.numel()} of the buffer's elements written",
+                "an op that declares out_buffers = True writes into the caller's buffer and returns it (a captured CUDA "
+                "graph's consumers read the buffer; a new tensor is never seen)"))
     ref = oracle_of(spec)
     views = {n: b.view for n, b in given.items()}
     for name, buf in given.items():
         outside = buf.written_outside()
         if outside:
-            raise AssertionError(f"{w}: the op wrote {outside} of its {name} buffer {_describe(buf.view)} ({layout}: "
-                                 f"{LAYOUTS[layout]}); the caller owns the rest of the allocation"
-                                 f"{_strides_ignored(op, case, views, ref, figures)}")
+            raise AssertionError(failure(
+                f"{w}: the op wrote {outside} of its {name} buffer",
+                f"{_describe(buf.view)} ({layout}: {LAYOUTS[layout]}); the caller owns the rest of the allocation",
+                cause=_strides_ignored(op, case, views, ref, figures)))
     for name, buf in given.items():
         missing = _unwritten_sentence(name, buf)
         if missing:
-            raise AssertionError(f"{w}: {missing}")
+            head, detail, cause = missing
+            raise AssertionError(failure(f"{w}: {head}", detail, cause=cause))
     try:
         compare(op, case, views["out"], views.get("lse"), ref[0], ref[1], check=check, figures=figures, oracle=ref,
                 against="the float64 oracle (read from the out / lse buffers)")

@@ -552,8 +552,8 @@ def bitwise_equal(op, case: OpCase, a, b, *, check: str, what: str, figures: dic
             diff = (x.to(torch.float64) - y.to(torch.float64)).abs()
             n = int((x != y).sum()) if x.shape == y.shape else -1
             figures.update({f"{name}_differing_values": n, f"{name}_max_abs_difference": float(diff.max())})
-            raise AssertionError(f"{where(op, case, check)}: {what}: {name} is not bitwise the same: {n} of {x.numel()} "
-                                 f"values differ, max abs difference {float(diff.max()):.3e}")
+            raise AssertionError(failure(f"{where(op, case, check)}: {what}: {name} is not bitwise the same: {n} of {x.numel()} "
+                                 f"values differ, max abs difference {float(diff.max()):.3e}"))
     figures.update({"out_differing_values": 0, "lse_differing_values": 0})
 
 

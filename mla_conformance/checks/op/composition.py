@@ -41,6 +41,7 @@ from mla_conformance.checks.op import prefill as prefill_checks
 from mla_conformance.checks.op.prefill import cu_seqlens
 from mla_conformance.checks.tolerances import unit_roundoff
 from mla_conformance.contract.op import MethodCase, declared, has_method
+from mla_conformance.messages import failure
 from mla_conformance.model import attention_oracles
 
 KV_LORA, ROPE, NOPE, V_DIM = 512, 64, 128, 128
@@ -160,10 +161,10 @@ def _fill_cache(op, spec: CompositionSpec, inp: CompositionInputs, figures: dict
             -1, (-1, got.element_size())).any(-1)
         if bool(differ.any()):
             t, j = (int(i) for i in differ.nonzero()[0])
-            raise AssertionError(f"{method_checks.where(op, wcase, 'composition step 0: write of the cache')}: token {t} (slot "
+            raise AssertionError(failure(f"{method_checks.where(op, wcase, 'composition step 0: write of the cache')}: token {t} (slot "
                                  f"{int(inp.slots[t])}) reads back {float(got[t, j])!r} at value {j}, written "
                                  f"{float(want[t, j])!r}: the chunks below would read another context "
-                                 "(suites/test_op_write.py checks the writer byte by byte)")
+                                 "(suites/test_op_write.py checks the writer byte by byte)"))
         figures["cache_written_by"] = "write"
         return cache
     cache.view(-1, KV_LORA + ROPE)[inp.slots] = torch.cat([inp.kv_c, inp.k_pe], dim=-1)

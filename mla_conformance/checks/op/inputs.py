@@ -20,6 +20,7 @@ from mla_conformance.checks.metrics import dtype_name
 from mla_conformance.contract.op import D_QK, D_V, FP8_ROW_BYTES, OpCase, declared
 from mla_conformance.errors import BackendError
 from mla_conformance.impl.ops.reference import decode_fp8_656, encode_fp8_656, fp8_scales
+from mla_conformance.messages import failure, located
 from mla_conformance.model.weights import same_bits
 
 #: page sizes the suite builds caches for (an op's declared page_block_sizes are intersected with these)
@@ -38,8 +39,10 @@ INVALID_KINDS = ("minus-one", "past-end", "int-max")
 
 
 def where(op, case: OpCase, check: str) -> str:
-    """Where a check ran, as every op failure message begins: the op, its case, the check."""
-    return f"{op.name} [{case.describe()}] {check}"
+    """Where a check ran, as every op failure message begins: the op, its case, the check
+    (:func:`mla_conformance.messages.located`: a failure's headline keeps the op and the check, the case gets a
+    line of its own)."""
+    return located(op.name, case.describe(), check)
 
 
 # --------------------------------------------------------------------------- choosing cases
@@ -296,16 +299,18 @@ class Buffer:
         changed_view = not torch.equal(self._bytes_of_view(self.base), self._bytes_of_view(self.snapshot))
         self.base.copy_(self.snapshot)  # later tests of the session share these inputs
         if changed_view:
-            raise AssertionError(f"{where(op, case, check)}: the op wrote its input {self.name} "
-                                 f"{tuple(self.view.shape)} {dtype_name(self.view.dtype)} ({int(diff.numel())} "
-                                 "byte(s) changed); inputs are read-only in the op contract")
+            raise AssertionError(failure(
+                f"{where(op, case, check)}: the op wrote its input {self.name} ({int(diff.numel())} byte(s) changed)",
+                f"{self.name} {tuple(self.view.shape)} {dtype_name(self.view.dtype)}; inputs are read-only in the op "
+                "contract"))
         first = int(diff[0])
         end = self.base.numel() - CANARY_BYTES
         at = (f"starting at byte {first - end} after its end" if first >= end else
               f"starting at byte {first} of its allocation, in the padding between its strided elements")
-        raise AssertionError(f"{where(op, case, check)}: the op wrote {int(diff.numel())} byte(s) outside its input "
-                             f"{self.name} {tuple(self.view.shape)} {dtype_name(self.view.dtype)} ({at}): the canary "
-                             "region after the buffer changed; an op writes only the tensors it returns")
+        raise AssertionError(failure(
+            f"{where(op, case, check)}: the op wrote {int(diff.numel())} byte(s) outside its input {self.name}",
+            f"{self.name} {tuple(self.view.shape)} {dtype_name(self.view.dtype)}: {at}; the canary region after the "
+            "buffer changed; an op writes only the tensors it returns"))
 
     def _bytes_of_view(self, base: torch.Tensor) -> torch.Tensor:
         v = self.view

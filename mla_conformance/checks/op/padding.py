@@ -259,16 +259,17 @@ def _check_padding_rows(op, p: Padded, pinp: PaddedInputs, out, lse, check: str)
             "padding_rows = 'undefined')")
     for b in pinp.pads:
         o = out[b].detach().cpu().to(torch.float64)
-        row = f"row {b} is a padding row (cache_seqlens 0, {pinp.fills[b]})"
+        row = f"row {b} is a padding row"
+        fill = f"row {b}: cache_seqlens 0, {pinp.fills[b]}; {tail}"
         bad = ~torch.isfinite(o)
         if bool(bad.any()):
             kind = "NaN" if bool(torch.isnan(o).any()) else "inf"
             raise AssertionError(failure(f"{w}: {row} and its out is {kind} ({int(bad.sum())} of {o.numel()} values)",
-                                         tail, cause=f"{_trailing_only(pinp, out, b)}{_nan_cause(op, p, pinp, check)}"))
+                                         fill, cause=f"{_trailing_only(pinp, out, b)}{_nan_cause(op, p, pinp, check)}"))
         if bool((o != 0).any()):
             s, h, d = (int(i) for i in (o != 0).nonzero()[0])
             raise AssertionError(failure(f"{w}: {row} but its out is not 0: {float(o[s, h, d]):.6g} at (s, h, d) = "
-                                         f"({s}, {h}, {d})", f"{int((o != 0).sum())} value(s) not 0", tail,
+                                         f"({s}, {h}, {d})", f"{int((o != 0).sum())} value(s) not 0", fill,
                                          cause=_nonzero_cause(op, pinp, out, b, check)))
         if lse is not None:
             l = lse[b].detach().cpu().to(torch.float64)
@@ -278,7 +279,7 @@ def _check_padding_rows(op, p: Padded, pinp: PaddedInputs, out, lse, check: str)
                 got = float(l[h, s])
                 said, hint = empty_row_sentences(op, "empty_row", got)
                 raise AssertionError(failure(f"{w}: {row} but its lse is {got} at head {h}, expected {empty}",
-                                             f"{empty} is {said}; {int(wrong.sum())} such value(s)", tail, cause=hint))
+                                             f"{empty} is {said}; {int(wrong.sum())} such value(s)", fill, cause=hint))
 
 
 def _trailing_only(pinp: PaddedInputs, out, b: int) -> str:

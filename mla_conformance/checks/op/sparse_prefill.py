@@ -21,6 +21,7 @@ from mla_conformance.checks import op as op_checks
 from mla_conformance.checks.op import methods as method_checks
 from mla_conformance.checks.op.compare import compare_attention
 from mla_conformance.contract.op import MethodCase, declared
+from mla_conformance.messages import failure
 from mla_conformance.model import attention_oracles
 
 METHOD = "sparse_prefill"
@@ -135,8 +136,8 @@ def _check_max_logits(op, case, check, got, ref, mags, figures, locate) -> None:
     wrong = empty & (got != -math.inf)
     if bool(wrong.any()):
         s, h = (int(i) for i in wrong.nonzero()[0])
-        raise AssertionError(f"{w}: query {s} ({locate(s)}) has no valid index, so max_logits must be -inf (FlashMLA's "
-                             f"ref.py); got {float(got[s, h])} at head {h}")
+        raise AssertionError(failure(f"{w}: query {s} ({locate(s)}) has no valid index, so max_logits must be -inf (FlashMLA's "
+                             f"ref.py); got {float(got[s, h])} at head {h}"))
     # a max of float32 scores: each off by at most dot x A_t <= dot x A_max; stored in float32 (2^-24 x |max|)
     bound = tol.dot * mags["score_max"] + 2 ** -24 * torch.where(empty, 0.0, ref).abs()
     err = torch.where(empty, torch.zeros_like(got), (got - ref).abs()).nan_to_num(nan=math.inf)
@@ -144,11 +145,11 @@ def _check_max_logits(op, case, check, got, ref, mags, figures, locate) -> None:
     over = err > bound
     if bool(over.any()):
         s, h = divmod(int((err / bound.clamp_min(1e-300)).flatten().argmax()), err.shape[1])
-        raise AssertionError(f"{w}: max_logits differ from the float64 oracle at (s, h) = ({s}, {h}) ({locate(s)}): "
+        raise AssertionError(failure(f"{w}: max_logits differ from the float64 oracle at (s, h) = ({s}, {h}) ({locate(s)}): "
                              f"got {float(got[s, h]):.6g}, expected {float(ref[s, h]):.6g}, error "
                              f"{float(err[s, h]):.3e} over the bound {float(bound[s, h]):.3e} (dot {tol.dot:.3g} x A_max "
                              f"{float(mags['score_max'][s, h]):.3g} + 2^-24 |max|); {int(over.sum())} of "
-                             f"{int((~empty).sum())} over")
+                             f"{int((~empty).sum())} over"))
 
 
 __all__ = ["SparseSpec", "build", "oracle_of", "check_against_oracle", "INVALID", "SOFTMAX_SCALE"]

@@ -260,8 +260,8 @@ def check_write(op, spec: WriteSpec, *, check: str, figures: dict) -> WriteInput
     figures.update(tokens=int((inp.real_slots >= 0).sum()), written_nbytes=int(mask.sum()))
     if not torch.equal(tail, cache.snapshot[n:].cpu()):
         first = int((tail != cache.snapshot[n:].cpu()).nonzero()[0])
-        raise AssertionError(f"{w}: the op wrote past the end of kv_cache ({first} byte(s) after its last block "
-                             "changed): a writer writes only the slots slot_mapping names")
+        raise AssertionError(failure(f"{w}: the op wrote past the end of kv_cache ({first} byte(s) after its last block "
+                             "changed): a writer writes only the slots slot_mapping names"))
     stray = (got != before) & ~mask & ~dummy_mask(inp)
     figures["stray_bytes"] = int(stray.sum())
     if bool(stray.any()):
