@@ -133,7 +133,9 @@ def check_golden_generation(backend, request, snapshot, *, prompt_set: str, devi
     result = run_generation(model_dir, backend, prompt_sets=[prompts], dtype=dtype, device=device,
                             prompts_file=prompts_file, model=model(name))
     figures.update(golden_model=name, accuracy=result["accuracy"], cache_active_nbytes=result["cache_active_nbytes"])
-    assert result["accuracy"] >= 0.99, f"{backend.name}: accuracy {result['accuracy']:.4f} on {name} {prompt_set}"
+    assert result["accuracy"] >= 0.99, (
+        f"{backend.name} {name} {prompt_set}: accuracy {result['accuracy']:.4f} vs bound >= 0.99 (the fraction of the "
+        "pinned answer tokens greedy generation produced)")
     check_against_golden(request, snapshot, result, prompts, "none", device, dtype, golden_name=golden_name)
 
 
@@ -153,7 +155,7 @@ def check_golden_generation_per_codec(backend, kv_codec: str, floor: float | Non
     figures.update(golden_model=m.name, kv_codec=kv_codec, accuracy=result["accuracy"],
                    cache_active_nbytes=result["cache_active_nbytes"])
     if floor is not None:
-        assert result["accuracy"] >= floor, (f"{backend.name} kv_codec {kv_codec}: accuracy {result['accuracy']:.4f} "
-                                             f"on {m.name}")
+        assert result["accuracy"] >= floor, (f"{backend.name} {m.name} kv_codec {kv_codec}: accuracy "
+                                             f"{result['accuracy']:.4f} vs bound >= {floor} (the codec's floor)")
     check_against_golden(request, snapshot, result, ALL_SETS, kv_codec, device, dtype,
                          golden_name=m.golden_name(ALL_SETS))
