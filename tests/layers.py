@@ -35,6 +35,8 @@ Why each layer is where it is (what it needs below it):
   ``contract.calls``): what the golden and codec checks run.
 * ``checks`` -- the conformance checks: drive backends (``specs``, ``impl``) over ``model``, ``kv`` and
   ``generation``.
+* ``engine`` -- serving engines end to end (an engine's generations, logprobs and cache against the float64
+  reference): runs an engine in a subprocess and holds it to ``checks``' tolerances and ``generation``'s reference.
 * ``pytest_plugin`` -- the suites' options, fixtures, isolation and the results a run records (under
   ``schema``'s keys); ``checks`` and ``specs`` below it, never the report it feeds.
 * ``report`` -- the plugin's results rendered: conformance.json / .md, plots, merge; reads the plugin's results
@@ -61,6 +63,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("specs",),
     ("generation",),
     ("checks",),
+    ("engine",),
     ("pytest_plugin",),
     ("report",),
     ("perf",),

@@ -33,8 +33,9 @@ CODEC_REFERENCE = ("reference-absorbed", torch.bfloat16)
 def reference_greedy(model_dir, prompts: list[list[int]], max_new_tokens: list[int], *, kv_codec: str = "none",
                      model=None) -> list[ReferenceCompletion]:
     """The float64 reference's greedy generation (``kv_codec`` none), or the codec's (CODEC_REFERENCE)."""
+    # transformers (generation) and the backends (specs) only when a reference is computed, in the engine suite
     from mla_conformance.generation.generate import greedy_generate, load_model
-    from mla_conformance.specs import get_backend
+    from mla_conformance.specs import get_backend  # as above
 
     backend, dtype = (REFERENCE_BACKEND, torch.float64) if kv_codec == "none" else CODEC_REFERENCE
     if model is None:

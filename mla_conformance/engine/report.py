@@ -5,6 +5,9 @@ deterministic figures."""
 
 from __future__ import annotations
 
+from mla_conformance.engine.contract import parse_engine_spec
+from mla_conformance.errors import MLAInputError
+
 #: the figures a row keeps (wall_s, load_s, peak_rss_bytes are clock / host readings: printed by the tier, not kept)
 KEPT = ("spec", "model", "attention_backend", "dtype", "tokens_matched", "tokens_compared", "ties",
         "worst_logprob_delta", "worst_logprob_ratio", "bytes_per_token_per_layer", "latent_bytes",
@@ -87,8 +90,6 @@ def engine_markdown(report: dict) -> str:
 def run_options(args, suites) -> tuple[list[str], list[str], bool]:
     """``mla-conformance run --engine SPEC...``: (the pytest paths, the pytest options, engine only). With --engine and
     neither --backend nor --op, only the engine suite runs and the built-in backends are not under test."""
-    from mla_conformance.engine.contract import parse_engine_spec
-    from mla_conformance.errors import MLAInputError
 
     specs = list(getattr(args, "engine", None) or [])
     for spec in specs:

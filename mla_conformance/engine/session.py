@@ -63,7 +63,7 @@ class EngineSession:
 
     @staticmethod
     def prompts(model: str) -> Prompts:
-        from mla_conformance.generation.generate import episodes, load_prompts
+        from mla_conformance.generation.generate import episodes, load_prompts  # transformers: only when prompts are read
 
         cfg = json.loads((model_dir(model) / "config.json").read_text(encoding="utf-8"))
         limit = int(cfg.get("max_position_embeddings", 1 << 20))
@@ -75,7 +75,7 @@ class EngineSession:
     def reference(self, model: str, kv_codec: str = "none") -> list:
         key = f"{model}/{kv_codec}"
         if key not in self._refs:
-            from mla_conformance.engine.reference import reference_greedy
+            from mla_conformance.engine.reference import reference_greedy  # torch: only when a reference is made
 
             p = self.prompts(model)
             self._refs[key] = reference_greedy(model_dir(model), p.tokens, p.new_tokens, kv_codec=kv_codec)

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from mla_conformance.engine.contract import get_engine, parse_engine_spec
+
 
 def _write(path: Path, result: dict) -> None:
     tmp = path.with_suffix(".tmp")
@@ -28,7 +30,6 @@ def _peak_rss_bytes() -> int:
 
 
 def main(request_path: str, result_path: str) -> int:
-    from mla_conformance.engine.contract import get_engine, parse_engine_spec
 
     req = json.loads(Path(request_path).read_text(encoding="utf-8"))
     out = Path(result_path)

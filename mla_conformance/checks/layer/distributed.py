@@ -32,6 +32,10 @@ import torch
 from mla_conformance.checks.tolerances import TOLERANCES
 from mla_conformance.contract.dcp import owned_count
 from mla_conformance.contract.distributed import TP_PLAN, Parallel, declared_plans
+from mla_conformance.model.config import MLAConfig
+from mla_conformance.model.reference import reference_attention_f64
+from mla_conformance.model.weights import MLAWeights
+from mla_conformance.specs import get_backend
 
 #: a rank that writes no progress for this long is hung (each attend call and case writes some); the environment's
 #: MLA_DIST_STALL_S overrides it (tests/meta/test_distributed_meta.py shortens it to 5 s)
@@ -75,13 +79,11 @@ def cases_for(plans) -> list[DistCase]:
 
 
 def config_of(case: DistCase):
-    from mla_conformance.model.config import MLAConfig
 
     return dataclasses.replace(MLAConfig.preset("tiny"), num_attention_heads=case.heads)
 
 
 def full_weights(case: DistCase):
-    from mla_conformance.model.weights import MLAWeights
 
     return MLAWeights.random(config_of(case), seed=case.seed, dtype=torch.float64)
 
@@ -95,7 +97,6 @@ def hidden_states(case: DistCase) -> torch.Tensor:
 def shard_weights(weights, par: Parallel, plan: dict | None = None):
     """This rank's shard by ``plan`` (the backend's ``tp_plan``, else TP_PLAN: heads split over tp_size, the rest
     replicated), as MLAWeights of H / tp heads."""
-    from mla_conformance.model.weights import MLAWeights
 
     plan = TP_PLAN if plan is None else {**TP_PLAN, **plan}
     cfg = weights.config
@@ -131,7 +132,6 @@ def _rank_main(rank: int, world_size: int, jobs: list, tmp: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from mla_conformance.specs import get_backend
 
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank,
@@ -329,7 +329,6 @@ def _stack_verdict(tmp: Path, rank: int, proc) -> str:
 
 
 def reference_output(case: DistCase) -> torch.Tensor:
-    from mla_conformance.model.reference import reference_attention_f64
 
     return reference_attention_f64(full_weights(case), hidden_states(case), torch.tensor(case.lengths()))
 

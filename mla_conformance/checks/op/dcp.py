@@ -25,7 +25,7 @@ from mla_conformance.checks.op.compare import compare, oracle_of_inputs
 from mla_conformance.checks.op.inputs import INVALID_BLOCK, Buffer, OpInputs, Spec, build, op_reason, require, where
 from mla_conformance.checks.op.run import raised, validate
 from mla_conformance.contract.dcp import dcp_declared, local_index, owned_count, owner
-from mla_conformance.contract.op import D_V, OpCase, declared
+from mla_conformance.contract.op import D_V, MethodCase, OpCase, declared
 from mla_conformance.impl.ops.reference import oracle as cache_oracle
 from mla_conformance.model.attention_oracles import lse_to_natural
 
@@ -563,7 +563,6 @@ def assert_dcp_write(op, sh: Sharding, *, page: int, dtype, device: str, check: 
     rank's write gets the tokens as its ``dcp`` convention says; afterwards every rank's cache holds exactly the
     tokens it owns at their local slots, bit for bit, and every other byte is what it was."""
     __tracebackhide__ = True
-    from mla_conformance.contract.op import MethodCase
     conv = dcp_declared(op, "dcp")
     g = torch.Generator().manual_seed(700 + seed)
     starts = (0, 5, 37, 3)                  # tokens already in each row
