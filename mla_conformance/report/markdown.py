@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from mla_conformance.contract.methods import METHOD_SPECS, declaration
+from mla_conformance.engine.report import engine_markdown
 from mla_conformance.report.build import INDEPENDENT, number, op_case_of, verdict_of
+from mla_conformance.report.distributed import distributed_markdown
 from mla_conformance.report.fmt import NOT_RECORDED, cell, declared_cell, fmt_e, headline, mark, numbers_cell, plural
 from mla_conformance.report.plots import PLOT_TITLES
 from mla_conformance.report.sections import REPORT_SECTIONS, bytes_lines, error_lines, error_summary_lines
@@ -224,6 +226,10 @@ def render_markdown(report: dict[str, Any], plots: list[str] | None = None) -> s
         lines = part(report)
         if lines:
             out += [""] + lines
+    for part in (engine_markdown, distributed_markdown):  # engines end to end, the layer across ranks, ops under DCP
+        text = part(report).strip("\n")
+        if text:
+            out += ["", text]
     for section in REPORT_SECTIONS:
         try:
             text = section(report)

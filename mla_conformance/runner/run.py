@@ -34,13 +34,12 @@ from pathlib import Path
 from mla_conformance.arch.device import check_device
 from mla_conformance.contract.layer import BUILTINS
 from mla_conformance.contract.op import BUILTIN_OPS
-from mla_conformance.engine.report import add_engine_rows, engine_markdown, print_engine_rows
+from mla_conformance.engine.report import add_engine_rows, print_engine_rows
 from mla_conformance.engine.report import run_options as engine_run_options
 from mla_conformance.errors import MLAInputError
 from mla_conformance.model.checkpoint import validate_checkpoint
 from mla_conformance.pytest_plugin import isolation
 from mla_conformance.report.build import build_report, timings_of
-from mla_conformance.report.distributed import distributed_markdown
 from mla_conformance.report.environment import environment
 from mla_conformance.report.markdown import render_markdown
 from mla_conformance.report.outdir import check_out_dir, write_file_atomically, write_owned_dir
@@ -66,8 +65,7 @@ def write_report(out: Path, results: dict, *, name: str, env: dict, wall: float,
     report = add_engine_rows(build_report(results, name=name, env=env), results)  # --engine's rows
     timings = timings_of(results)
     files = {"conformance.json": json.dumps(report, indent=1, sort_keys=True) + "\n",
-             "conformance.md": lambda plots: (render_markdown(report, plots=plots) + engine_markdown(report) +
-                                              distributed_markdown(report)),
+             "conformance.md": lambda plots: render_markdown(report, plots=plots),
              "timings.json": json.dumps({"wall_s": round(wall, 3), "pytest_exit": pytest_exit,
                                          "finished_unix": int(time.time()), "benchmarks": timings},
                                         indent=1, sort_keys=True) + "\n"}
