@@ -85,7 +85,7 @@ def run_pytest(args: list[str], timeout: int) -> dict:
     """Run pytest in a subprocess with a junit report; counts, failures and skip reasons."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}", *args]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-o", f"cache_dir={Path(tmp) / 'cache'}", "-rs", f"--junitxml={xml}", *args]
         start = time.time()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

@@ -65,7 +65,7 @@ if triton is not None:
 def verdict(args_: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.json"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "--mla-results", str(results),
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "--mla-results", str(results),
                                *args_], cwd=ROOT, capture_output=True, text=True)
         payload = json.loads(results.read_text()) if results.is_file() else {"tests": []}
     tests = payload.get("tests", [])

@@ -2,11 +2,11 @@
 
 Run with::
 
-    pytest suites/test_decode_bench.py -m benchmark --benchmark-only -p no:xdist
+    pytest suites/test_decode_bench.py -m benchmark --benchmark-only -n 0
 
 Everything here is marked ``benchmark`` and deselected in a default run (the plugin deselects it unless
 ``-m benchmark`` or ``--benchmark-only`` is given). pytest-xdist disables pytest-benchmark (its
-fixture then runs the target once and records no statistics), hence ``-p no:xdist``; timings are
+fixture then runs the target once and records no statistics), hence ``-n 0``; timings are
 only meaningful one test at a time anyway.
 
 ``test_decode_step`` times ``backend.attend`` on a single new token with pytest-benchmark's

@@ -3,7 +3,7 @@ log-probabilities and KV cache bytes against the project's float64 reference.
 
 Each engine configuration runs once per session in a subprocess of its own (an engine that aborts is a verdict
 naming the configuration, the other configurations' results are kept); every test reads the runs it needs. Without
-``--mla-engine`` every test skips with one sentence. Run it serially (``-p no:xdist``): each xdist worker would
+``--mla-engine`` every test skips with one sentence. Run it serially (``-n 0``): each xdist worker would
 start the engines again.
 """
 

@@ -17,7 +17,7 @@ from mla_conformance import __version__
 from mla_conformance.arch.device import installed_version
 
 #: how to run the decode benchmarks the default run deselects
-BENCHMARK_HINT = "pytest -m benchmark --benchmark-only -p no:xdist"
+BENCHMARK_HINT = "pytest -m benchmark --benchmark-only -n 0"
 #: skip reasons shown; the rest are counted on one line
 SKIP_LINES = 12
 #: a reason longer than this is cut (with an ellipsis): the block is one line per reason

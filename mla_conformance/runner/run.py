@@ -313,8 +313,8 @@ def _killpg(pgid: int, sig: int) -> bool:
 
 
 #: Popen's arguments for a child in a process group of its own (signalled and killed as a group) that stays in the
-#: caller's session: on Linux a new session is also a new scheduler autogroup, which takes an even share of the CPU
-#: whatever the nice value ``run`` was started with (a session given the idle core only would take half of the busy).
+#: caller's session, so that it shares the CPU as the caller's other processes do (on Linux the scheduler groups
+#: processes by session).
 OWN_PROCESS_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.distributed
 
 def _run(pytester, cls: str, *extra: str):
     results = pytester.path / "results.json"
-    args = ["-p", "no:xdist", "--rootdir", str(ROOT), str(SUITE), "-q", "-rfE",
+    args = ["-n", "0", "--rootdir", str(ROOT), str(SUITE), "-q", "-rfE",
             "--mla-results", str(results), "--mla-backend", f"{BROKEN}:{cls}", *extra]
     return pytester.runpytest_subprocess(*args, timeout=BOUND_S)
 

@@ -24,7 +24,7 @@ def test_wrong_decode_scale_fails_at_the_first_decode_position(tmp_path):
     if not (ROOT / "fixtures" / "models" / "tiny-mla-576" / "config.json").is_file():
         pytest.skip("the pinned 576-dim model (fixtures/models/tiny-mla-576) is not in this checkout")
     xml = tmp_path / "engine.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-o", f"cache_dir={tmp_path / 'cache'}", "-q",
                            "suites/test_engine.py", "--mla-engine", BROKEN, "-k",
                            "tiny-mla-576 and (greedy_tokens or logprobs)", f"--junitxml={xml}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200)

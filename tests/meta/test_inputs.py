@@ -26,7 +26,7 @@ def _run(*args, **kw):
 def pytest_inprocess(pytester, *args) -> tuple[int, str, str]:
     """pytest on this checkout's files, in this process (no second torch import; tests/meta/harness.py):
     (exit code, stdout, stderr). Paths and specs are the checkout's (made absolute)."""
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", *map(harness.here, args))
+    got = harness.pytest_inprocess(pytester, "-n", "0", *map(harness.here, args))
     return int(got.ret), "\n".join(got.outlines), "\n".join(got.errlines)
 
 

@@ -377,7 +377,7 @@ def _collect(pytester, *options) -> tuple[int, str]:
     suites costs seconds) with the given options, in this process."""
     pytester.makepyfile(test_kinds=SELECTION_TESTS)
     # no:unraisableexception: its cleanup runs gc.collect() twice per session, 2/3 of a collection's time here
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-p", "no:unraisableexception",
+    got = harness.pytest_inprocess(pytester, "-n", "0", "-p", "no:unraisableexception",
                                    "-q", "--co", *options)
     return int(got.ret), "\n".join(got.outlines + got.errlines)
 

@@ -83,7 +83,7 @@ def test_pyargs_from_anywhere_writes_nothing_there(pytester, monkeypatch):
     user = pytester.mkdir("my-project")
     (user / "notes.txt").write_text("mine\n", encoding="utf-8")
     monkeypatch.chdir(user)
-    result = harness.pytest_inprocess(pytester, *PYARGS, "--strict-markers", "--mla-device", "cpu", "-p", "no:xdist")
+    result = harness.pytest_inprocess(pytester, *PYARGS, "--strict-markers", "--mla-device", "cpu", "-n", "0")
     out = "\n".join(result.outlines + result.errlines)
     assert result.ret == 0 and result.parseoutcomes().get("passed") == 1, out[-3000:]
     assert f"rootdir: {user}" in out, out[-3000:]  # the case of the bug: pytest rooted in the user's directory
@@ -95,7 +95,7 @@ def test_pyargs_keeps_the_cache_when_asked_for(pytester, monkeypatch):
     """--lf (or any cache option) asks for pytest's cache: it is loaded, and written where pytest keeps it."""
     user = pytester.mkdir("my-project")
     monkeypatch.chdir(user)
-    result = harness.pytest_inprocess(pytester, *PYARGS, "--lf", "--mla-device", "cpu", "-p", "no:xdist")
+    result = harness.pytest_inprocess(pytester, *PYARGS, "--lf", "--mla-device", "cpu", "-n", "0")
     assert result.ret == 0, "\n".join(result.outlines[-40:])
     assert (user / ".pytest_cache").is_dir()
 
@@ -118,11 +118,11 @@ def test_skips_are_listed_once(pytester):
     """The plugin's block groups the skips by reason with their counts; pytest's own -rs lines list every skip,
     and then the block leaves them out. The project's addopts summarise failures and errors only."""
     pytester.makepyfile(test_skipping=SKIPPING)
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-rfE")
+    got = harness.pytest_inprocess(pytester, "-n", "0", "-rfE")
     out = "\n".join(got.outlines)
     assert "mla-conformance skips by reason" in out and "3 my-mla does not declare the thing" in out, out
     assert "1 another reason" in out and "SKIPPED [" not in out, out
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "-rs")
+    got = harness.pytest_inprocess(pytester, "-n", "0", "-rs")
     out = "\n".join(got.outlines)
     assert out.count("my-mla does not declare the thing") == 1 and "SKIPPED [3]" in out, out
     assert "skips by reason" not in out, out
@@ -147,7 +147,7 @@ def test_figures_are_the_schemas(pytester):
     naming the key and where to declare it; declared figures reach the results."""
     pytester.makepyfile(test_figs=FIGURES)
     results = pytester.path / "results.json"
-    got = harness.pytest_inprocess(pytester, "-p", "no:xdist", "--mla-device", "cpu",
+    got = harness.pytest_inprocess(pytester, "-n", "0", "--mla-device", "cpu",
                                    "--mla-results", str(results))
     run = harness.SuiteRun(int(got.ret), "\n".join(got.outlines), json.loads(results.read_text()))
     assert run.result("test_figs.py::test_declared")["figures"] == {"case": "B=1"}
