@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 except AssertionError as exc:
                     failures += 1
                     verdict = "FAILED: " + str(exc).splitlines()[0]
+                    print(f"--- round {i} {key}: {exc}", file=sys.stderr, flush=True)  # the run's output tails
                 print(f"round {i:2d} {key:16s} rc {got['rc']!s:>4} {got['wall']:6.1f} s  {verdict}", flush=True)
     finally:
         if burner is not None:
