@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -36,6 +37,28 @@ def user_env(**extra: str) -> dict[str, str]:
     """This process's environment as a user's shell has it: without the variables pytest and xdist set for the
     test that starts the process (PYTEST_CURRENT_TEST, PYTEST_XDIST_WORKER, ...), plus ``extra``."""
     return {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, **extra}
+
+
+def processes_left(variable: str, value: str, wait_s: float = 15.0) -> list[str]:
+    """The processes (not zombies) whose environment carries ``variable=value`` -- a marker a test sets for the
+    processes it starts, which their children inherit -- once they have had ``wait_s`` to go: "pid: cmdline"."""
+    needle = f"{variable}={value}".encode()
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit() or int(p.name) == os.getpid():
+                continue
+            try:
+                if needle in (p / "environ").read_bytes().split(b"\0") and \
+                        (p / "stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                    cmdline = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    left.append(f"{p.name}: {cmdline[:200]}")
+            except OSError:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def here(ref: str) -> str:

@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
+
+from .harness import processes_left
 
 ROOT = Path(__file__).resolve().parents[2]
 BROKEN = ROOT / "tests/meta/impls/broken/distributed_backends.py"
@@ -33,26 +34,21 @@ pytestmark = pytest.mark.distributed
 
 
 def _run(pytester, cls: str, *extra: str):
-    results = pytester.path / "results.json"
-    args = ["-n", "0", "--rootdir", str(ROOT), str(SUITE), "-q", "-rfE",
-            "--mla-results", str(results), "--mla-backend", f"{BROKEN}:{cls}", *extra]
-    return pytester.runpytest_subprocess(*args, timeout=BOUND_S)
+    """The suite on the broken backend ``cls`` in a pytest process of its own; its processes, the spawned ranks
+    among them, carry MLA_DIST_META_RUN=<this run> in their environment (:func:`_ranks_left`)."""
+    args = ["-n", "0", "--rootdir", str(ROOT), str(SUITE), "-q", "-rfE", "--mla-backend", f"{BROKEN}:{cls}", *extra]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(MARKER, str(pytester.path))
+        return pytester.runpytest_subprocess(*args, timeout=BOUND_S)
 
 
-def _ranks_left(pytester) -> list[int]:
-    """The launch's rank processes (the rank_pids figure of the run's results) still alive: none may be."""
-    tests = json.loads((pytester.path / "results.json").read_text())["tests"]
-    pids = {p for t in tests for p in t.get("figures", {}).get("rank_pids", [])}
-    assert pids, "the run recorded no rank_pids"
-    left = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        if "zombie" not in Path(f"/proc/{pid}/status").read_text().lower():
-            left.append(pid)
-    return left
+#: the environment variable that marks a run's processes (spawned ranks inherit the environment)
+MARKER = "MLA_DIST_META_RUN"
+
+
+def _ranks_left(pytester) -> list[str]:
+    """The run's processes still alive (a rank the launch did not end): none may be."""
+    return processes_left(MARKER, str(pytester.path))
 
 
 #: a run with a faulty rank must have ended by then (the issue's minute): a bound on ending at all, not a speed claim

@@ -31,6 +31,8 @@ import pytest
 
 from mla_conformance.runner.run import OWN_PROCESS_GROUP
 
+from .harness import processes_left
+
 
 HERE = Path(__file__).resolve().parent
 FAULTY = HERE / "impls" / "faulty" / "backends.py"
@@ -171,28 +173,7 @@ def run_scenario(key: str, tmp: Path) -> dict:
         report = json.loads((out / "conformance.json").read_text())
         md = (out / "conformance.md").read_text()
     return {"key": key, "ended": ended, "rc": proc.returncode, "stdout": stdout, "stderr": stderr,
-            "report": report, "md": md, "out_exists": out.exists(), "orphans": _left(marker), "wall": wall}
-
-
-def _left(marker: str, wait_s: float = 15.0) -> list[str]:
-    """The processes still carrying ``marker`` in their environment, once they have had ``wait_s`` to go."""
-    needle = f"MLA_FAULT_SCENARIO={marker}".encode()
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = []
-        for p in Path("/proc").iterdir():
-            if not p.name.isdigit() or int(p.name) == os.getpid():
-                continue
-            try:
-                if needle in (p / "environ").read_bytes().split(b"\0") and \
-                        (p / "stat").read_text().rpartition(")")[2].split()[0] != "Z":
-                    cmdline = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                    left.append(f"{p.name}: {cmdline[:200]}")
-            except OSError:
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+            "report": report, "md": md, "out_exists": out.exists(), "orphans": processes_left("MLA_FAULT_SCENARIO", marker), "wall": wall}
 
 
 def _rows(report: dict, backend: str) -> list[dict]:

@@ -204,15 +204,11 @@ def _run_case(backend, case: DistCase, rank: int, world_size: int, group, tmp: P
 
 @dataclasses.dataclass
 class Launch:
-    """What a launch left: per (spec, case name) the ranks' results; per rank its failure (a sentence), if any; the
-    launch's wall time."""
+    """What a launch left: per (spec, case name) the ranks' results; per rank its failure (a sentence), if any."""
 
     world_size: int
     results: dict
     failures: dict
-    wall_s: float
-
-    pids: tuple = ()
 
     def culprits(self) -> list[int]:
         """The failed ranks that failed first-hand (not a peer's failure seen from a collective)."""
@@ -289,7 +285,7 @@ def launch(jobs: list, world_size: int, *, start_s: float = START_S, stall_s: fl
         with open(f, "rb") as fh:
             results.setdefault(key, {})[int(rank)] = pickle.load(fh)
     shutil.rmtree(tmp, ignore_errors=True)
-    return Launch(world_size, results, failures, time.monotonic() - t0, tuple(p.pid for p in procs))
+    return Launch(world_size, results, failures)
 
 
 def _exit_verdict(tmp: Path, rank: int, code: int) -> str:
