@@ -7,8 +7,6 @@ shared by the tests that need a real run: byte-identical conformance.json and .m
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ from mla_conformance.report.plots import write_plots
 
 from mla_conformance.resources import suites_dir
 
-from .harness import user_env
 
 pytestmark = pytest.mark.meta
 
@@ -39,14 +36,6 @@ def run_args(out: Path, *mode: str) -> list[str]:
     ignore = [f"--ignore={p}" for p in sorted(suites_dir().glob("test_*.py")) if p.name not in SUBSET_FILES]
     return ["run", "--out", str(out), "--name", "host", "--backend", "reference-naive", "--backend",
             "reference-absorbed", "--op", "reference-op", "--", "-q", *mode, "-k", SUBSET, *ignore]
-
-
-def xdist_run(tmp: Path):
-    """The same run into b/ with `-n 2` (two worker processes, one torch thread each, their results handed to the
-    controller): the real `mla-conformance run` process, a job (:data:`JOBS`). Returns (its dir, b/, exit code, output)."""
-    proc = subprocess.run([sys.executable, "-m", "mla_conformance.cli", *run_args(tmp / "b", "-n", "2")],
-                          cwd=tmp, capture_output=True, text=True, timeout=300, env=user_env())
-    return tmp, tmp / "b", proc.returncode, proc.stdout + proc.stderr
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -481,34 +470,40 @@ def test_merge_rejects_non_reports(tmp_path, capsys):
 # --------------------------------------------------------------------------- one real run, twice
 
 
-def _plain_run(pytester):
-    """`mla-conformance run` on SUBSET into a/, plain (``-p no:xdist``). The pytest command `run` builds is run in
-    this process through tests/meta/harness.py (pytester), where torch is already imported, instead of a fresh
-    interpreter; the command line, the results file and everything after are `run`'s own. Returns (tmp dir, a/,
-    exit code)."""
+def _run_here(pytester, out: str, *mode: str):
+    """`mla-conformance run` on SUBSET into ``out``/ with pytest's ``mode`` options (``-p no:xdist``, or ``-n 2``:
+    two worker processes, one torch thread each, their results handed to the controller). The pytest command `run`
+    builds is run in this process through tests/meta/harness.py (pytester), where torch is already imported,
+    instead of a fresh interpreter (its xdist workers are processes of their own); the command line, the results
+    file and everything after are `run`'s own. Returns (tmp dir, out/, exit code, output)."""
     from mla_conformance.cli import main
 
     from .harness import pytest_inprocess
 
+    shown: list[str] = []
+
     def pytest_here(cmd, watch=None):
         assert cmd[1:3] == ["-m", "pytest"], cmd
         # the plugin is imported already, so pytest cannot assertion-rewrite it: say nothing about that
-        return int(pytest_inprocess(pytester, *cmd[3:], "-W", "ignore::pytest.PytestAssertRewriteWarning").ret), None
+        got = pytest_inprocess(pytester, *cmd[3:], "-W", "ignore::pytest.PytestAssertRewriteWarning")
+        shown.extend(got.outlines + got.errlines)
+        return int(got.ret), None
 
-    tmp = pytester.path / "two-runs"
+    tmp = pytester.path / f"run-{out}"
     tmp.mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(report_run, "_run_pytest", pytest_here)
-        rc = main(run_args(tmp / "a", "-p", "no:xdist"))
-    return tmp, tmp / "a", rc
+        mp.chdir(tmp)
+        rc = main(run_args(tmp / out, *mode))
+    return tmp, tmp / out, rc, "\n".join(shown)
 
 
 @pytest.fixture
-def two_runs(suite_run, shared, tmp_path_factory):
+def two_runs(suite_run):
     """The two runs, made once per session by the first test that asks (tests/conftest.py's suite_run): (the plain
     run's tmp dir, [a/, b/], [exit codes])."""
-    tmp, a, rc_a = suite_run("test_report-plain-run", _plain_run)
-    btmp, b, rc_b, output = shared("report-xdist", lambda: xdist_run(tmp_path_factory.mktemp("report-xdist")))
+    tmp, a, rc_a, _ = suite_run("test_report-plain-run", lambda pytester: _run_here(pytester, "a", "-p", "no:xdist"))
+    btmp, b, rc_b, output = suite_run("test_report-xdist-run", lambda pytester: _run_here(pytester, "b", "-n", "2"))
     assert rc_b == 0, f"the -n 2 run exited {rc_b}:\n{output[-3000:]}"
     assert not [p for p in btmp.iterdir() if p.name.startswith(".")], "temporary directories left behind (-n 2)"
     return tmp, [a, b], [rc_a, rc_b]
