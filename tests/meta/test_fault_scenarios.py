@@ -314,47 +314,57 @@ def test_the_run_ends_with_the_verdict_the_dead_test_named_and_nothing_left(faul
 # --------------------------------------------------------------------------- the watch's rule, on a journal by hand
 
 
-def _watch(tmp_path, lines, **kw):
+@pytest.fixture
+def journal_watch():
+    """``journal_watch(directory, lines)``: a RunWatch over a journal of ``lines`` written there; each closed (its journal
+    file with it) when the test ends, as ``run`` closes its own."""
     import json
 
     from mla_conformance.runner.watchdog import RunWatch
 
-    journal = tmp_path / "r.json.journal"
-    journal.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
-    watch = RunWatch(journal, stall_s=10, test_timeout_s=1, now=0.0, **kw)
-    return watch
+    made = []
+
+    def watch(tmp_path, lines, **kw):
+        journal = tmp_path / "r.json.journal"
+        journal.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+        made.append(RunWatch(journal, stall_s=10, test_timeout_s=1, now=0.0, **kw))
+        return made[-1]
+
+    yield watch
+    for w in made:
+        w.close()
 
 
-def test_the_watch_fires_on_no_progress_beyond_what_is_allowed(tmp_path):
+def test_the_watch_fires_on_no_progress_beyond_what_is_allowed(tmp_path, journal_watch):
     """Times are the watch's clock, passed in: no test here waits. Idle with every worker collected: the stall
     bound; a test running: plus its --timeout and the C watchdog's margin; a process starting: STARTUP_S."""
     from mla_conformance.pytest_plugin.isolation import hard_deadline
     from mla_conformance.runner.watchdog import STARTUP_S
 
     (tmp_path / "none").mkdir()
-    before = _watch(tmp_path / "none", [])  # pytest starting: no line yet
+    before = journal_watch(tmp_path / "none", [])  # pytest starting: no line yet
     assert before.poll(STARTUP_S - 1) is None and before.poll(STARTUP_S + 1)
     collected = [{"header": {"backends": ["b"]}}, {"worker": "gw0", "event": "collected", "tests": 3, "pid": 1},
                  {"collection": ["t[b-1]", "t[b-2]"]}]
-    idle = _watch(tmp_path, collected)
+    idle = journal_watch(tmp_path, collected)
     assert idle.poll(1.0) is None and idle.poll(10.9) is None and idle.poll(11.2)  # the lines were read at 1.0
     assert "no progress for 10 s (--stall-timeout 10 s)" in idle.fired
     assert "no test had started" in idle.description and "gw0 collected 3 tests (pid 1:" in idle.description
-    running = _watch(tmp_path, collected + [{"start": "t[b-1]"}])
+    running = journal_watch(tmp_path, collected + [{"start": "t[b-1]"}])
     bound = 10 + hard_deadline(1)
     assert running.poll(0.0) is None and running.poll(bound - 0.1) is None and running.poll(bound + 0.1)
     assert "last test started: t[b-1]" in running.description and "1 not finished" not in running.description
-    starting = _watch(tmp_path, collected[:1] + [{"worker": "gw1", "event": "starting"}])
+    starting = journal_watch(tmp_path, collected[:1] + [{"worker": "gw1", "event": "starting"}])
     assert starting.poll(0.0) is None and starting.poll(STARTUP_S - 1) is None and starting.poll(STARTUP_S + 1)
 
 
-def test_the_watch_ends_a_run_whose_workers_die_while_collecting(tmp_path):
+def test_the_watch_ends_a_run_whose_workers_die_while_collecting(tmp_path, journal_watch):
     deaths = [{"worker": f"gw{i}", "event": e, **({"error": "Not properly terminated"} if e == "down" else {})}
               for i in range(3) for e in ("starting", "down")]
-    watch = _watch(tmp_path, deaths)
+    watch = journal_watch(tmp_path, deaths)
     assert watch.poll(0.0) and "3 xdist workers in a row died before collecting" in watch.fired
     assert "Not properly terminated" in watch.fired
-    later = _watch(tmp_path, deaths[:2] + [{"worker": "gw1", "event": "collected"}, {"worker": "gw1", "event": "down"}])
+    later = journal_watch(tmp_path, deaths[:2] + [{"worker": "gw1", "event": "collected"}, {"worker": "gw1", "event": "down"}])
     assert later.poll(0.0) is None  # a worker that collected and then died is a test's crash, not collection's
 
 
