@@ -24,6 +24,9 @@ from mla_conformance.resources import check_goldens_writable, suites_dir
 
 #: the plugin's fixtures: a test requesting any of them is a test of this suite
 FIXTURES = ("mla_backend", "mla_op", "mla_figures", "mla_device", "mla_checkpoint")
+#: what makes a suite test an op test or a layer test (the layer tests across ranks take their backend as
+#: suites/test_distributed.py's ``distributed_backend`` parameter, which the report also counts as the backend)
+KIND_FIXTURES = {"op": ("mla_op",), "layer": ("mla_backend", "distributed_backend")}
 #: the options that make a run one of this suite's, whatever its paths
 OPTIONS = ("--mla-backend", "--mla-op", "--mla-device", "--mla-checkpoint", "--mla-results", "--mla-expect",
            "--mla-timeout", "--mla-threads")
@@ -288,8 +291,8 @@ def select(config, items: list) -> None:
     state["items"] = True
     kind = deselected_kind(config)
     if kind is not None:  # --mla-backend alone: a verdict on backends, no op tests; --mla-op alone: the reverse
-        fixture = "mla_op" if kind == "op" else "mla_backend"
-        out = [item for item in suite if fixture in getattr(item, "fixturenames", ())]
+        fixtures = KIND_FIXTURES[kind]
+        out = [item for item in suite if any(f in getattr(item, "fixturenames", ()) for f in fixtures)]
         if out:
             _deselect(config, items, out)
             gone = {id(item) for item in out}

@@ -405,6 +405,18 @@ def test_selection_by_options(pytester):
     assert code == 0 and _ids(out, "layer") and _ids(out, "op") and "deselected:" not in out, out[-3000:]
 
 
+def test_an_op_verdict_deselects_the_layer_tests_across_ranks(pytester):
+    """--mla-op alone: suites/test_distributed.py's tests, parametrized by ``distributed_backend`` rather than
+    ``mla_backend``, are layer tests too, so deselected; they were collected as an empty parameter set, skipped,
+    and `mla-conformance run --op reference-op` reported a backend named 'token' (pytest's NOTSET) as NOT TESTED
+    and exited 1."""
+    got = harness.pytest_inprocess(pytester, "-n", "0", "-p", "no:unraisableexception", "-q", "--co", "--rootdir",
+                                   str(ROOT), str(ROOT / "suites/test_distributed.py"), "--mla-op", "reference-op")
+    out = "\n".join(got.outlines + got.errlines)
+    assert "test_distributed.py::" not in out, out[-3000:]
+    assert "2 layer tests deselected: --mla-op was given without --mla-backend" in out, out[-3000:]
+
+
 @pytest.mark.parametrize("spec,message", [
     ("no-such-op", "--mla-op: op spec 'no-such-op': not a built-in op"),
     ("reference-opp", "did you mean 'reference-op'?"),
