@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 import re
 
-#: A headline longer than this is a paragraph: details go on the lines after it.
-HEADLINE_CHARS = 200
 #: Where every bound a message names is derived.
 TOLERANCES_DOC = "docs/tolerances.md"
 CAUSE = "likely cause: "
@@ -104,5 +102,5 @@ def with_cause(message: str, cause: str) -> str:
 
 
 def headline(message: str) -> str:
-    """A message's first line."""
+    """A message's first line: what failed, where, by how much (the report's failures table shows it alone)."""
     return str(message).partition("\n")[0]

@@ -12,16 +12,17 @@ the tiny model's 80 / 64). Everything else is the built-in's own code, unchanged
 
 from __future__ import annotations
 
+from mla_conformance.contract.op import D_QK, D_V
+from mla_conformance.impl.ops.layer import head_dims_of
 from mla_conformance.impl.ops.reference import ReferenceOp
 from mla_conformance.specs import get_backend
 
-DIMS_576 = (576, 512)
+DIMS_576 = (D_QK, D_V)
 
 
 def latent_dims(config) -> tuple[int, int] | None:
-    """(kv_lora_rank + qk_rope_head_dim, kv_lora_rank) of an MLA config; None for a config without a latent."""
-    rank, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
-    return None if rank is None or rope is None else (int(rank) + int(rope), int(rank))
+    """(d_qk, d_v) of an MLA config's latent (impl.ops.layer.head_dims_of); None for a config without a latent."""
+    return None if getattr(config, "kv_lora_rank", None) is None else head_dims_of(config)
 
 
 class _Only576:

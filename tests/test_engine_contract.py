@@ -88,7 +88,8 @@ def test_logprobs_off_from_the_first_token_name_the_prefill():
     with pytest.raises(AssertionError, match=r"(?s)beyond the float32 tolerance.*position 0.*prefill"):
         checks.assert_logprobs([c], dtype="float32")
     tau = checks.logprob_tolerance("float32", 2, _dist(3, 0.5))
-    assert math.isclose(tau, 2 * math.sqrt(3) * 1e-5 * math.log(8) * float(_dist(3, 0.5).std()))
+    assert math.isclose(tau, 2 * math.sqrt(3) * checks.TOLERANCES["float32"].rel_fro * math.log(8) *
+                        float(_dist(3, 0.5).std()))
 
 
 def test_a_warm_run_off_the_cold_one_fails_naming_what_differs():

@@ -96,7 +96,7 @@ def test_manifest_lists_every_model_file():
     unlisted = sorted(on_disk - listed)
     assert not unlisted, "files under fixtures/models/ missing from MANIFEST.sha256:\n" + "\n".join(
         f"{rel}: sha256 {_sha256(FIXTURES / rel)}" for rel in unlisted)
-    for model in ("tiny-mla", "tiny-mla-dsa"):
+    for model in ("tiny-mla", "tiny-mla-dsa", "tiny-mla-576"):
         assert f"models/{model}/model.safetensors" in listed
         assert f"models/{model}/config.json" in listed
 
@@ -159,18 +159,25 @@ def test_mla_config_matches_tiny_preset():
 
 
 # ----------------------------------------------------------------------------------- prompts
-def test_prompt_sets_shape():
-    doc = _prompts()
-    assert doc["model"] == "tiny-mla"
+#: each dense tiny model's prompts file (fixtures/train_tiny.py writes both with their models: the same tasks)
+PROMPT_FILES = {"tiny-mla": PROMPTS, "tiny-mla-576": FIXTURES / "prompts-576.json"}
+
+
+@pytest.mark.parametrize("model", list(PROMPT_FILES))
+def test_prompt_sets_shape(model):
+    """Short episodes under 64 tokens, long ones of 120..240 past YaRN's original 64 positions, each generating its
+    answer's length; the set sizes fixtures/train_tiny.py's write_prompts draws (8 short, 5 long)."""
+    doc = json.loads(PROMPT_FILES[model].read_text(encoding="utf-8"))
+    assert doc["model"] == model and doc["model_dir"] == f"models/{model}"
     sets = doc["sets"]
-    assert len(sets["tiny-short"]) >= 6 and len(sets["tiny-long"]) >= 4
+    assert (len(sets["tiny-short"]), len(sets["tiny-long"])) == (8, 5)
     for e in sets["tiny-short"]:
         assert len(e["token_ids"]) + e["max_new_tokens"] < 64, e["id"]
-    orig = mla_config.MLAConfig.preset("tiny").yarn["original_max_position_embeddings"]
+    orig = mla_config.MLAConfig.from_hf(FIXTURES / "models" / model).yarn["original_max_position_embeddings"]
     for e in sets["tiny-long"]:
         total = len(e["token_ids"]) + e["max_new_tokens"]
         assert 120 <= total <= 240 and len(e["token_ids"]) > orig, e["id"]
-    for e in _episodes():
+    for e in (e for name in TINY_SETS for e in sets[name]):
         assert e["max_new_tokens"] == len(e["expected"]["token_ids"]), e["id"]
     (seed,) = sets["seed-000"]
     assert seed["id"] == "seed-000-sparse-experts" and seed["num_tokens"] == 26 and seed["token_ids"] is None

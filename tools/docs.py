@@ -1,6 +1,6 @@
 """``python tools/docs.py [--check] [--path FILE]``: the generated tables of markers.md and docs/*.md, written from the
-code that owns them. A maintainer's script of the checkout, not part of the wheel; CI checks the docs with ``--check``
-(.ci/run) and tests/meta/test_docs.py.
+code that owns them. A maintainer's script of the checkout, not part of the wheel; the default ``pytest``
+(tests/meta/test_docs.py) fails while a generated table differs from the code.
 
 Each file keeps its prose by hand; its tables are written between marker comments::
 
@@ -38,8 +38,6 @@ from mla_conformance.model.config import PRESETS, MLAConfig
 
 #: The source checkout; None for an installed wheel (markers.md and docs/ are not shipped: pass a path)
 CHECKOUT = source_checkout()
-#: markers.md of the source checkout (None for an installed wheel)
-DEFAULT_PATH = CHECKOUT / "markers.md" if CHECKOUT else None
 
 #: The files with generated sections, relative to the checkout, and the sections each holds (one owner each).
 FILES: dict[str, tuple[str, ...]] = {

@@ -6,6 +6,7 @@ deterministic figures."""
 from __future__ import annotations
 
 from mla_conformance.engine.contract import parse_engine_spec
+from mla_conformance.engine.session import ENGINE_MODELS
 from mla_conformance.errors import MLAInputError
 
 #: the figures a row keeps (wall_s, load_s, peak_rss_bytes are clock / host readings: printed by the tier, not kept)
@@ -32,17 +33,21 @@ def engine_rows(results: dict) -> list[dict]:
             param = param.rstrip("]")
             if param.startswith("no-engine"):  # no --mla-engine: no engine row (the skip is in the tests' list)
                 continue
-            model = next((m for m in ("tiny-mla-576", "tiny-mla") if param.endswith("-" + m)), "")
+            model = next((m for m in sorted(ENGINE_MODELS, key=len, reverse=True) if param.endswith("-" + m)), "")
             spec = param[: -len(model) - 1] if model else param
         row = rows.setdefault((spec, model), {"spec": spec, "model": model, "checks": {}})
         outcome = t.get("outcome")
         row["checks"][check or test] = {"outcome": outcome, **({"reason": t["reason"]} if t.get("reason") else {})}
+        variant = fig.get("variant")
         for key in KEPT:
-            if key in fig and (key not in row or fig.get("variant") == "cold"):
-                if fig.get("variant") == "fp8" and key not in ("died",):
-                    row.setdefault("fp8", {})[key] = fig[key]
-                else:
-                    row[key] = fig[key]
+            if key not in fig:
+                continue
+            if key == "worst_logprob_delta_vs_cold":  # each comparison with the cold run under its check's name
+                row.setdefault("vs_cold", {})[check or test] = fig[key]
+            elif variant == "fp8" and key not in ("spec", "model", "died"):  # the quantized cache's, apart
+                row.setdefault("fp8", {})[key] = fig[key]
+            elif key not in row or variant == "cold":
+                row[key] = fig[key]
     return [rows[k] for k in sorted(rows)]
 
 
@@ -100,8 +105,9 @@ def run_options(args, suites) -> tuple[list[str], list[str], bool]:
     engine_only = bool(specs) and not args.backend and not args.op
     paths = [str(suites / "test_engine.py")] if engine_only else [str(suites)]
     opts = [opt for spec in specs for opt in ("--mla-engine", spec)]
-    # serial: each xdist worker would start the engines again (the engines run in subprocesses of their own anyway)
-    return paths, opts + (["-p", "no:xdist"] if engine_only else []), engine_only
+    # engine only: run serially (runner.run adds no workers), as each xdist worker would start the engines again
+    # (the engines run in subprocesses of their own anyway)
+    return paths, opts, engine_only
 
 
 def print_engine_rows(report: dict) -> None:

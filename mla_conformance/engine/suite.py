@@ -89,10 +89,12 @@ def _record(figures, run: EngineRun, spec: EngineSpec, model: str, variant: str,
     return row
 
 
-def _comparisons(session, spec, model, run, refs=None):
+def _comparisons(session, spec, model, run, refs=None, dtype=None):
+    """Each prompt's greedy comparison of ``run``'s first pass with ``refs`` (the float64 reference by default), at
+    ``dtype``'s bounds (the run's own dtype by default)."""
     p = session.prompts(model)
     refs = refs or session.reference(model)
-    dtype, layers = _dtype(run, spec), int(_config(model)["num_hidden_layers"])
+    dtype, layers = dtype or _dtype(run, spec), int(_config(model)["num_hidden_layers"])
     return [checks.compare_greedy(pid, r, c, dtype=dtype, layers=layers)
             for pid, r, c in zip(p.ids, refs, run.passes[0])], dtype
 
@@ -164,10 +166,7 @@ def check_fp8(session, spec, model, figures) -> None:
         _record(figures, run, spec, model, "fp8", died=run.error)
     run = _usable(run, spec, model)
     refs = session.reference(model, FP8_CODEC)  # the codec through reference-absorbed in bfloat16 (reference.py)
-    p = session.prompts(model)
-    layers = int(_config(model)["num_hidden_layers"])
-    comps = [checks.compare_greedy(pid, r, c, dtype="bfloat16", layers=layers)
-             for pid, r, c in zip(p.ids, refs, run.passes[0])]
+    comps, _ = _comparisons(session, spec, model, run, refs, dtype="bfloat16")
     _record(figures, run, spec, model, "fp8", **_summary(comps))
     checks.assert_greedy_tokens(comps, dtype="bfloat16")
 

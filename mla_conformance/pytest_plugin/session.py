@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _pytest.compat import NOTSET  # the value of an empty parameter set's one test (pytest has no public name)
 
 from mla_conformance.pytest_plugin import isolation, selection
 from mla_conformance.pytest_plugin.sentinel import Sentinel
@@ -28,8 +29,9 @@ from mla_conformance.schema import Figures
 _KEY = pytest.StashKey["ResultsSession"]()
 _FIGURES_KEY = pytest.StashKey[dict]()
 
-#: the results' names of the plugin's parametrised fixtures
-PARAM_NAMES = {"mla_backend": "backend", "mla_op": "op", "distributed_backend": "backend"}
+#: the results' names of the parameters that say which backend or op a test judges (selection.KIND_FIXTURES)
+PARAM_NAMES = {name: "backend" if kind == "layer" else kind
+               for kind, names in selection.KIND_FIXTURES.items() for name in names}
 
 
 def is_failure(excinfo) -> bool:
@@ -133,9 +135,10 @@ class ResultsSession:
         entry = self.results.setdefault(item.nodeid, {"nodeid": item.nodeid, "outcome": "passed"})
         params = getattr(item, "callspec", None)
         if params is not None:
-            # the results' parameter names are the report's: the backend is "backend", not the fixture's name
+            # the results' parameter names are the report's: the backend is "backend", not the fixture's name; an
+            # empty parameter set's placeholder (pytest's NOTSET, whose .name is "token") names no backend or op
             entry["params"] = {PARAM_NAMES.get(k, k): (getattr(v, "name", None) or str(v))
-                               for k, v in params.params.items()}
+                               for k, v in params.params.items() if v is not NOTSET}
         entry["device"] = selection.device_of(item.config)
         section = item.get_closest_marker("mla_section")
         if section is not None and section.args:

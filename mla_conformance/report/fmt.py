@@ -36,9 +36,6 @@ def cell(text) -> str:
     return str(text).replace("|", "/").replace("\n", "<br>")
 
 
-def headline(text) -> str:
-    """A failure's first line (what failed, where, by how much); the lines after it are the failures table's."""
-    return str(text).partition("\n")[0]
 
 
 def declared_cell(value) -> str:

@@ -12,7 +12,8 @@ from mla_conformance.contract.methods import METHOD_SPECS, declaration
 from mla_conformance.engine.report import engine_markdown
 from mla_conformance.report.build import INDEPENDENT, number, op_case_of, verdict_of
 from mla_conformance.report.distributed import distributed_markdown
-from mla_conformance.report.fmt import NOT_RECORDED, cell, declared_cell, fmt_e, headline, mark, numbers_cell, plural
+from mla_conformance.messages import headline
+from mla_conformance.report.fmt import NOT_RECORDED, cell, declared_cell, fmt_e, mark, numbers_cell, plural
 from mla_conformance.report.plots import PLOT_TITLES
 from mla_conformance.report.sections import REPORT_SECTIONS, bytes_lines, error_lines, error_summary_lines
 from mla_conformance.schema import SECTIONS

@@ -120,7 +120,8 @@ def run_command(args) -> int:
             cmd += ["--mla-device", device]
         if args.timeout is not None:
             cmd += ["--mla-timeout", f"{args.timeout:g}"]
-        cmd += isolation_args(user_args + engine_opts) + threads_args(user_args) + user_args
+        # engine only: serial (no -n: none of a checkout's addopts), each xdist worker would start the engines again
+        cmd += ([] if engine_only else isolation_args(user_args)) + threads_args(user_args) + user_args
         print(f"mla-conformance run: {' '.join(cmd[2:])}", flush=True)
         journal = isolation.journal_path(results_path)
         stall = DEFAULT_STALL_S if args.stall_timeout is None else args.stall_timeout
@@ -160,8 +161,9 @@ def run_command(args) -> int:
             died = [t for t in results["tests"] if (t.get("fault") or {}).get("serial")]
             print(f"mla-conformance run: pytest {isolation.describe_exit(returncode)}"
                   + (f" while running {', '.join(t['nodeid'] for t in died)}" if died else "")
-                  + "; the tests after it did not run (a serial run: `-p no:xdist` or `-n 0` given, so no worker "
-                    "could be replaced); the report holds what was recorded", file=sys.stderr)
+                  + "; the tests after it did not run (a serial run: "
+                  + ("the engine suite runs serially" if engine_only else "`-p no:xdist` or `-n 0` given")
+                  + ", so no worker could be replaced); the report holds what was recorded", file=sys.stderr)
             returncode = returncode if returncode > 0 else 1
     report = write_report(out, results, name=name, env=environment(results.get("device", "cpu")), wall=wall,
                           pytest_exit=returncode)

@@ -197,5 +197,5 @@ def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[
     results = workdir / "results.json"
     proc = subprocess.run([sys.executable, "-m", "pytest", *suite_args(results, targets, backends, ops, extra)],
                           cwd=workdir, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env=user_env(**(env or {})))
     return _read(results, proc.returncode, proc.stdout + proc.stderr, expect)

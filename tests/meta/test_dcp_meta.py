@@ -1,8 +1,8 @@
 """Decode context parallelism at op level (issue 44): one in-process pytester run of suites/test_op_dcp.py, where
 
 * every broken DCP op (tests/meta/impls/broken/dcp_ops.py, each modelled on a public report) is *failed* -- an
-  AssertionError, not an error -- by the test named for it, at every W and S it is wrong at, the message naming
-  the cause;
+  AssertionError, not an error -- by the tests named for it, at a sharding where its bug shows (IDS), the message
+  naming the cause, and passes them at a sharding where it is right (an op whose bug needs S > 1, at S = 1);
 * the correct ones (tests/meta/impls/independent/dcp_ops.py: vLLM-style all-gather + reduce-scatter, an all-to-all,
   the "local" convention, lse in base 2 merged in base 2) and reference-op pass every test;
 * the frozen base op (no DCP declaration) skips every test with the sentence naming ``dcp`` (opt-in).
@@ -29,20 +29,22 @@ CORRECT_IDS = ["S1-W2", "S64-W8"]
 TESTS = ["test_dcp_dense", "test_dcp_causal", "test_dcp_sparse", "test_dcp_padding_rows", "test_dcp_fp8",
          "test_dcp_attn_sink", "test_dcp_write"]
 
-#: broken op class -> (its name, the test named for it, the words its failure must say, ids it is right at)
+#: broken op class -> (its name, the tests named for it, the words its failure must say, ids it is right at)
 CELLS = {
-    "Base2CombinedAsE": ("broken-dcp-base2-combined-as-e", "test_dcp_dense", "combine merged them as base e", ()),
-    "Base2MergedAsE": ("broken-dcp-base2-merged-as-e", "test_dcp_dense", "merged here as the declared dcp_lse_base", ()),
-    "GlobalIndicesNotLocalised": ("broken-dcp-global-indices", "test_dcp_sparse",
+    "Base2CombinedAsE": ("broken-dcp-base2-combined-as-e", ("test_dcp_dense",), "combine merged them as base e", ()),
+    "Base2MergedAsE": ("broken-dcp-base2-merged-as-e", ("test_dcp_dense",), "merged here as the declared dcp_lse_base",
+                       ()),
+    "GlobalIndicesNotLocalised": ("broken-dcp-global-indices", ("test_dcp_sparse",),
                                   "neither filtered to the tokens it owns nor localised", ()),
-    "LocalLengthCausalBound": ("broken-dcp-local-causal-bound", "test_dcp_causal",
+    "LocalLengthCausalBound": ("broken-dcp-local-causal-bound", ("test_dcp_causal",),
                                "causal bound from the rank-local length", ()),
-    "OwnershipForS1": ("broken-dcp-ownership-s1", "test_dcp_dense", "ownership computed for S = 1",
+    "OwnershipForS1": ("broken-dcp-ownership-s1", ("test_dcp_dense", "test_dcp_write"), "ownership computed for S = 1",
                        ("S1-W2",)),
-    "EmptyShardAsRealPartial": ("broken-dcp-empty-shard-merged", "test_dcp_dense",
+    "EmptyShardAsRealPartial": ("broken-dcp-empty-shard-merged", ("test_dcp_dense",),
                                 "empty shard merged as a real partial", ()),
-    "WritesUnownedTokens": ("broken-dcp-writes-unowned", "test_dcp_write", "a rank writing tokens it does not own", ()),
-    "OutputSizedByLocalHeads": ("broken-dcp-local-heads", "test_dcp_dense", "sized by the local head count", ()),
+    "WritesUnownedTokens": ("broken-dcp-writes-unowned", ("test_dcp_write",), "a rank writing tokens it does not own",
+                            ()),
+    "OutputSizedByLocalHeads": ("broken-dcp-local-heads", ("test_dcp_dense",), "sized by the local head count", ()),
 }
 CORRECT = {"AllGatherReduceScatterOp": "dcp-ag-rs", "AllToAllOp": "dcp-all-to-all", "LocalShardOp": "dcp-local",
            "Base2WithBase2CombineOp": "dcp-base2"}
@@ -52,8 +54,10 @@ CORRECT_TESTS = {"dcp-ag-rs": TESTS[:-1], "dcp-all-to-all": TESTS[:-1], "dcp-loc
 
 
 def _nodes() -> list[str]:
-    """Each broken op at its named test; the correct ops at every test; the frozen base op at all 63."""
-    nodes = [f"{SUITE}::{test}[{name}-{i}]" for name, test, _, _ in CELLS.values() for i in IDS]
+    """Each broken op at its named tests (where it is wrong and where it is right); the correct ops at theirs; the
+    frozen base op at every test and sharding."""
+    nodes = [f"{SUITE}::{test}[{name}-{i}]" for name, tests, _, right in CELLS.values() for test in tests
+             for i in (*IDS, *right)]
     nodes += [f"{SUITE}::{test}[{name}-{i}]" for name in CORRECT.values() for test in CORRECT_TESTS[name]
               for i in CORRECT_IDS]
     return nodes + [f"{SUITE}::{test}[frozen-base-op-{i}]" for test in TESTS for i in ALL_IDS]
@@ -93,8 +97,8 @@ def _run(pytester) -> dict:
 
 @pytest.mark.parametrize("cls", list(CELLS))
 def test_broken_dcp_op_fails_its_named_test(dcp_run, cls):
-    name, test, words, right = CELLS[cls]
-    for i in IDS:
+    name, tests, words, right = CELLS[cls]
+    for test, i in ((test, i) for test in tests for i in (*IDS, *right)):
         node = f"{SUITE}::{test}[{name}-{i}]"
         assert node in dcp_run, f"{node} did not run: {sorted(dcp_run)[:5]}"
         outcome, when, msg = dcp_run[node]

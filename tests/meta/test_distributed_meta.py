@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from mla_conformance.checks.layer.distributed import cases_for
+
 from .harness import processes_left
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,13 +81,15 @@ def test_tp_without_allreduce_fails_outputs(pytester):
     result = _run(pytester, "TPWithoutAllReduce")
     text = "\n".join(result.outlines)
     assert "rank 0's output differs from the single-process float64 reference" in text, text[-3000:]
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("failed") == 1 and outcomes.get("passed") == 1, outcomes
+    outcomes = result.parseoutcomes()  # each TP case: its output test fails, its bytes test passes
+    n = len(cases_for(("tp",)))
+    assert outcomes.get("failed") == n and outcomes.get("passed") == n, outcomes
 
 
 def test_dcp_keeping_every_token_fails_bytes(pytester):
     result = _run(pytester, "DCPKeepsEveryToken")
     text = "\n".join(result.outlines)
     assert "rank 0's cache holds" in text and "its owned tokens" in text, text[-3000:]
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("failed") == 2 and outcomes.get("passed") == 2, outcomes
+    outcomes = result.parseoutcomes()  # each DCP case: its bytes test fails, its output test passes
+    n = len(cases_for(("dcp",)))
+    assert outcomes.get("failed") == n and outcomes.get("passed") == n, outcomes

@@ -31,7 +31,7 @@ import pytest
 
 from mla_conformance.runner.run import OWN_PROCESS_GROUP
 
-from .harness import processes_left
+from .harness import processes_left, user_env
 
 
 HERE = Path(__file__).resolve().parent
@@ -137,8 +137,6 @@ SCENARIOS = {
 #: with a crash, hangs and CUDA faults.
 DEFAULT = ("xdist", "serial-segfault", "serial-hang", "stopped", "wedge", "collection", "import", "direct-serial")
 
-_RUN_ENV_DROPPED = ("PYTEST_VERSION", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT")
-
 
 def run_scenario(key: str, tmp: Path) -> dict:
     """One scenario's process, run in the directory ``tmp`` to its end (or killed, with its process group, after
@@ -146,8 +144,7 @@ def run_scenario(key: str, tmp: Path) -> dict:
     s = SCENARIOS[key]
     suite, out = write_suite(tmp), tmp / "out"
     marker = f"{key}-{os.getpid()}-{time.monotonic_ns()}"
-    env = {k: v for k, v in {**os.environ, "MLA_FAULT_SCENARIO": marker, **dict(s.env)}.items()
-           if k not in _RUN_ENV_DROPPED}
+    env = user_env(MLA_FAULT_SCENARIO=marker, **dict(s.env))
     if s.direct:
         (tmp / "pytest.ini").write_text("[pytest]\n")
         cmd = [sys.executable, "-m", "pytest", str(suite), "-c", str(tmp / "pytest.ini"), "--rootdir", str(tmp),
@@ -253,7 +250,7 @@ def check(key: str, got: dict) -> None:
 
 def _burner() -> subprocess.Popen:
     """A sibling process that keeps one core busy."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"], env={k: v for k, v in os.environ.items() if k not in _RUN_ENV_DROPPED})
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], env=user_env())
 
 
 def main(argv: list[str] | None = None) -> int:

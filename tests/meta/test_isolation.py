@@ -25,7 +25,7 @@ from mla_conformance.runner import run as run_command
 from mla_conformance.pytest_plugin import isolation
 from mla_conformance.cli import main
 
-from .harness import user_env
+from .harness import processes_left, user_env
 from .test_fault_scenarios import LEAN, ONE_WORKER, backend_args, write_suite
 
 pytestmark = pytest.mark.meta
@@ -61,7 +61,8 @@ def _sigterm_process(tmp_path: Path) -> dict:
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    env = user_env(TMPDIR=str(tmpdir))
+    marker = f"sigterm-{os.getpid()}-{time.monotonic_ns()}"  # every process of the run inherits it
+    env = user_env(TMPDIR=str(tmpdir), MLA_FAULT_SCENARIO=marker)
     proc = subprocess.Popen([sys.executable, "-m", "mla_conformance.cli", "run", "--suites", str(suite), "--out",
                              str(out), "--timeout", "60", *backend_args("PythonHang"), "--", "-q",
                              "--mla-device", "cpu", *LEAN, *ONE_WORKER],
@@ -83,7 +84,7 @@ def _sigterm_process(tmp_path: Path) -> dict:
             "partial": partial.read_text() if partial.is_file() else None,
             "before": before, "after": {p.name: p.read_bytes() for p in out.iterdir()},
             "tmp_left": [p.name for p in tmpdir.iterdir() if p.name != f"pytest-of-{user()}"],
-            "procs_left": [p for p in Path("/proc").iterdir() if p.name.isdigit() and cmdline_has(p, str(suite))]}
+            "procs_left": processes_left("MLA_FAULT_SCENARIO", marker)}
 
 
 #: How long the terminal run is waited for (three tests on one good backend, LEAN, one worker: seconds, far below
@@ -109,7 +110,7 @@ def _terminal_process(tmp: Path) -> dict:
     controlling terminal, its output read here): its pytest must neither stop on writing the terminal nor keep it
     from ending. What the terminal showed, the exit status and whether the report was written; or that it had not
     ended within TERMINAL_BOUND_S (the run was then killed)."""
-    import pty  # POSIX only, as the other jobs' process groups are
+    import pty  # POSIX only
 
     suite, out = write_suite(tmp), tmp / "out"
     master, slave = pty.openpty()  # the slave stays open here: the master reads EIO while no process holds it
@@ -153,14 +154,6 @@ def user() -> str:
     import getpass
 
     return getpass.getuser()
-
-
-def cmdline_has(proc: Path, text: str) -> bool:
-    try:
-        return text in (proc / "cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-
 
 
 @pytest.fixture(params=sorted(SCENARIOS))
@@ -228,7 +221,7 @@ def test_sigterm_ends_the_process_group_keeps_the_report_and_the_results(sigterm
     assert [t["outcome"] for t in data["tests"]] == ["passed"], "the test finished before the signal is kept"
     assert got["after"] == got["before"], "the previous report is untouched"
     assert not got["tmp_left"], f"temporary files left: {got['tmp_left']}"  # pytest's own basetemp may stay
-    assert not got["procs_left"], "processes of the run left behind"
+    assert not got["procs_left"], f"processes of the run left behind: {got['procs_left']}"
 
 
 @pytest.fixture

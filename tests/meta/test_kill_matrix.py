@@ -60,7 +60,7 @@ CORRECT = {
     "frozen-base": (f"{HERE}/frozen_base_backend.py:MyBackend", "my-mla"),
 }
 CORRECT_TESTS = {
-    "independent": "all but V3 dims",  # every cell but the V3-dims bytes (2 s of weights; same rule as bytes_formula)
+    "independent": "all but V3 dims",  # every cell but the V3-dims bytes (DeepSeek-V3-sized weights; same rule as bytes_formula)
     "frozen-base": "all but V3 dims",
     "overallocating": ("suites/test_cache_bytes.py::test_seed_table", "suites/test_cache_bytes.py::test_bytes_formula"),
     "v3-style": ("suites/test_numerics.py::test_against_float64", "suites/test_numerics.py::test_incremental_equals_prefill",

@@ -6,6 +6,7 @@ All of it through the plugin (--mla-op, --mla-results), as a user runs it: a run
 one of its correct ops over OP_SUITES (:func:`op_cells_run`, :func:`op_correct_run`)."""
 
 import ast
+import json
 
 import pytest
 
@@ -165,8 +166,6 @@ def _op_node(test: str, name: str) -> str:
 #: (broken op key, op test, node id) of every op cell; (error op key, node id) of every crash cell
 OP_CELLS = [(key, test, _op_node(test, name)) for key, (_, name, tests) in BROKEN_OPS.items() for test in tests]
 OP_ERRORS = [(key, _op_node(test, name)) for key, (_, name, test) in ERROR_OPS.items()]
-#: every op of the op matrix, in the order the run names them
-OP_SPECS = [spec for spec, _, _ in [*BROKEN_OPS.values(), *CORRECT_OPS.values(), *ERROR_OPS.values()]]
 
 
 #: the op suites of the op matrix: every suites/test_op_*.py but those another meta module kills (ELSEWHERE)
@@ -413,8 +412,26 @@ def test_an_op_verdict_deselects_the_layer_tests_across_ranks(pytester):
     got = harness.pytest_inprocess(pytester, "-n", "0", "-p", "no:unraisableexception", "-q", "--co", "--rootdir",
                                    str(ROOT), str(ROOT / "suites/test_distributed.py"), "--mla-op", "reference-op")
     out = "\n".join(got.outlines + got.errlines)
+    tests = sum(line.startswith("def test_") for line in (ROOT / "suites/test_distributed.py").read_text().splitlines())
     assert "test_distributed.py::" not in out, out[-3000:]
-    assert "2 layer tests deselected: --mla-op was given without --mla-backend" in out, out[-3000:]
+    assert f"{tests} layer tests deselected: --mla-op was given without --mla-backend" in out, out[-3000:]
+
+
+def test_an_empty_parameter_set_names_no_backend(pytester):
+    """A suite test whose backend parameter has no value (pytest's one placeholder test, skipped) is recorded
+    without a backend: pytest's placeholder NOTSET, whose name is "token", was the report's backend 'token'."""
+    pytester.makepyfile(test_empty="""
+import pytest
+
+@pytest.mark.parametrize("distributed_backend", [])
+def test_across_ranks(distributed_backend, mla_figures):
+    pass
+""")
+    results = pytester.path / "results.json"
+    got = harness.pytest_inprocess(pytester, "-n", "0", "-p", "no:unraisableexception", "-q", "--mla-backend",
+                                   "reference-absorbed", "--mla-results", str(results))
+    (entry,) = json.loads(results.read_text())["tests"]
+    assert entry["outcome"] == "skipped" and "backend" not in entry.get("params", {}), (entry, got.outlines[-5:])
 
 
 @pytest.mark.parametrize("spec,message", [

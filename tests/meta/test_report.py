@@ -28,7 +28,7 @@ pytestmark = pytest.mark.meta
 SUBSET = ("seed_table or (test_against_float64 and tiny and float32 and prefill and not decode) "
           "or (test_out_lse_vs_oracle and float32) or test_deterministic")
 
-#: The suite modules SUBSET draws from; the others are not collected (all of them: a second more per process).
+#: The suite modules SUBSET draws from; the others are not collected (collecting them all costs every process time).
 SUBSET_FILES = ("test_cache_bytes.py", "test_numerics.py", "test_op_numerics.py")
 
 

@@ -86,8 +86,8 @@ SCENARIOS = {
     "prefill_decode": Scenario("prefill_decode", (20,), decode_steps=6),
     "varlen_batch": Scenario("varlen_batch", (23, 16, 7), decode_steps=4),
     # long enough that reading only part of the cache shows (two prefill chunks, then decode steps over both),
-    # and crossing original_max_position of tiny (64) and v3-mini (128); no longer: at DeepSeek-V2-Lite dims a
-    # bfloat16 matmul on a CPU without bf16 instructions is ~17x slower than float32, and this row is per backend
+    # and crossing original_max_position of tiny (64) and v3-mini (128); no longer: its DeepSeek-V2-Lite bfloat16
+    # rows run per backend, and on a CPU without bf16 instructions a bfloat16 matmul is many times float32's
     "long_context": Scenario("long_context", (200,), decode_steps=4, chunk=128),
 }
 

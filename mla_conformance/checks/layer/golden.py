@@ -68,20 +68,15 @@ def golden_model(backend, *, dtype, device, kv_codec="none") -> GoldenModel:
     __tracebackhide__ = True
     reasons: list[str] = []
     for m in DENSE_MODELS:
-        reason = support_reason(backend, MLAConfig.from_hf(m.directory), dtype=dtype, device=device,
-                                kv_codec=kv_codec)
+        config = MLAConfig.from_hf(m.directory)
+        reason = support_reason(backend, config, dtype=dtype, device=device, kv_codec=kv_codec)
         if reason is None:
             return m
         if not reasons:
             reasons.append(reason)
-        elif reason != reasons[0]:
-            reasons.append(f"{m.name} ({'/'.join(map(str, _latent_dims(m)))}): {reason}")
+        elif reason != reasons[0]:  # its latent's head dims (d_qk / d_v) name it
+            reasons.append(f"{m.name} ({config.latent_dim}/{config.kv_lora_rank}): {reason}")
     pytest.skip("; ".join(reasons))
-
-
-def _latent_dims(m: GoldenModel) -> tuple[int, int]:
-    config = MLAConfig.from_hf(m.directory)
-    return int(config.kv_lora_rank) + int(config.qk_rope_head_dim), int(config.kv_lora_rank)
 
 
 def model_dtype(device: str) -> torch.dtype:

@@ -3,7 +3,7 @@
 Each is the reference backend with exactly one thing wrong, and ``CAUGHT_BY`` names the conformance
 check that must *fail* it (an AssertionError verdict; tests/meta/test_meta.py asserts it does);
 ``ERRORS_BY`` the checks that must report a crash as an error. Cache, byte and contract bugs are in
-tests/meta/impls/broken/caches.py; tests/meta/kill_matrix.py runs every conformance test on a backend
+tests/meta/impls/broken/caches.py; tests/meta/test_kill_matrix.py runs every conformance test on a backend
 that must fail it.
 """
 

@@ -1,7 +1,7 @@
 """Broken backends of the cache and the contract (bytes, slots, poison, isolation, codecs, paging), and
 correct backends whose legitimate differences the suite must report instead of failing.
 
-Each broken one has exactly one thing wrong; tests/meta/kill_matrix.py names the conformance test that
+Each broken one has exactly one thing wrong; tests/meta/test_kill_matrix.py names the conformance test that
 must *fail* on it (an AssertionError verdict, not a crash).
 """
 

@@ -1,6 +1,6 @@
 """Broken ops called as engines call them (issue 26): each is reference-op (which declares ``out_buffers``) with one
 bug modelled on a public report, and each must be *failed* (an AssertionError verdict naming the cause, not an
-error) by the op test named for it in tests/meta/kill_matrix.py (BROKEN_OPS, HINTS):
+error) by the op test named for it in tests/meta/test_op_meta.py (BROKEN_OPS, HINTS):
 
 * preallocated outputs (suites/test_op_out_buffers.py): an out rejected at q_len > 1, an out half-written at
   q_len > 1 (FlashInfer #2856 / #2876), new tensors returned instead of the buffers, the buffers' strides ignored;

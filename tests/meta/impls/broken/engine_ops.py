@@ -1,6 +1,6 @@
 """Broken ops modelled on the public reports of MLA kernels under engines' padded CUDA-graph batches and graph
 replays; each is a correct op of tests/meta/impls/kernel_style/engine_ops.py (or reference-op) with the one bug, and each must be
-*failed* by the test named for it in tests/meta/kill_matrix.py (BROKEN_OPS), the cause in the message (HINTS):
+*failed* by the test named for it in tests/meta/test_op_meta.py (BROKEN_OPS), the cause in the message (HINTS):
 
 * :class:`NanPaddingAtLongMaxLen` -- FlashInfer #2883 / vLLM #37815: split-KV planned by the batch's max length;
   once the longest row makes it split, a zero-length row's partials are 0/0 and merge to NaN;

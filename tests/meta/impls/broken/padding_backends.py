@@ -1,6 +1,6 @@
 """Broken backends of padded batches (suites/test_layer_padding.py): the reference absorbed backend with one thing
 wrong about rows with ``lengths = 0`` (idle sequences in a running batch) or about multi-token steps with right
-padding (speculative verify). tests/meta/kill_matrix.py names the test each must fail and what its message says.
+padding (speculative verify). tests/meta/test_kill_matrix.py names the test each must fail and what its message says.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Backends that kill, hang or poison their process (tests/meta/test_isolation.py, fault_scenarios.py)."""
+"""Backends that kill, hang or poison their process (tests/meta/test_isolation.py, test_fault_scenarios.py)."""
