@@ -63,14 +63,13 @@ class EngineSession:
 
     @staticmethod
     def prompts(model: str) -> Prompts:
-        from mla_conformance.generation.generate import episodes, load_prompts  # transformers: only when prompts are read
+        from mla_conformance.generation.generate import episodes, load_prompts, new_tokens  # transformers: only here
 
         cfg = json.loads((model_dir(model) / "config.json").read_text(encoding="utf-8"))
         limit = int(cfg.get("max_position_embeddings", 1 << 20))
         eps = episodes(load_prompts(prompts_path(model)), list(PROMPT_SETS))
         return Prompts([e["id"] for e in eps], [e["token_ids"] for e in eps],
-                       [max(1, min(e.get("max_new_tokens") or len(e["expected"]["token_ids"]),
-                                   limit - len(e["token_ids"]))) for e in eps])
+                       [max(1, min(new_tokens(e), limit - len(e["token_ids"]))) for e in eps])
 
     def reference(self, model: str, kv_codec: str = "none") -> list:
         key = f"{model}/{kv_codec}"

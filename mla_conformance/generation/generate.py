@@ -185,6 +185,11 @@ def load_prompts(path: str | Path = DEFAULT_PROMPTS) -> dict[str, Any]:
     return data
 
 
+def new_tokens(ep: dict[str, Any]) -> int:
+    """How many tokens an episode generates: its ``max_new_tokens``, else its expected answer's length."""
+    return ep.get("max_new_tokens") or len(ep["expected"]["token_ids"])
+
+
 def episodes(prompts: dict[str, Any], names: list[str] | None = None) -> list[dict[str, Any]]:
     """The tiny-model episodes of the named sets (default: every set whose episodes carry token ids)."""
     sets = prompts["sets"]
@@ -214,7 +219,7 @@ def run_generation(model_dir, backend, *, kv_codec="none", prompt_sets=None, max
                    dtype=torch.float32, device="cpu", prompts_file=DEFAULT_PROMPTS, model=None) -> dict[str, Any]:
     model = model if model is not None else load_model(model_dir, dtype, device)
     eps = episodes(load_prompts(prompts_file), prompt_sets)
-    new = [max_new_tokens or ep.get("max_new_tokens") or len(ep["expected"]["token_ids"]) for ep in eps]
+    new = [max_new_tokens or new_tokens(ep) for ep in eps]
     gen = greedy_generate(model, backend, [ep["token_ids"] for ep in eps], new, kv_codec=kv_codec, device=device)
     return generation_result(model_dir, backend, eps, gen, kv_codec=kv_codec, dtype=dtype, device=device)
 

@@ -29,7 +29,7 @@ from torch import nn
 from mla_conformance.contract.calls import call_backend, check_output
 from mla_conformance.contract.layer import support_reason
 from mla_conformance.errors import CheckpointError, MLAInputError
-from mla_conformance.generation.generate import (Generation, check_loading_info, episodes, generation_result,
+from mla_conformance.generation.generate import (Generation, check_loading_info, episodes, generation_result, new_tokens,
                                                  load_prompts)
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.v4_config import V4Config, V4Weights, expected_shapes
@@ -173,6 +173,6 @@ def run_generation(model_dir=V4_MODEL, backend=None, *, kv_codec="none", prompt_
         raise MLAInputError("run_generation needs a backend")
     model = model if model is not None else load_v4_model(model_dir, dtype, device)
     eps = episodes(load_prompts(prompts_file), prompt_sets)
-    new = [max_new_tokens or ep.get("max_new_tokens") or len(ep["expected"]["token_ids"]) for ep in eps]
+    new = [max_new_tokens or new_tokens(ep) for ep in eps]
     gen = greedy_generate(model, backend, [ep["token_ids"] for ep in eps], new, kv_codec=kv_codec, device=device)
     return generation_result(model_dir, backend, eps, gen, kv_codec=kv_codec, dtype=dtype, device=device)

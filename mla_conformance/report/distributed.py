@@ -5,6 +5,8 @@ conformance.md by mla_conformance.runner.run; reads only the tests' figures (mla
 
 from __future__ import annotations
 
+from mla_conformance.report.fmt import mark
+
 
 def _rows(report, section: str) -> list[dict]:
     return [t for t in report.get("tests", []) if t.get("section") == section]
@@ -26,7 +28,9 @@ def distributed_markdown(report) -> str:
             row.update({k: v for k, v in f.items() if k in ("rank_cache_bytes", "rank_tokens", "cache_redundancy",
                                                               "rank_rel_fro")})
         for (backend, case), r in sorted(by_case.items()):
-            verdict = "pass" if all(v == "passed" for v in r["verdicts"]) else "FAIL"
+            # the worst of the case's tests (an error outranks a failure), as the other tables mark a row
+            worst = next((o for o in ("error", "failed") if o in r["verdicts"]), "passed")
+            verdict = mark({"outcome": worst})
             fmt = lambda xs, spec: ", ".join(format(x, spec) for x in xs) if xs else ""  # noqa: E731
             out.append(f"| {verdict} | {backend} | {case} | {fmt(r.get('rank_cache_bytes'), 'd')} | "
                        f"{fmt(r.get('rank_tokens'), 'g')} | {r.get('cache_redundancy', '') and format(r['cache_redundancy'], '.3g')} | "
