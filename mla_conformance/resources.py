@@ -88,6 +88,18 @@ def pytest_location_args(suites: Path, tmpdir: str | Path) -> list[str]:
     return ["-c", str(ini), "--rootdir", str(suites.parent)]
 
 
+def pytest_run_args(suites: Path, tmpdir: str | Path) -> list[str]:
+    """What every pytest run of the suites that ``run`` and ``test`` start takes: :func:`pytest_location_args`;
+    none of a checkout's own addopts (its choice of xdist workers is for the checkout's tests); pytest's cache and
+    pytest-benchmark's storage in the run's temporary directory (nothing left where the suites or the caller are)."""
+    import importlib.util
+
+    args = [*pytest_location_args(suites, tmpdir), "-o", "addopts=", "-o", f"cache_dir={Path(tmpdir) / 'pytest-cache'}"]
+    if importlib.util.find_spec("pytest_benchmark"):
+        args += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
+    return args
+
+
 def read_json(path: Path, *, missing: str, error: type[Exception] = MLAInputError):
     """A JSON file the user named, or one line naming it: ``error(f"{path}: {missing}")`` when it is absent,
     ``error(f"{path}: not valid JSON (...)")`` when it does not parse."""

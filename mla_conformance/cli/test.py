@@ -12,7 +12,6 @@ and the current directory is put on the path, so ``--backend mypkg.mla:MyBackend
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_conformance.runner.suites import find_suites
-from mla_conformance.resources import pytest_location_args
+from mla_conformance.resources import pytest_run_args
 from mla_conformance.specs import OP_PREFIX, spec_name
 
 #: pytest options whose value is a path (made absolute, whether or not it exists yet).
@@ -113,12 +112,7 @@ def pytest_args_from(args: list[str], suites: Path, here: Path) -> tuple[list[st
 def pytest_command(args: Any, suites: Path, tmpdir: str | Path, here: Path) -> tuple[list[str], Path, dict[str, str]]:
     """(the pytest command, the directory it runs in: the suites' parent, its environment) for ``args``."""
     ids, extra = pytest_args_from(list(args.pytest_args or []), suites, here)
-    # pytest's cache in the run's temporary directory (nothing left where the suites are); none of a checkout's
-    # own addopts (its choice of xdist workers is for the checkout's tests)
-    cmd = [sys.executable, "-m", "pytest", *(ids or [suites.name]), *pytest_location_args(suites, tmpdir),
-           "-o", "addopts=", "-o", f"cache_dir={Path(tmpdir) / 'pytest-cache'}", "-rfE"]
-    if importlib.util.find_spec("pytest_benchmark"):  # its storage would land in the suites' directory
-        cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
+    cmd = [sys.executable, "-m", "pytest", *(ids or [suites.name]), *pytest_run_args(suites, tmpdir), "-rfE"]
     for spec in args.backend or []:
         cmd += ["--mla-backend", absolute_spec(spec, here)]
     if args.checkpoint:

@@ -46,7 +46,7 @@ from mla_conformance.report.outdir import check_out_dir, write_file_atomically, 
 from mla_conformance.report.plots import safe_plots
 from mla_conformance.runner.suites import find_suites
 from mla_conformance.runner.watchdog import DEFAULT_STALL_S, RunWatch
-from mla_conformance.resources import pytest_location_args
+from mla_conformance.resources import pytest_run_args
 from mla_conformance.specs import spec_name
 
 
@@ -101,12 +101,8 @@ def run_command(args) -> int:
     partial = partial_results_path(out)
     with tempfile.TemporaryDirectory(prefix="mla-conformance-run-") as tmpdir:
         results_path = Path(tmpdir) / "results.json"
-        # pytest's cache in the run's temporary directory; none of a checkout's own addopts (its xdist choice is for
-        # the checkout's tests: run chooses its own distribution, isolation_args)
-        cmd = [sys.executable, "-m", "pytest", *suite_paths, *pytest_location_args(suites, tmpdir), "-o", "addopts=",
-               "-o", f"cache_dir={Path(tmpdir) / 'pytest-cache'}", "--mla-results", str(results_path), "-rfE"]
-        if importlib.util.find_spec("pytest_benchmark"):  # its storage, or an empty .benchmarks/ lands in the cwd
-            cmd += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
+        cmd = [sys.executable, "-m", "pytest", *suite_paths, *pytest_run_args(suites, tmpdir), "--mla-results",
+               str(results_path), "-rfE"]
         for spec in args.backend or []:
             cmd += ["--mla-backend", spec]
         for spec in args.op or []:
