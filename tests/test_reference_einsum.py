@@ -37,14 +37,15 @@ def test_absorbed_equals_naive_in_float64():
 
 
 def _absorbed_mix_with_views(weights, q_nope, q_pe, c, k_pe, allowed):
-    """absorbed_scores_and_mix as it was before the memo: W_UK / W_UV as split_kv_b's strided views."""
+    """absorbed_scores_and_mix as it was before the memo: W_UK / W_UV as split_kv_b's strided views (in the
+    reference's GEMM arithmetic, ref.einsum / ref.matmul)."""
     w_uk, w_uv = ref.split_kv_b(weights)
-    q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
+    q_lat = ref.einsum("bshd,hdc->bshc", q_nope, w_uk)
     scores = ref.absorbed_scores(q_lat, q_pe, c, k_pe) * weights.config.softmax_scale
     scores = scores.to(ref.softmax_dtype(q_nope.dtype)).masked_fill(~allowed[:, :, None, :], float("-inf"))
     p = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0).to(q_nope.dtype)
-    o = torch.einsum("bshc,hdc->bshd", torch.einsum("bsht,btc->bshc", p, c), w_uv)
-    return o.flatten(-2) @ weights["o_proj.weight"].T
+    o = ref.einsum("bshc,hdc->bshd", ref.einsum("bsht,btc->bshc", p, c), w_uv)
+    return ref.matmul(o.flatten(-2), weights["o_proj.weight"].T)
 
 
 def test_contiguous_kv_b_gives_the_same_bits():
@@ -74,3 +75,19 @@ def test_contiguous_kv_b_follows_an_in_place_change():
     w_uk2, w_uv2 = ref.absorbed_kv_b(w)
     views = ref.split_kv_b(w)
     assert torch.equal(w_uk2, views[0]) and torch.equal(w_uv2, views[1])
+
+
+def test_half_precision_products_sum_in_float32_and_round_once():
+    """ref.matmul / ref.einsum multiply half-precision operands as a GPU GEMM does: a bfloat16 or float16
+    accumulator stops growing at 256 (2048 for float16) when adding ones, a float32 sum of 4096 ones is 4096; and
+    each element is the float64 product rounded once to the dtype, or one of its two neighbours (the float32 sum's
+    own rounding)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        ones = torch.ones(1, 4096, dtype=dtype)
+        assert ref.matmul(ones, ones.T).item() == 4096, dtype
+        assert ref.einsum("st,t->s", ones, ones[0]).item() == 4096, dtype
+        a, b = _rand(8, 512).to(dtype), _rand(512, 8).to(dtype)
+        exact = a.double() @ b.double()
+        got = ref.matmul(a, b).double()
+        ulp = torch.finfo(dtype).eps * exact.abs().clamp(min=torch.finfo(dtype).tiny)
+        assert ((got - exact).abs() <= ulp).all(), dtype

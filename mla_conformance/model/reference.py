@@ -40,6 +40,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+#: The half-precision dtypes whose products :func:`matmul` and :func:`einsum` compute as a GPU GEMM does.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gemm_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as :func:`matmul` multiplies it: a half-precision CPU tensor in float32 (exact), else ``t``."""
+    return t.float() if t.dtype in HALF_DTYPES and t.device.type == "cpu" else t
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b``; half-precision operands multiplied as a GPU GEMM multiplies them (cuBLAS with float32 compute,
+    FlashMLA's and FlashInfer's tensor-core MMAs): each product exact, the sum in float32, the result rounded once
+    to ``a``'s dtype. On a CPU that is computed in float32 (a product of two bfloat16 or float16 values is exact
+    there): torch's CPU half-precision GEMM also sums in float32, in another order, and on CPUs without native
+    bfloat16 instructions is many times slower. On a GPU the dtype's own GEMM is that GEMM."""
+    out = gemm_operand(a) @ gemm_operand(b)
+    return out if out.dtype == a.dtype else out.to(a.dtype)
+
+
+def einsum(spec: str, *operands: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(spec, *operands)`` with :func:`matmul`'s arithmetic, rounded once to the first operand's
+    dtype."""
+    out = torch.einsum(spec, *map(gemm_operand, operands))
+    return out if out.dtype == operands[0].dtype else out.to(operands[0].dtype)
+
+
 #: The YaRN RoPE conventions the oracle implements. They differ only when a config's ``mscale`` !=
 #: ``mscale_all_dim`` (every published DeepSeek config has the two equal, so the factor is 1 there); the
 #: softmax scale, 1/sqrt(qk_head_dim) x mscale(factor, mscale_all_dim)^2, is the same in both.
@@ -89,13 +115,14 @@ def project(weights: MLAWeights, x: torch.Tensor, positions: torch.Tensor, *,
     """
     cfg = weights.config
     if cfg.q_lora_rank is None:
-        q = x @ weights["q_proj.weight"].T
+        q = matmul(x, weight_t(weights, "q_proj.weight"))
     else:
-        q_a = rms_norm(x @ weights["q_a_proj.weight"].T, weights["q_a_layernorm.weight"], cfg.rms_norm_eps)
-        q = q_a @ weights["q_b_proj.weight"].T
+        q_a = rms_norm(matmul(x, weight_t(weights, "q_a_proj.weight")), weights["q_a_layernorm.weight"],
+                       cfg.rms_norm_eps)
+        q = matmul(q_a, weight_t(weights, "q_b_proj.weight"))
     q = q.unflatten(-1, (cfg.num_attention_heads, cfg.qk_head_dim))
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    kv = x @ weights["kv_a_proj_with_mqa.weight"].T
+    kv = matmul(x, weight_t(weights, "kv_a_proj_with_mqa.weight"))
     c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     c = rms_norm(c, weights["kv_a_layernorm.weight"], cfg.rms_norm_eps)
     cos, sin = rope_cos_sin(cfg, positions, rope_convention=rope_convention)
@@ -109,18 +136,34 @@ def split_kv_b(weights: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return wkv_b[:, : cfg.qk_nope_head_dim], wkv_b[:, cfg.qk_nope_head_dim:]
 
 
+def gemm_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as :func:`matmul` multiplies it: float32 for a half-precision tensor (exact), else ``t``."""
+    return t.float() if t.dtype in HALF_DTYPES else t
+
+
+def _made_once(weights: MLAWeights, slot: str, source: torch.Tensor, make):
+    """``make(source)``, kept on ``weights`` under ``slot`` (with ``source`` itself, so that no other tensor can
+    take its place at its address) and made again only for another tensor or after an in-place change (its
+    version counter), instead of at every call: every decode step."""
+    memo = weights.__dict__.setdefault("_made_once", {})
+    hit = memo.get(slot)
+    if hit is None or hit[0] is not source or hit[1] != source._version:
+        hit = memo[slot] = (source, source._version, make(source))
+    return hit[2]
+
+
+def weight_t(weights: MLAWeights, name: str) -> torch.Tensor:
+    """``weights[name].T`` as :func:`matmul` multiplies it (:func:`gemm_operand`), made once per weights object."""
+    return _made_once(weights, name, weights[name], lambda w: gemm_operand(w.T))
+
+
 def absorbed_kv_b(weights: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`split_kv_b`'s W_UK and W_UV, each made contiguous once per weights object (again after an in-place
-    change of ``kv_b_proj.weight``) instead of at every call: einsum copies a strided half on each use, at every
-    decode step. The einsums below give bit-identical results on the contiguous halves
-    (tests/test_reference_einsum.py holds it)."""
-    wkv_b = weights["kv_b_proj.weight"]
-    key = (wkv_b.data_ptr(), wkv_b._version, wkv_b.dtype, wkv_b.device, tuple(wkv_b.shape))
-    memo = getattr(weights, "_absorbed_kv_b", None)
-    if memo is None or memo[0] != key:
-        w_uk, w_uv = split_kv_b(weights)
-        memo = weights._absorbed_kv_b = (key, w_uk.contiguous(), w_uv.contiguous())
-    return memo[1], memo[2]
+    """:func:`split_kv_b`'s W_UK and W_UV as the absorbed einsums read them (contiguous, :func:`gemm_operand`), made
+    once per weights object (again after an in-place change of ``kv_b_proj.weight``) instead of at every call:
+    einsum copies a strided half on each use, at every decode step. The einsums below give bit-identical results
+    on the contiguous halves (tests/test_reference_einsum.py holds it)."""
+    return _made_once(weights, "absorbed_kv_b", weights["kv_b_proj.weight"],
+                      lambda _: tuple(gemm_operand(half.contiguous()) for half in split_kv_b(weights)))
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -142,21 +185,21 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, out_dtype: torch
 
 #: The score equations, as einsum specs. The functions below compute exactly these (tests/test_reference_einsum.py
 #: ties each to ``torch.einsum(spec, ...)``) in a form that reads the cache in place: each head's K [T, d] (or the
-#: latent [T, c]) is the untransposed left operand of one matmul instead of a transposed copy, 6-7x faster at 16k
-#: tokens in bf16 on CPU.
+#: latent [T, c]) is the untransposed left operand of one matmul instead of a transposed copy (a half-precision
+#: cache on a CPU is read once, into float32: :func:`matmul`).
 NAIVE_SCORES = "bshd,bthd->bsht"                        # q . k per head
 ABSORBED_SCORES = ("bshc,btc->bsht", "bshr,btr->bsht")  # q_lat . c  +  q_pe . k_pe, shared by the heads
 
 
 def naive_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """einsum(NAIVE_SCORES, q [B,S,H,d], k [B,T,H,d]) -> [B,S,H,T]."""
-    return (k.transpose(1, 2) @ q.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+    return matmul(k.transpose(1, 2), q.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
 def absorbed_scores(q_lat: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """einsum(ABSORBED_SCORES[0], q_lat, c) + einsum(ABSORBED_SCORES[1], q_pe, k_pe) -> [B,S,H,T]."""
     B, S, H, _ = q_lat.shape
-    s = c @ q_lat.flatten(1, 2).transpose(1, 2) + k_pe @ q_pe.flatten(1, 2).transpose(1, 2)  # [B, T, S*H]
+    s = matmul(c, q_lat.flatten(1, 2).transpose(1, 2)) + matmul(k_pe, q_pe.flatten(1, 2).transpose(1, 2))  # [B, T, S*H]
     return s.transpose(1, 2).unflatten(1, (S, H))
 
 
@@ -167,28 +210,28 @@ def naive_scores_and_mix(weights: MLAWeights, q_nope, q_pe, k, v, allowed):
     q = torch.cat([q_nope, q_pe], dim=-1)
     scores = naive_scores(q, k) * cfg.softmax_scale
     p = masked_softmax(scores, allowed, q.dtype)
-    o = torch.einsum("bsht,bthd->bshd", p, v)
-    return o.flatten(-2) @ weights["o_proj.weight"].T
+    o = einsum("bsht,bthd->bshd", p, v)
+    return matmul(o.flatten(-2), weight_t(weights, "o_proj.weight"))
 
 
 def absorbed_scores_and_mix(weights: MLAWeights, q_nope, q_pe, c, k_pe, allowed):
     """Absorbed attention over the latent cache: c [B,T,kv_lora], k_pe [B,T,rope]."""
     cfg = weights.config
     w_uk, w_uv = absorbed_kv_b(weights)
-    q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)               # query absorbs W_UK
+    q_lat = einsum("bshd,hdc->bshc", q_nope, w_uk)                     # query absorbs W_UK
     scores = absorbed_scores(q_lat, q_pe, c, k_pe) * cfg.softmax_scale
     p = masked_softmax(scores, allowed, q_nope.dtype)
-    o_lat = torch.einsum("bsht,btc->bshc", p, c)
-    o = torch.einsum("bshc,hdc->bshd", o_lat, w_uv)                      # output absorbs W_UV
-    return o.flatten(-2) @ weights["o_proj.weight"].T
+    o_lat = einsum("bsht,btc->bshc", p, c)
+    o = einsum("bshc,hdc->bshd", o_lat, w_uv)                            # output absorbs W_UV
+    return matmul(o.flatten(-2), weight_t(weights, "o_proj.weight"))
 
 
 def expand_kv(weights: MLAWeights, c: torch.Tensor, k_pe: torch.Tensor):
     """What a naive cache stores for latent c [B,T,c] and rotated k_pe [B,T,r]: per-head K and V."""
     cfg = weights.config
     w_uk, w_uv = split_kv_b(weights)
-    k_nope = torch.einsum("btc,hdc->bthd", c, w_uk)
-    v = torch.einsum("btc,hdc->bthd", c, w_uv)
+    k_nope = einsum("btc,hdc->bthd", c, w_uk)
+    v = einsum("btc,hdc->bthd", c, w_uv)
     k_pe = k_pe[:, :, None, :].expand(-1, -1, cfg.num_attention_heads, -1)
     return torch.cat([k_nope, k_pe], dim=-1), v
 
