@@ -88,13 +88,22 @@ def pytest_location_args(suites: Path, tmpdir: str | Path) -> list[str]:
     return ["-c", str(ini), "--rootdir", str(suites.parent)]
 
 
+#: Installed pytest plugins the suites do not use, which pytest would otherwise import in every process of a run
+#: (each worker too) and assertion-rewrite there (a plugin's whole package; nothing is cached where Python writes
+#: no bytecode): anyio's (no async tests) and hypothesis's (the generated cases drive hypothesis themselves,
+#: mla_conformance/checks/generated.py, and it is imported only where they run).
+UNUSED_PLUGINS = ("anyio", "hypothesispytest")
+
+
 def pytest_run_args(suites: Path, tmpdir: str | Path) -> list[str]:
     """What every pytest run of the suites that ``run`` and ``test`` start takes: :func:`pytest_location_args`;
     none of a checkout's own addopts (its choice of xdist workers is for the checkout's tests); pytest's cache and
-    pytest-benchmark's storage in the run's temporary directory (nothing left where the suites or the caller are)."""
+    pytest-benchmark's storage in the run's temporary directory (nothing left where the suites or the caller are);
+    :data:`UNUSED_PLUGINS` not loaded."""
     import importlib.util
 
-    args = [*pytest_location_args(suites, tmpdir), "-o", "addopts=", "-o", f"cache_dir={Path(tmpdir) / 'pytest-cache'}"]
+    args = [*pytest_location_args(suites, tmpdir), "-o", "addopts=", "-o", f"cache_dir={Path(tmpdir) / 'pytest-cache'}",
+            *(arg for name in UNUSED_PLUGINS for arg in ("-p", f"no:{name}"))]
     if importlib.util.find_spec("pytest_benchmark"):
         args += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
     return args

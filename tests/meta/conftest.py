@@ -1,4 +1,4 @@
-"""torch, transformers' DeepSeek models and hypothesis (its pytest plugin imports it in every inner run) are imported
+"""torch, transformers' DeepSeek models and hypothesis (the inner runs of the generated cases import it) are imported
 before any meta test sets up its ``pytester``: pytester drops the modules imported after its set-up when the test
 ends, and the next test imports them again. torch must never be imported twice: transformers' models import torch
 submodules (torch._dynamo, torch.distributed) that register native libraries, and a second registration raises

@@ -26,10 +26,13 @@ from typing import Iterable
 
 import pytest
 
+from mla_conformance.resources import UNUSED_PLUGINS
+
 ROOT = Path(__file__).resolve().parents[2]
 
-#: the options of every inner run of the suite
-BASE = ("-p", "no:xdist", "-p", "no:logging", "-p", "no:unraisableexception", "-p", "no:anyio", "-q",
+#: the options of every inner run of the suite (without the plugins `run` leaves out, resources.UNUSED_PLUGINS)
+BASE = ("-p", "no:xdist", "-p", "no:logging", "-p", "no:unraisableexception",
+        *(arg for name in UNUSED_PLUGINS for arg in ("-p", f"no:{name}")), "-q",
         "-o", "addopts=", "--mla-device", "cpu", "--mla-threads", "1")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from mla_conformance.resources import UNUSED_PLUGINS
 from mla_conformance.runner.run import OWN_PROCESS_GROUP
 
 from .harness import processes_left, user_env
@@ -47,8 +48,9 @@ def test_attend(mla_backend, k):
     assert mla_backend.attend(None, None, None, None) == "ok"
 '''
 
-#: Plugins the workers need not load (hypothesis's is imported and assertion-rewritten in every worker start).
-LEAN = ["-p", "no:hypothesispytest", "-p", "no:randomly"]
+#: Plugins the direct runs' processes need not load (each is imported and assertion-rewritten in every process;
+#: `run` leaves out resources.UNUSED_PLUGINS itself).
+LEAN = [*(arg for name in UNUSED_PLUGINS for arg in ("-p", f"no:{name}")), "-p", "no:randomly"]
 
 #: Seconds a scenario's process may take before it counts as hung (and is killed): a bound on ending at all.
 BOUND_S = 240
