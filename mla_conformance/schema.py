@@ -236,6 +236,16 @@ FIGURES: dict[str, str] = {
     "zero_tile_scale": "the FP8 scale the op stored for an all-zero tile",
 }
 
+#: The values of the ``rope_convention`` figure: the YaRN RoPE conventions the reference and its oracles implement
+#: (mla_conformance.model.reference), each with what it means. They differ only when a config's ``mscale`` !=
+#: ``mscale_all_dim`` (every published DeepSeek config has the two equal, so the factor is 1 there); the softmax
+#: scale, 1/sqrt(qk_head_dim) x mscale(factor, mscale_all_dim)^2, is the same in both.
+ROPE_CONVENTIONS: dict[str, str] = {
+    "transformers": "transformers / DeepSeek-V2 modeling: cos/sin x mscale(factor, mscale) / "
+                    "mscale(factor, mscale_all_dim)",
+    "deepseek-v3": "DeepSeek-V3 reference inference/model.py: no cos/sin factor",
+}
+
 _PATTERNS = [re.compile(re.escape(k).replace(re.escape("{n}"), r"\d+") + r"\Z") for k in FIGURES if "{n}" in k]
 
 

@@ -5,7 +5,7 @@ DeepSeek's V2 modeling code multiply cos/sin by mscale(factor, mscale) / mscale(
 DeepSeek-V3's reference ``inference/model.py`` has a single mscale and no such factor. Every published
 DeepSeek config has the two equal (factor 1), and so has every numerics preset of this suite, so only
 this test sees the difference: it passes when the backend matches either float64 oracle
-(``mla_conformance.model.reference.ROPE_CONVENTIONS``) and records which one in its figures.
+(``mla_conformance.schema.ROPE_CONVENTIONS``) and records which one in its figures.
 """
 
 import pytest

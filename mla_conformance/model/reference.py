@@ -28,6 +28,7 @@ import torch
 
 from mla_conformance.model.config import MLAConfig, rope_inv_freq
 from mla_conformance.model.weights import MLAWeights
+from mla_conformance.schema import ROPE_CONVENTIONS
 
 # --------------------------------------------------------------------------- shared pieces
 
@@ -64,16 +65,6 @@ def einsum(spec: str, *operands: torch.Tensor) -> torch.Tensor:
     dtype."""
     out = torch.einsum(spec, *map(gemm_operand, operands))
     return out if out.dtype == operands[0].dtype else out.to(operands[0].dtype)
-
-
-#: The YaRN RoPE conventions the oracle implements. They differ only when a config's ``mscale`` !=
-#: ``mscale_all_dim`` (every published DeepSeek config has the two equal, so the factor is 1 there); the
-#: softmax scale, 1/sqrt(qk_head_dim) x mscale(factor, mscale_all_dim)^2, is the same in both.
-ROPE_CONVENTIONS: dict[str, str] = {
-    "transformers": "transformers / DeepSeek-V2 modeling: cos/sin x mscale(factor, mscale) / "
-                    "mscale(factor, mscale_all_dim)",
-    "deepseek-v3": "DeepSeek-V3 reference inference/model.py: no cos/sin factor",
-}
 
 
 def rope_factor(config: MLAConfig, rope_convention: str = "transformers") -> float:

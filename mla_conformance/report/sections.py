@@ -10,6 +10,7 @@ from typing import Any
 from mla_conformance.arch.matrix import NOT_RUN_ON_HARDWARE, adapter_status
 from mla_conformance.report.build import backend_of, formula_bytes, in_section, margin, measured_bytes, number, tolerance_of
 from mla_conformance.report.fmt import NOT_MEASURED, NOT_RECORDED, cell, fmt_e, fmt_int, fmt_x, mark
+from mla_conformance.schema import ROPE_CONVENTIONS
 
 #: The seeds' experiments, by the names the report and README use.
 EXPERIMENTS = {
@@ -351,8 +352,6 @@ def _convention_section(report) -> str | None:
     found = rope_conventions(report)
     if not found:
         return None
-    # the conventions' one-line descriptions (model.reference owns them; it imports torch, rendering needs only this)
-    from mla_conformance.model.reference import ROPE_CONVENTIONS
 
     out = ["## RoPE convention each backend follows", "",
            "YaRN's cos/sin factor where published code disagrees (a config with mscale != mscale_all_dim; "

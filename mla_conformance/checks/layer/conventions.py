@@ -1,6 +1,6 @@
 """Conventions the published DeepSeek code bases disagree on, for suites/test_conventions.py (its docstring says
 why): stated and recorded, not imposed. YaRN's cos/sin factor with ``mscale != mscale_all_dim``: a backend passes
-when it matches either float64 oracle (``mla_conformance.model.reference.ROPE_CONVENTIONS``), and the figures say
+when it matches either float64 oracle (``mla_conformance.schema.ROPE_CONVENTIONS``), and the figures say
 which."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from mla_conformance.checks.metrics import error_metrics
 from mla_conformance.checks.tolerances import TOLERANCES
 from mla_conformance.messages import bound_line, failure, over
 from mla_conformance.model.config import MLAConfig
-from mla_conformance.model.reference import ROPE_CONVENTIONS, reference_attention_f64
+from mla_conformance.model.reference import reference_attention_f64
 from mla_conformance.model.weights import MLAWeights
+from mla_conformance.schema import ROPE_CONVENTIONS
 
 #: tiny-sized, q_lora + YaRN from 16 positions, mscale (1.0) != mscale_all_dim (0.8): cos/sin factor 1.025
 MSCALE_SPLIT = MLAConfig(hidden_size=64, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32,

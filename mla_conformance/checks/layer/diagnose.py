@@ -177,7 +177,7 @@ def variants_attention_f64(weights: MLAWeights, x: torch.Tensor, lengths: torch.
 
     The projections, the latent expansion and o_proj are shared by all variants (so a dozen oracles cost
     little more than one); with ``Variant()`` it equals ``reference.reference_attention_f64`` (under
-    ``rope_convention``, a key of reference.ROPE_CONVENTIONS: YaRN's cos/sin factor).
+    ``rope_convention``, a key of schema.ROPE_CONVENTIONS: YaRN's cos/sin factor).
     """
     w = weights.to(torch.float64, device="cpu")
     cfg = w.config
@@ -351,7 +351,7 @@ def likely_cause(out: torch.Tensor, weights: MLAWeights, x: torch.Tensor, length
     steps for the decode off-by-one) the output is FAR_BETTER times closer to it than to the correct
     reference. The best matching class is named, with every other matching class within TIE x its
     rel_fro (a tie: the output cannot tell them apart). ``rope_convention``: the RoPE convention of the
-    correct reference and of every bug oracle (reference.ROPE_CONVENTIONS; they differ where mscale !=
+    correct reference and of every bug oracle (schema.ROPE_CONVENTIONS; they differ where mscale !=
     mscale_all_dim).
 
     Returns {"cause", "description", "rel_fro", "correct_rel_fro", "support": (positions, valid
