@@ -93,6 +93,8 @@ def pytest_location_args(suites: Path, tmpdir: str | Path) -> list[str]:
 #: no bytecode): anyio's (no async tests) and hypothesis's (the generated cases drive hypothesis themselves,
 #: mla_conformance/checks/generated.py, and it is imported only where they run).
 UNUSED_PLUGINS = ("anyio", "hypothesispytest")
+#: pytest's options leaving :data:`UNUSED_PLUGINS` out
+NO_UNUSED_PLUGINS = tuple(arg for name in UNUSED_PLUGINS for arg in ("-p", f"no:{name}"))
 
 
 def pytest_run_args(suites: Path, tmpdir: str | Path) -> list[str]:
@@ -103,7 +105,7 @@ def pytest_run_args(suites: Path, tmpdir: str | Path) -> list[str]:
     import importlib.util
 
     args = [*pytest_location_args(suites, tmpdir), "-o", "addopts=", "-o", f"cache_dir={Path(tmpdir) / 'pytest-cache'}",
-            *(arg for name in UNUSED_PLUGINS for arg in ("-p", f"no:{name}"))]
+            *NO_UNUSED_PLUGINS]
     if importlib.util.find_spec("pytest_benchmark"):
         args += ["--benchmark-storage", f"file://{Path(tmpdir) / 'benchmarks'}"]
     return args

@@ -265,3 +265,18 @@ def test_a_committed_wheel_is_found(tmp_path):
     (tmp_path / "fixtures" / "models" / "m.safetensors").write_bytes(b"\x00\x01")
     git("add", "-f", ".")
     assert stray_binaries(tmp_path) == ["blob.dat (a binary file)", "pkg-1.0-py3-none-any.whl (a build output)"]
+
+
+def test_addopts_leave_out_the_unused_plugins():
+    """The checkout's pytest leaves out what `run` leaves out (resources.UNUSED_PLUGINS, spelled again in
+    pyproject.toml's addopts, which cannot import it)."""
+    import shlex
+    import tomllib
+
+    from mla_conformance.resources import NO_UNUSED_PLUGINS
+
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    addopts = shlex.split(ini["addopts"])
+    pairs = list(zip(addopts, addopts[1:]))
+    missing = [p for p in zip(NO_UNUSED_PLUGINS[::2], NO_UNUSED_PLUGINS[1::2]) if p not in pairs]
+    assert not missing, f"pyproject.toml's addopts lack {missing}"

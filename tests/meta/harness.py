@@ -26,13 +26,12 @@ from typing import Iterable
 
 import pytest
 
-from mla_conformance.resources import UNUSED_PLUGINS
+from mla_conformance.resources import NO_UNUSED_PLUGINS
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: the options of every inner run of the suite (without the plugins `run` leaves out, resources.UNUSED_PLUGINS)
-BASE = ("-p", "no:xdist", "-p", "no:logging", "-p", "no:unraisableexception",
-        *(arg for name in UNUSED_PLUGINS for arg in ("-p", f"no:{name}")), "-q",
+#: the options of every inner run of the suite
+BASE = ("-p", "no:xdist", "-p", "no:logging", "-p", "no:unraisableexception", *NO_UNUSED_PLUGINS, "-q",
         "-o", "addopts=", "--mla-device", "cpu", "--mla-threads", "1")
 
 
@@ -173,12 +172,15 @@ def _read(results: Path, code: int, log: str, expect: int | None) -> SuiteRun:
 
 
 def pytest_inprocess(pytester, *args: str, plugins: Iterable = ()) -> pytest.RunResult:
-    """pytester's in-process run of ``args`` (from pytester's directory; the outer torch thread count kept)."""
+    """pytester's in-process run of ``args`` (from pytester's directory; the outer torch thread count kept), without
+    resources.UNUSED_PLUGINS (hypothesis's plugin counts its sessions at import and at session start: one that
+    ends in a usage error before it starts, imported afresh in each inner session, would leave hypothesis
+    believing the outer session is still starting)."""
     import torch  # the session's own (tests/meta/conftest.py imported it before any pytester fixture)
 
     threads = torch.get_num_threads()
     try:
-        return pytester.runpytest_inprocess(*args, plugins=list(plugins))
+        return pytester.runpytest_inprocess(*NO_UNUSED_PLUGINS, *args, plugins=list(plugins))
     finally:
         torch.set_num_threads(threads)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_conformance.resources import UNUSED_PLUGINS
+from mla_conformance.resources import NO_UNUSED_PLUGINS
 from mla_conformance.runner.run import OWN_PROCESS_GROUP
 
 from .harness import processes_left, user_env
@@ -50,7 +50,7 @@ def test_attend(mla_backend, k):
 
 #: Plugins the direct runs' processes need not load (each is imported and assertion-rewritten in every process;
 #: `run` leaves out resources.UNUSED_PLUGINS itself).
-LEAN = [*(arg for name in UNUSED_PLUGINS for arg in ("-p", f"no:{name}")), "-p", "no:randomly"]
+LEAN = [*NO_UNUSED_PLUGINS, "-p", "no:randomly"]
 
 #: Seconds a scenario's process may take before it counts as hung (and is killed): a bound on ending at all.
 BOUND_S = 240
