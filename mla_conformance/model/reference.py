@@ -127,11 +127,6 @@ def split_kv_b(weights: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return wkv_b[:, : cfg.qk_nope_head_dim], wkv_b[:, cfg.qk_nope_head_dim:]
 
 
-def gemm_operand(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as :func:`matmul` multiplies it: float32 for a half-precision tensor (exact), else ``t``."""
-    return t.float() if t.dtype in HALF_DTYPES else t
-
-
 def _made_once(weights: MLAWeights, slot: str, source: torch.Tensor, make):
     """``make(source)``, kept on ``weights`` under ``slot`` (with ``source`` itself, so that no other tensor can
     take its place at its address) and made again only for another tensor or after an in-place change (its
@@ -190,7 +185,7 @@ def naive_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def absorbed_scores(q_lat: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """einsum(ABSORBED_SCORES[0], q_lat, c) + einsum(ABSORBED_SCORES[1], q_pe, k_pe) -> [B,S,H,T]."""
     B, S, H, _ = q_lat.shape
-    s = matmul(c, q_lat.flatten(1, 2).transpose(1, 2)) + matmul(k_pe, q_pe.flatten(1, 2).transpose(1, 2))  # [B, T, S*H]
+    s = matmul(c, q_lat.flatten(1, 2).transpose(1, 2)) + matmul(k_pe, q_pe.flatten(1, 2).transpose(1, 2))  # [B,T,SH]
     return s.transpose(1, 2).unflatten(1, (S, H))
 
 
