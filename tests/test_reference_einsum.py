@@ -91,3 +91,12 @@ def test_half_precision_products_sum_in_float32_and_round_once():
         got = ref.matmul(a, b).double()
         ulp = torch.finfo(dtype).eps * exact.abs().clamp(min=torch.finfo(dtype).tiny)
         assert ((got - exact).abs() <= ulp).all(), dtype
+
+
+def test_half_precision_operands_off_the_cpu_are_multiplied_in_their_dtype():
+    """Off the CPU (a GPU's own half-precision GEMM is the arithmetic matmul stands for) nothing is upcast: shown on
+    torch's meta device, which has no data."""
+    for dtype in (torch.bfloat16, torch.float16):
+        a, b = torch.empty(4, 8, dtype=dtype, device="meta"), torch.empty(8, 2, dtype=dtype, device="meta")
+        assert ref.gemm_operand(a) is a and ref.matmul(a, b).dtype == dtype
+        assert ref.gemm_operand(torch.zeros(2, dtype=dtype)).dtype == torch.float32  # on the CPU: float32
