@@ -297,8 +297,8 @@ class JournalState:
     {nodeid: entry}, ``running`` {nodeid: None} (started, not finished, in start order), ``finished`` (count),
     ``collection`` (the node ids the run collected, or None), ``workers`` {id: the worker's last event, with
     its pid, test count and error}, ``last_test`` (nodeid, "started" or "finished") and
-    ``deaths_before_collection`` (workers in a row that went down before collecting). One reader for `run`'s
-    report of a dead pytest and for its watch over a live one (:mod:`mla_conformance.runner.watchdog`)."""
+    ``deaths_before_collection`` (workers in a row that died, down with an error, before collecting). One reader
+    for `run`'s report of a dead pytest and for its watch over a live one (:mod:`mla_conformance.runner.watchdog`)."""
 
     def __init__(self):
         self.header: dict | None = None
@@ -332,7 +332,9 @@ class JournalState:
                 self.collection = [str(n) for n in rec["collection"]]
         elif "worker" in rec:
             state = self.workers.setdefault(str(rec["worker"]), {})
-            if rec.get("event") == "down" and state.get("event") != "collected":
+            # a death: down with an error (xdist also takes down, without one, the replacements it started just
+            # before the last test finished, uncollected: no death)
+            if rec.get("event") == "down" and rec.get("error") and state.get("event") != "collected":
                 self.deaths_before_collection += 1
             elif rec.get("event") == "collected":
                 self.deaths_before_collection = 0

@@ -365,6 +365,11 @@ def test_the_watch_ends_a_run_whose_workers_die_while_collecting(tmp_path, journ
     assert "Not properly terminated" in watch.fired
     later = journal_watch(tmp_path, deaths[:2] + [{"worker": "gw1", "event": "collected"}, {"worker": "gw1", "event": "down"}])
     assert later.poll(0.0) is None  # a worker that collected and then died is a test's crash, not collection's
+    # the run's end: xdist takes down the replacements it had just started, uncollected and without an error (the
+    # n2 scenario's tenth repeat under load was ended as "died before collecting" with all 9 tests finished)
+    ended = journal_watch(tmp_path, [{"collection": ["t[b-1]"]}, {"start": "t[b-1]"}, {"finish": "t[b-1]"}]
+                          + [{"worker": f"gw{i}", "event": e} for i in range(2, 5) for e in ("starting", "down")])
+    assert ended.poll(0.0) is None
 
 
 if __name__ == "__main__":
