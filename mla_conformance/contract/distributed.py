@@ -1,6 +1,7 @@
 """A backend that runs across ranks (issue 44): opt-in, by ``distributed``, the plans it runs (a tuple of
 :data:`PLANS`). The suite (suites/test_distributed.py) starts W real processes with torch's own launcher
-(``torch.multiprocessing`` spawn; a gloo group on the CPU: NCCL on CUDA is not implemented), one process group over them, and in each rank:
+(``torch.multiprocessing`` spawn; a gloo group on the CPU: NCCL on CUDA is not implemented), one process group over
+them, and in each rank:
 
 1. resolves the backend from its spec (as ``--mla-backend`` names it), calls ``backend.distribute(parallel)`` with a
    :class:`Parallel` (the plan, W, this rank, the group, the TP and DCP sizes and ranks, the DCP interleave);

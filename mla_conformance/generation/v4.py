@@ -29,8 +29,8 @@ from torch import nn
 from mla_conformance.contract.calls import call_backend, check_output
 from mla_conformance.contract.layer import support_reason
 from mla_conformance.errors import CheckpointError, MLAInputError
-from mla_conformance.generation.generate import (Generation, check_loading_info, episodes, generation_result, new_tokens,
-                                                 load_prompts)
+from mla_conformance.generation.generate import (Generation, check_loading_info, episodes, generation_result,
+                                                 load_prompts, new_tokens)
 from mla_conformance.model.checkpoint import SafetensorsCheckpoint
 from mla_conformance.model.v4_config import V4Config, V4Weights, expected_shapes
 from mla_conformance.resources import fixtures_dir

@@ -56,15 +56,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     to ``a``'s dtype. On a CPU that is computed in float32 (a product of two bfloat16 or float16 values is exact
     there): torch's CPU half-precision GEMM also sums in float32, in another order, and on CPUs without native
     bfloat16 instructions is many times slower. On a GPU the dtype's own GEMM is that GEMM."""
-    out = gemm_operand(a) @ gemm_operand(b)
-    return out if out.dtype == a.dtype else out.to(a.dtype)
+    return (gemm_operand(a) @ gemm_operand(b)).to(a.dtype)
 
 
 def einsum(spec: str, *operands: torch.Tensor) -> torch.Tensor:
     """``torch.einsum(spec, *operands)`` with :func:`matmul`'s arithmetic, rounded once to the first operand's
     dtype."""
-    out = torch.einsum(spec, *map(gemm_operand, operands))
-    return out if out.dtype == operands[0].dtype else out.to(operands[0].dtype)
+    return torch.einsum(spec, *map(gemm_operand, operands)).to(operands[0].dtype)
 
 
 def rope_factor(config: MLAConfig, rope_convention: str = "transformers") -> float:

@@ -36,8 +36,6 @@ def cell(text) -> str:
     return str(text).replace("|", "/").replace("\n", "<br>")
 
 
-
-
 def declared_cell(value) -> str:
     """An op declaration: yes / no, (576, 512) pairs as 576/512, lists joined by commas."""
     if isinstance(value, bool):

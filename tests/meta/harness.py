@@ -31,7 +31,8 @@ from mla_conformance.resources import NO_UNUSED_PLUGINS
 ROOT = Path(__file__).resolve().parents[2]
 
 #: the options of every inner run of the suite
-BASE = ("-p", "no:xdist", "-p", "no:logging", "-p", "no:unraisableexception", *NO_UNUSED_PLUGINS, "-q",
+#: (resources.UNUSED_PLUGINS are left out where an inner pytest starts: pytest_inprocess, run_subprocess)
+BASE = ("-p", "no:xdist", "-p", "no:logging", "-p", "no:unraisableexception", "-q",
         "-o", "addopts=", "--mla-device", "cpu", "--mla-threads", "1")
 
 
@@ -200,7 +201,8 @@ def run_subprocess(workdir: Path, targets: Iterable[str], *, backends: Iterable[
     """The same run as a pytest process started in ``workdir``; ``env``: variables added to its environment
     (e.g. TRITON_INTERPRET=1, which triton reads when it is imported)."""
     results = workdir / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "pytest", *suite_args(results, targets, backends, ops, extra)],
+    proc = subprocess.run([sys.executable, "-m", "pytest", *NO_UNUSED_PLUGINS,
+                           *suite_args(results, targets, backends, ops, extra)],
                           cwd=workdir, capture_output=True, text=True, timeout=timeout,
                           env=user_env(**(env or {})))
     return _read(results, proc.returncode, proc.stdout + proc.stderr, expect)
